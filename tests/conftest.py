@@ -1,0 +1,26 @@
+"""Shared pytest set-up: one thread per process (the machine has 2 cores shared by
+many processes), and the GPU marker."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+    config.addinivalue_line("markers", "slow: longer functional runs")
+    config.addinivalue_line("markers", "launchers: needs mpirun / slurm installed")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
