@@ -1,0 +1,164 @@
+"""Typed, documented configuration for what megatron_mvmoe adds to Megatron-Core.
+
+Design choices:
+- Our additions live in small nested dataclasses (one concept each) hung off a
+  `TransformerConfig` subclass, the way Megatron's own `MLATransformerConfig` extends it,
+  so every Megatron module still receives the config type it expects.
+- Validation raises ValueError naming the field and the fix; it runs in `__post_init__`
+  so a bad config fails at start-up, before any process group or weight exists.
+- The latent size is our own field (`latent_size`), not Megatron's `moe_latent_size`:
+  0.16.1 asserts TransformerEngine on that path, and our latent MoE runs without TE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+MoEVariant = Literal["dense", "smoe", "latent", "multi_router", "multi_view", "mh_moe"]
+MOE_VARIANTS = ("dense", "smoe", "latent", "multi_router", "multi_view", "mh_moe")
+
+
+def _require(ok: bool, field_name: str, problem: str, fix: str) -> None:
+    """Raise a ValueError that names the field, what is wrong and how to fix it."""
+    if not ok:
+        raise ValueError(f"{field_name}: {problem}. Fix: {fix}")
+
+
+@dataclass
+class MultiViewConfig:
+    """Multi-Router and Multi-View (seed 000, Eq. 2-5)."""
+
+    num_routers: int = 1
+    """R: sigmoid routing heads, summed after the sigmoid (Eq. 2). R = 1 is the baseline."""
+
+    num_views: int = 1
+    """K: latent views mixed per selected expert (Eq. 4-5). 1 = no view mixing
+    (Multi-Router only); otherwise must equal num_routers (one view per head)."""
+
+    gamma_ramp_steps: int = 0
+    """Steps over which gamma ramps linearly 0 -> 1 in v_m = P h + gamma dP_m h.
+    0 means gamma = 1 from the first step (no ramp)."""
+
+    stop_grad_mixing: bool = False
+    """Detach the mixing weights a_{m,i} in the view blend (the paper's ablation):
+    routers then get gradient only through the output gates."""
+
+    gate_scale: float = 1.0
+    """alpha in Eq. 3: scales the normalised gates (scalar)."""
+
+    learned_gate_scale: bool = False
+    """Learn alpha_i per expert (initialised to gate_scale) instead of a fixed scalar."""
+
+    view_init_std: float = 0.02
+    """Init std of the view perturbations dP_m (m > 1)."""
+
+    normalizer_eps: float = 1e-6
+    """Floor on the selected-score sum in Eq. 3. Megatron uses 1e-20, which lets a
+    sigmoid router shrink all scores to game the aux loss (Megatron-LM issue 1545)."""
+
+    def validate(self, num_experts: Optional[int] = None) -> None:
+        _require(self.num_routers >= 1, "multi_view.num_routers",
+                 f"must be >= 1, got {self.num_routers}", "use 1 for the baseline router")
+        _require(self.num_views == 1 or self.num_views == self.num_routers,
+                 "multi_view.num_views",
+                 f"got {self.num_views} views with {self.num_routers} routers; views pair "
+                 "one-to-one with routing heads (R = K)",
+                 f"set num_views to 1 (Multi-Router only) or {self.num_routers}")
+        _require(self.gamma_ramp_steps >= 0, "multi_view.gamma_ramp_steps",
+                 f"must be >= 0, got {self.gamma_ramp_steps}", "use 0 for no ramp")
+        _require(self.gate_scale > 0, "multi_view.gate_scale",
+                 f"must be > 0, got {self.gate_scale}", "use 1.0 for plain normalised gates")
+        _require(self.normalizer_eps > 0, "multi_view.normalizer_eps",
+                 f"must be > 0, got {self.normalizer_eps}", "use 1e-6")
+
+
+@dataclass
+class MultiHeadConfig:
+    """MH-MoE (seed 001): head projection, h sub-tokens routed independently, merge."""
+
+    num_heads: int = 1
+    """H: sub-tokens per token, each of size D / H, routed on its own."""
+
+    head_projection: bool = True
+    """Apply the D x D head projection before splitting (Table 4/5 ablations)."""
+
+    merge_projection: bool = True
+    """Apply the D x D merge projection after concatenating (Table 4/5 ablations)."""
+
+    split_tokens: bool = True
+    """False keeps whole tokens (SMoE with head/merge projections, Table 4 rows 2 and 4)."""
+
+    def validate(self, hidden_size: int) -> None:
+        _require(self.num_heads >= 1, "multi_head.num_heads",
+                 f"must be >= 1, got {self.num_heads}", "use 1 for plain SMoE")
+        _require(hidden_size % self.num_heads == 0, "multi_head.num_heads",
+                 f"{self.num_heads} heads do not divide hidden_size {hidden_size}",
+                 "choose a head count that divides hidden_size")
+
+
+@dataclass
+class BitNetConfig:
+    """BitNet b1.58 quantization-aware training for linear layers (seed 001, Table 3)."""
+
+    enabled: bool = False
+    """Ternary weights {-1, 0, +1} x absmean scale, int8 absmax activations, STE."""
+
+    activation_bits: int = 8
+    """Bits of the per-token absmax activation quantizer."""
+
+    def validate(self) -> None:
+        _require(2 <= self.activation_bits <= 16, "bitnet.activation_bits",
+                 f"must be in [2, 16], got {self.activation_bits}", "use 8")
+
+
+@dataclass
+class MVMoETransformerConfig(TransformerConfig):
+    """Megatron's TransformerConfig plus the megatron_mvmoe additions."""
+
+    moe_variant: str = "smoe"
+    """One of dense, smoe, latent, multi_router, multi_view, mh_moe."""
+
+    latent_size: Optional[int] = None
+    """L: latent size of the latent MoE (down-projection D -> L before dispatch, up after
+    combine). Required for latent, multi_router and multi_view."""
+
+    multi_view: MultiViewConfig = field(default_factory=MultiViewConfig)
+    multi_head: MultiHeadConfig = field(default_factory=MultiHeadConfig)
+    bitnet: BitNetConfig = field(default_factory=BitNetConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.validate_mvmoe()
+
+    def validate_mvmoe(self) -> None:
+        _require(self.moe_variant in MOE_VARIANTS, "moe_variant",
+                 f"unknown variant {self.moe_variant!r}", f"use one of {MOE_VARIANTS}")
+        self.bitnet.validate()
+        if self.moe_variant == "dense":
+            return
+        num_experts = self.num_moe_experts
+        _require(num_experts is not None and num_experts >= 1, "num_moe_experts",
+                 f"variant {self.moe_variant} needs experts, got {num_experts}",
+                 "set num_moe_experts >= 1 or use moe_variant='dense'")
+        _require(1 <= self.moe_router_topk <= num_experts, "moe_router_topk",
+                 f"top-k {self.moe_router_topk} must be in [1, num_moe_experts={num_experts}]",
+                 f"use a top-k of at most {num_experts}")
+        if self.moe_variant in ("latent", "multi_router", "multi_view"):
+            _require(self.latent_size is not None and self.latent_size > 0, "latent_size",
+                     f"variant {self.moe_variant} needs a positive latent size, got "
+                     f"{self.latent_size}", "set latent_size (e.g. hidden_size // 2)")
+            self.multi_view.validate(num_experts)
+        if self.moe_variant == "multi_view":
+            _require(self.multi_view.num_views == self.multi_view.num_routers,
+                     "multi_view.num_views",
+                     "multi_view needs one view per routing head",
+                     f"set num_views = num_routers = {self.multi_view.num_routers}")
+        if self.moe_variant == "mh_moe":
+            self.multi_head.validate(self.hidden_size)
+        ep = self.expert_model_parallel_size
+        _require(num_experts % ep == 0, "num_moe_experts",
+                 f"{num_experts} experts do not divide over expert_model_parallel_size={ep}",
+                 "choose an EP size that divides the expert count")
