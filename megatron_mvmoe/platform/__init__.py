@@ -1,1 +1,72 @@
+"""Device and backend set-up: CUDA + NCCL with stock Megatron-Core, or CPU + gloo with the
+patches in `cpu_patches`. The only place in megatron_mvmoe that touches `torch.cuda`."""
 
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from megatron_mvmoe.platform.cpu_patches import PATCHES, apply_cpu_patches
+
+__all__ = ["PATCHES", "apply_cpu_patches", "backend", "device", "is_cuda", "seed_all",
+           "peak_memory_bytes", "synchronize"]
+
+
+def is_cuda() -> bool:
+    """True when a CUDA device is usable."""
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device this process computes on: its local CUDA device, or the CPU."""
+    if is_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    """The torch.distributed backend for this platform."""
+    return "nccl" if is_cuda() else "gloo"
+
+
+def set_local_device(local_rank: int) -> None:
+    """Bind this process to its GPU (no-op on CPU)."""
+    if is_cuda():
+        torch.cuda.set_device(local_rank)
+
+
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch, and Megatron's model-parallel RNG tracker on CUDA.
+
+    On CPU the CUDA RNG tracker cannot fork, so configs use dropout 0 there and seeding the
+    CPU generator is the whole story.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if is_cuda():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def synchronize() -> None:
+    """Wait for queued device work (timing); CPU work is already synchronous."""
+    if is_cuda():
+        torch.cuda.synchronize()
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: CUDA allocator peak, or the CPU's max RSS."""
+    if is_cuda():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_memory() -> None:
+    if is_cuda():
+        torch.cuda.reset_peak_memory_stats()

@@ -1,0 +1,89 @@
+"""Parallel layout (TP, PP, EP, expert-TP) on top of Megatron-Core's parallel state.
+
+Design choices:
+- A `ParallelLayout` is validated against the world size and the model *before* any
+  process group exists, so a layout that does not divide fails with the sizes named and
+  the sizes that would divide.
+- Megatron's own `initialize_model_parallel` builds the groups; we hand back its
+  `ProcessGroupCollection` so layers receive process groups explicitly instead of reading
+  global state deep inside forward.
+- `destroy_layout` tears the groups down: leaked gloo subgroups pile up threads (notes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one model is spread over the world."""
+
+    tp: int = 1
+    """Tensor-parallel size (attention and dense MLP shards; needs sequence parallel for MoE)."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    ep: int = 1
+    """Expert-parallel size: experts are split over this many ranks (all-to-all group)."""
+    etp: int = 1
+    """Expert tensor-parallel size (1 keeps each expert whole; gloo needs 1 with TP > 1)."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved schedule), or None."""
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
+    def validate(self, world_size: int, num_layers: Optional[int] = None,
+                 num_experts: Optional[int] = None) -> None:
+        """Raise ValueError naming the sizes when the layout does not divide."""
+        for name in ("tp", "pp", "ep", "etp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"layout.{name} must be >= 1, got {getattr(self, name)}")
+        if world_size % (self.tp * self.pp) != 0:
+            raise ValueError(
+                f"layout: tp*pp = {self.tp}*{self.pp} = {self.tp * self.pp} does not divide "
+                f"world size {world_size}. Fix: choose tp*pp among {_divisors(world_size)}.")
+        if world_size % (self.etp * self.ep * self.pp) != 0:
+            raise ValueError(
+                f"layout: etp*ep*pp = {self.etp}*{self.ep}*{self.pp} does not divide world "
+                f"size {world_size}. Fix: choose ep with ep*etp*pp among "
+                f"{_divisors(world_size)}.")
+        if num_layers is not None and num_layers % (self.pp * (self.vpp or 1)) != 0:
+            raise ValueError(
+                f"layout: num_layers {num_layers} is not divisible by pp*vpp = "
+                f"{self.pp}*{self.vpp or 1}. Fix: pick pp*vpp among {_divisors(num_layers)}.")
+        if num_experts is not None and num_experts % self.ep != 0:
+            raise ValueError(
+                f"layout: num_moe_experts {num_experts} is not divisible by ep {self.ep}. "
+                f"Fix: pick ep among {_divisors(num_experts)}.")
+
+
+def initialize_layout(layout: ParallelLayout, num_layers: Optional[int] = None,
+                      num_experts: Optional[int] = None) -> ProcessGroupCollection:
+    """Build Megatron's parallel state for `layout` on the initialised default group."""
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_layout needs torch.distributed initialised first "
+                           "(megatron_mvmoe.launch.init_distributed or the test spawner).")
+    layout.validate(dist.get_world_size(), num_layers, num_experts)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def destroy_layout() -> None:
+    """Destroy Megatron's model-parallel groups (keeps the default group)."""
+    parallel_state.destroy_model_parallel()

@@ -1,0 +1,364 @@
+"""Every patch that lets unmodified Megatron-Core 0.16.1 run on a CPU build of torch.
+
+Megatron-Core is CUDA-first: it places buffers with `torch.cuda.current_device()`, creates
+CUDA streams, builds small tensors with `device="cuda"`, and compares `Tensor.type()`
+strings against `torch.cuda.*Tensor` names. On a CPU-only machine (this one, and CI) we
+keep the engine unmodified and bend exactly those points, here and nowhere else.
+
+Design choices:
+- One `Patch` per break point, each with the reason, the Megatron version it was written
+  against, an `apply` and a `still_needed` probe. `tests/platform/test_cpu_patches.py`
+  checks every probe, so a Megatron upgrade that fixes (or moves) a break point fails a
+  test instead of silently carrying a stale patch.
+- `torch.cuda.*` is shimmed with CPU stand-ins only when CUDA is absent: streams and events
+  are no-ops (CPU kernels run synchronously), `current_device()` answers "cpu" so that
+  `device=torch.cuda.current_device()` places tensors on the CPU, and `device_count()`
+  answers 1 so seed set-up behaves like a one-GPU host.
+- `device="cuda"` factory calls are redirected only inside the Megatron modules known to
+  make them, through a module-local proxy of `torch`; the real `torch` is never changed
+  for other code.
+- `Tensor.type()` reports the CUDA type name only while the distributed optimizer and the
+  gradient-clipping helpers run (they dispatch on those names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Callable, List
+
+import numpy as np
+import torch
+
+MEGATRON_VERSION_PATCHED = "0.16.1"
+_APPLIED_MARK = "_mvmoe_cpu_patches_applied"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One CPU patch of Megatron-Core (or of torch.cuda as Megatron uses it)."""
+
+    name: str
+    reason: str
+    apply: Callable[[], None]
+    still_needed: Callable[[], bool]
+    """True while unpatched Megatron/torch still breaks at this point on CPU."""
+
+
+# ---------------------------------------------------------------- torch.cuda stand-ins
+class _CpuStream:
+    """A CUDA stream stand-in: CPU kernels are synchronous, so ordering is a no-op."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _CpuEvent:
+    """A CUDA event stand-in (recorded work on CPU is always complete)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _shim_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.device_count = lambda: 1
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
+    cuda.current_stream = lambda device=None: _CPU_STREAM
+    cuda.default_stream = lambda device=None: _CPU_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.synchronize = lambda device=None: None
+    cuda.set_device = lambda device: None
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.manual_seed = lambda seed: None
+    cuda.manual_seed_all = lambda seed: None
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    cuda.max_memory_reserved = lambda device=None: 0
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.nvtx.range_push = lambda msg: None
+    cuda.nvtx.range_pop = lambda: None
+
+
+def _torch_cuda_breaks() -> bool:
+    try:
+        torch.empty(1, device=torch.cuda.current_device())
+        torch.cuda.Stream()
+        return False
+    except (AssertionError, RuntimeError):
+        return True
+
+
+# ------------------------------------------------------ device="cuda" inside Megatron
+def _to_cpu_device(kwargs: dict) -> dict:
+    device = kwargs.get("device")
+    if device is not None and "cuda" in str(device):
+        kwargs = dict(kwargs, device="cpu")
+    return kwargs
+
+
+class _CpuTorchProxy:
+    """`torch` as seen by one Megatron module: factories map device='cuda' to the CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+
+    def __getattr__(self, name: str):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            return functools.partial(_call_on_cpu, attr)
+        return attr
+
+
+def _call_on_cpu(factory, *args, **kwargs):
+    return factory(*args, **_to_cpu_device(kwargs))
+
+
+# Megatron modules that build tensors with a literal device="cuda" on paths we use.
+_CUDA_FACTORY_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.transformer.utils",
+    "megatron.core.rerun_state_machine",
+)
+
+
+def _redirect_cuda_factories() -> None:
+    for module_name in _CUDA_FACTORY_MODULES:
+        module = importlib.import_module(module_name)
+        module.torch = _CpuTorchProxy()
+
+
+def _cuda_factories_break() -> bool:
+    try:
+        torch.zeros(1, device="cuda")
+        return False
+    except (AssertionError, RuntimeError):
+        return True
+
+
+# -------------------------------------------------- Tensor.type() string comparisons
+_CPU_TO_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """While active, CPU float tensors report their CUDA type name from `.type()`."""
+    original = torch.Tensor.type
+
+    def type_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None:
+            name = original(self)
+            return _CPU_TO_CUDA_TYPE.get(name, name)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_as_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    wrapper._mvmoe_wrapped = True
+    return wrapper
+
+
+_TYPE_NAME_FUNCTIONS = (
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
+     "_build_model_and_main_param_groups"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+)
+
+
+def _wrap_type_name_functions() -> None:
+    for module_name, class_name, method in _TYPE_NAME_FUNCTIONS:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        fn = cls.__dict__[method]
+        if isinstance(fn, staticmethod):
+            setattr(cls, method, staticmethod(_with_cuda_type_names(fn.__func__)))
+        else:
+            setattr(cls, method, _with_cuda_type_names(fn))
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    clip_grads.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(
+        clip_grads.clip_grad_by_total_norm_fp32)
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+
+
+def _type_names_break() -> bool:
+    return torch.zeros(1).type() != "torch.cuda.FloatTensor"
+
+
+# ------------------------------------------------------------ MoE-specific patches
+def _router_gemm_without_te() -> None:
+    """`router_gating_linear` names `te_general_gemm`, imported only with TE."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    moe_utils.te_general_gemm = None
+
+
+def _router_gemm_breaks() -> bool:
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    return not hasattr(moe_utils, "te_general_gemm")
+
+
+def _numpy_split_sizes() -> None:
+    """The alltoall dispatcher converts split sizes to numpy only for CUDA tensors;
+    gloo's all_to_all_single needs plain sizes, so convert CPU tensors too."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move_to_cpu
+    dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
+def _split_sizes_break() -> bool:
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    out = moe_utils.maybe_move_tensor_to_cpu(torch.zeros(2), as_numpy=True)
+    return not isinstance(out, np.ndarray)
+
+
+def _te_version_without_te() -> None:
+    """`is_te_min_version` raises TypeError without TE; it should just be False."""
+    utils = importlib.import_module("megatron.core.utils")
+    original = utils.is_te_min_version
+
+    def is_te_min_version(version, check_equality=True):
+        if utils.get_te_version() is None:
+            return False
+        return original(version, check_equality)
+
+    utils.is_te_min_version = is_te_min_version
+    for module in _modules_importing("is_te_min_version"):
+        module.is_te_min_version = is_te_min_version
+
+
+def _te_version_breaks() -> bool:
+    utils = importlib.import_module("megatron.core.utils")
+    try:
+        utils.is_te_min_version("1.0")
+        return False
+    except TypeError:
+        return True
+
+
+def _modules_importing(name: str):
+    import sys
+
+    return [m for k, m in list(sys.modules.items())
+            if k.startswith("megatron.core") and m is not None and hasattr(m, name)]
+
+
+PATCHES: List[Patch] = [
+    Patch("torch.cuda stand-ins",
+          "Megatron calls torch.cuda.current_device/Stream/current_stream/synchronize/"
+          "get_rng_state and nvtx directly (router, experts, dispatcher, p2p, random).",
+          _shim_torch_cuda, _torch_cuda_breaks),
+    Patch("device='cuda' factories",
+          "schedules, clip_grads, optimizer, grad_scaler and transformer.utils build "
+          "small tensors with a literal device='cuda'.",
+          _redirect_cuda_factories, _cuda_factories_break),
+    Patch("Tensor.type() names",
+          "The distributed optimizer, the fp16 optimizer and grad clipping dispatch on "
+          "'torch.cuda.*Tensor' strings.",
+          _wrap_type_name_functions, _type_names_break),
+    Patch("te_general_gemm",
+          "moe_utils.router_gating_linear references te_general_gemm, undefined without "
+          "TransformerEngine (NameError).",
+          _router_gemm_without_te, _router_gemm_breaks),
+    Patch("alltoall split sizes",
+          "maybe_move_tensor_to_cpu returns numpy only for CUDA tensors; gloo "
+          "all_to_all_single rejects CPU tensors as split sizes.",
+          _numpy_split_sizes, _split_sizes_break),
+    Patch("is_te_min_version",
+          "raises TypeError when TransformerEngine is absent instead of returning False.",
+          _te_version_without_te, _te_version_breaks),
+]
+
+
+def check_megatron_version() -> None:
+    import megatron.core
+
+    if megatron.core.__version__ != MEGATRON_VERSION_PATCHED:
+        raise RuntimeError(
+            f"megatron_mvmoe's CPU patches were written for megatron-core "
+            f"{MEGATRON_VERSION_PATCHED}, found {megatron.core.__version__}. Fix: install "
+            f"megatron-core=={MEGATRON_VERSION_PATCHED} (pinned in setup.py), or re-verify "
+            f"each patch in megatron_mvmoe/platform/cpu_patches.py against the new version.")
+
+
+def apply_cpu_patches() -> List[str]:
+    """Apply every CPU patch once (idempotent). Returns the names applied now.
+
+    A no-op when CUDA is available: GPU runs use Megatron-Core unmodified.
+    """
+    if torch.cuda.is_available() or getattr(torch, _APPLIED_MARK, False):
+        return []
+    check_megatron_version()
+    applied = []
+    for patch in PATCHES:
+        patch.apply()
+        applied.append(patch.name)
+    setattr(torch, _APPLIED_MARK, True)
+    return applied
