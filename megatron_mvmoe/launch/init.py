@@ -5,10 +5,8 @@ Design choices:
   rank and world size (never `env://`), so Slurm and MPI launches that set no torch
   variables work the same as torchrun.
 - The backend comes from the platform layer (`megatron_mvmoe.platform.backend()`:
-  nccl on CUDA, gloo on CPU); a marked fallback covers the time before it exists.
-- On an accelerator, the process binds to device `local_rank` before the group is
-  created (NCCL requires one device per process), via the device-generic
-  `torch.accelerator` API.
+  nccl on CUDA, gloo on CPU), and so does binding the process to device `local_rank`
+  before the group is created (NCCL requires one device per process).
 - Calling it twice is harmless: an already-initialised group is checked against the
   environment and reused.
 """
@@ -21,6 +19,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_mvmoe import platform
 from megatron_mvmoe.launch.rendezvous import Rendezvous, rendezvous_from_env
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -28,22 +27,6 @@ DEFAULT_TIMEOUT_S = 600.0
 short enough that a missing rank fails the job instead of hanging it."""
 
 BACKENDS = ("nccl", "gloo")
-
-
-def _fallback_backend() -> str:
-    """TEMPORARY, until megatron_mvmoe.platform.backend() exists: nccl when the
-    current accelerator is CUDA, else gloo. Delete once the platform layer lands."""
-    accelerator = torch.accelerator.current_accelerator()
-    return "nccl" if accelerator is not None and accelerator.type == "cuda" else "gloo"
-
-
-def default_backend() -> str:
-    """The platform layer's choice of process-group backend."""
-    try:
-        from megatron_mvmoe.platform import backend
-    except ImportError:
-        return _fallback_backend()
-    return backend()
 
 
 def _check_existing(rdzv: Rendezvous) -> Rendezvous:
@@ -67,7 +50,7 @@ def _bind_device(backend: str, rdzv: Rendezvous) -> None:
             f"local_rank={rdzv.local_rank} but this node has {count} devices; launch at most "
             f"{count} processes per node (local_world_size={rdzv.local_world_size})"
         )
-    torch.accelerator.set_device_index(rdzv.local_rank)
+    platform.set_local_device(rdzv.local_rank)
 
 
 def init_distributed(
@@ -87,7 +70,7 @@ def init_distributed(
     rdzv = rendezvous_from_env(env)
     if dist.is_initialized():
         return _check_existing(rdzv)
-    backend = backend or default_backend()
+    backend = backend or platform.backend()
     _bind_device(backend, rdzv)
     try:
         dist.init_process_group(
