@@ -12,14 +12,12 @@ Design choices:
 - Slurm's rendezvous port is MASTER_PORT when set, else derived from SLURM_JOB_ID
   (every task of a job derives the same one without talking to each other).
 
-CLI: `python -m megatron_mvmoe.launch.rendezvous [--json | --field master_addr]`
-prints what this process would use (handy inside sbatch scripts).
+CLI: `python -m megatron_mvmoe.launch [--json | --field master_addr]` prints what this
+process would use; `--field slurm_master` works in an sbatch script before srun.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Literal, Mapping, Optional, Sequence, Tuple
@@ -210,10 +208,24 @@ def _slurm_local_world(env: Env, src: Sources) -> int:
     return _per_node_count(env, *job, src)
 
 
+def _check_not_batch_script(env: Env, world: int) -> None:
+    """The sbatch batch script itself also sees SLURM_PROCID=0 and the job's
+    SLURM_NTASKS, but it is one process: starting there would wait for ranks that never
+    come. Only srun tasks carry a step id."""
+    if world > 1 and _first(env, ["SLURM_STEP_ID", "SLURM_STEPID"]) is None:
+        raise ValueError(
+            f"Slurm launch: SLURM_NTASKS={world} but SLURM_STEP_ID is not set, so this is the "
+            "sbatch batch script, not a task. Fix: start the program with `srun` (one task per "
+            "rank) or `srun torchrun ...` (one task per node)"
+        )
+
+
 def _from_slurm(env: Env) -> Rendezvous:
     src: Sources = {}
     rank = _require_int(env, ["SLURM_PROCID"], "rank", src, "Slurm")
-    world = _require_int(env, ["SLURM_NTASKS", "SLURM_NPROCS"], "world_size", src, "Slurm")
+    world = _require_int(env, ["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"],
+                         "world_size", src, "Slurm")
+    _check_not_batch_script(env, world)
     local_rank = _require_int(env, ["SLURM_LOCALID"], "local_rank", src, "Slurm")
     local_world = _slurm_local_world(env, src)
     addr, port = slurm_master(env)
@@ -292,29 +304,3 @@ def rendezvous_from_env(
     if launcher == "mpi":
         return _from_mpi(env, mpi_world)
     return _single(env)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print the Rendezvous as one JSON line")
-    parser.add_argument("--field", choices=["master_addr", "master_port", "slurm_master"],
-                        help="print one value; slurm_master prints 'ADDR PORT' from the Slurm job env")
-    args = parser.parse_args(argv)
-    try:
-        if args.field == "slurm_master":
-            print(*slurm_master(os.environ))
-            return 0
-        rdzv = rendezvous_from_env()
-    except ValueError as err:
-        parser.exit(2, f"error: {err}\n")
-    if args.field:
-        print(getattr(rdzv, args.field))
-    elif args.json:
-        print(json.dumps(rdzv.to_dict()))
-    else:
-        print(", ".join(f"{k}={v}" for k, v in rdzv.to_dict().items()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,6 +19,7 @@ TORCHRUN = {
 SLURM = {
     "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
     "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
 }
 OMPI = {
     "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
@@ -61,9 +62,23 @@ def test_slurm_overrides_and_step_values():
 
 
 def test_slurm_ntasks_per_node_and_legacy_names():
-    env = {"SLURM_PROCID": "0", "SLURM_NPROCS": "4", "SLURM_LOCALID": "0",
+    env = {"SLURM_PROCID": "0", "SLURM_NPROCS": "4", "SLURM_LOCALID": "0", "SLURM_STEPID": "3",
            "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODELIST": "vm", "SLURM_JOBID": "7"}
     assert rendezvous_from_env(env) == Rendezvous(0, 4, 0, 4, "vm", SLURM_PORT_BASE + 7, "slurm")
+
+
+def test_slurm_batch_script_is_refused_but_one_task_job_is_fine():
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    with pytest.raises(ValueError, match="sbatch batch script.*srun"):
+        rendezvous_from_env(batch)
+    one = {**batch, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+           "SLURM_TASKS_PER_NODE": "1", "SLURM_NODEID": "0"}
+    assert rendezvous_from_env(one).world_size == 1
+
+
+def test_slurm_step_task_count_wins():
+    r = rendezvous_from_env({**SLURM, "SLURM_STEP_NUM_TASKS": "6", "SLURM_PROCID": "5"})
+    assert r.world_size == 6
 
 
 def test_mpi_env_complete_needs_no_collective():
