@@ -1,0 +1,193 @@
+"""BitNet b1.58 quantization-aware training for linear layers (seed 001, Table 3).
+
+Legend: T tokens (any leading dims), N in-features, M out-features.
+
+Design choices:
+- Weights: one absmean scale per matrix, gamma = mean |W|; W_q = RoundClip(W / gamma, -1, 1)
+  in {-1, 0, +1}; the matmul uses W_q * gamma. Activations: per-token absmax to signed
+  `bits`-bit integers, x_q = RoundClip(x * Q / max|x|, -Q - 1, Q) with Q = 2^(bits-1) - 1,
+  dequantized by the same scale. Both follow the BitNet b1.58 recipe.
+- Straight-through estimator: q(x) + (x - x.detach()): the forward sees the quantized value,
+  the backward the identity, so the optimizer updates full-precision latent weights that
+  stay the module's parameters (checkpoints, the distributed optimizer, DDP all see them).
+- Megatron linears quantize through their `_forward_impl(input, weight, ...)` seam, which
+  both ColumnParallelLinear and RowParallelLinear call with the input and weight just before
+  the matmul. Overriding it keeps every communication of the stock forward (sequence-parallel
+  gather, reduce-scatter, expert comm) untouched.
+- Tensor parallelism: a sharded matrix's absmean and a hidden-sharded input row's absmax are
+  reduced over the layer's TP group, so a quantized TP=2 layer equals its TP=1 twin.
+- `bitnet_spec` swaps Column/RowParallelLinear for the Bit versions in a deep copy of any
+  ModuleSpec tree (attention, dense MLP, experts); routers stay full precision, as in
+  BitNet (they are not nn.Linear layers of the network's computation path).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+EPS = 1e-5
+"""Floor on scales: an all-zero matrix or token quantizes to zeros instead of NaN."""
+
+
+def _group_size(group) -> int:
+    return group.size() if group is not None and dist.is_initialized() else 1
+
+
+def ternary_weight(weight_MN: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight to {-1, 0, +1} with one absmean scale; returns (W_q, gamma).
+
+    With a TP group, the mean runs over the whole (sharded) matrix."""
+    with torch.no_grad():
+        abs_sum = weight_MN.abs().sum().float()
+        count = torch.tensor(float(weight_MN.numel()), device=weight_MN.device)
+        if _group_size(group) > 1:
+            stats = torch.stack([abs_sum, count])
+            dist.all_reduce(stats, group=group)
+            abs_sum, count = stats[0], stats[1]
+        gamma = (abs_sum / count).clamp(min=EPS).to(weight_MN.dtype)
+    ternary_MN = (weight_MN / gamma).round().clamp(-1, 1)
+    return ternary_MN, gamma
+
+
+def absmax_activation(x_TN: torch.Tensor, bits: int = 8,
+                      group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each token (last dim) to signed `bits`-bit integers; returns (x_int, scale_T1)
+    with x ~= x_int / scale. With a TP group, the max runs over the whole (sharded) row."""
+    q = 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        absmax_T1 = x_TN.abs().amax(dim=-1, keepdim=True).float()
+        if _group_size(group) > 1:
+            dist.all_reduce(absmax_T1, op=dist.ReduceOp.MAX, group=group)
+        scale_T1 = (q / absmax_T1.clamp(min=EPS)).to(x_TN.dtype)
+    x_int_TN = (x_TN * scale_T1).round().clamp(-q - 1, q)
+    return x_int_TN, scale_T1
+
+
+def straight_through(x: torch.Tensor, x_quantized: torch.Tensor) -> torch.Tensor:
+    """Forward value exactly x_quantized, gradient of the identity w.r.t. x.
+
+    Written q + (x - x) rather than the usual x + (q - x): the latter rounds, so quantized
+    weights would not be exactly three values times one scale."""
+    return x_quantized.detach() + (x - x.detach())
+
+
+def quantize_weight_ste(weight_MN: torch.Tensor, group=None) -> torch.Tensor:
+    """W_q * gamma in the forward, identity gradient to the latent weight."""
+    ternary_MN, gamma = ternary_weight(weight_MN, group)
+    return straight_through(weight_MN, ternary_MN * gamma)
+
+
+def quantize_activation_ste(x_TN: torch.Tensor, bits: int = 8, group=None) -> torch.Tensor:
+    """Dequantized int activations in the forward, identity gradient to x."""
+    x_int_TN, scale_T1 = absmax_activation(x_TN, bits, group)
+    return straight_through(x_TN, x_int_TN / scale_T1)
+
+
+class BitLinear(torch.nn.Linear):
+    """Drop-in `torch.nn.Linear` with BitNet b1.58 weights and int activations.
+
+    `input_norm=True` adds the parameter-free RMS normalisation BitNet applies before
+    quantizing (useful where no norm precedes the layer)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 activation_bits: int = 8, input_norm: bool = False, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if not 2 <= activation_bits <= 16:
+            raise ValueError(f"activation_bits: must be in [2, 16], got {activation_bits}. "
+                             "Fix: use 8")
+        self.activation_bits = activation_bits
+        self.input_norm = input_norm
+
+    def forward(self, x_TN: torch.Tensor) -> torch.Tensor:
+        if self.input_norm:
+            x_TN = F.rms_norm(x_TN, (x_TN.shape[-1],))
+        x_TN = quantize_activation_ste(x_TN, self.activation_bits)
+        return F.linear(x_TN, quantize_weight_ste(self.weight), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation_bits={self.activation_bits}"
+
+
+def _activation_bits(config) -> int:
+    bitnet = getattr(config, "bitnet", None)
+    return bitnet.activation_bits if bitnet is not None else 8
+
+
+def _quantized_impl(layer, input_parallel_is_sharded: bool, impl, input, weight, *args,
+                    **kwargs):
+    """Quantize input and weight, then run Megatron's matmul + communication as is."""
+    group = getattr(layer, "tp_group", None)
+    weight = quantize_weight_ste(weight, group)
+    input = quantize_activation_ste(input, layer.activation_bits,
+                                    group if input_parallel_is_sharded else None)
+    if "gradient_accumulation_fusion" in kwargs:
+        # The quantized weight is not the parameter: let autograd carry its gradient to
+        # the latent weight (DDP hooks then accumulate it into main_grad).
+        kwargs["gradient_accumulation_fusion"] = False
+    return impl(input, weight, *args, **kwargs)
+
+
+class BitColumnParallelLinear(ColumnParallelLinear):
+    """Megatron ColumnParallelLinear with BitNet b1.58 quantization (STE, latent weights)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation_bits = _activation_bits(self.config)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        # Column input holds whole rows (replicated or sequence-sharded): no max-reduce.
+        return _quantized_impl(self, False, super()._forward_impl, input, weight, *args,
+                               **kwargs)
+
+
+class BitRowParallelLinear(RowParallelLinear):
+    """Megatron RowParallelLinear with BitNet b1.58 quantization (STE, latent weights)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation_bits = _activation_bits(self.config)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        # Row input is split along the hidden dim over TP: each row's max spans the group.
+        return _quantized_impl(self, True, super()._forward_impl, input, weight, *args,
+                               **kwargs)
+
+
+BIT_REPLACEMENTS = {ColumnParallelLinear: BitColumnParallelLinear,
+                    RowParallelLinear: BitRowParallelLinear, torch.nn.Linear: BitLinear}
+
+
+def _swap(value):
+    if isinstance(value, type):
+        return BIT_REPLACEMENTS.get(value, value)
+    if isinstance(value, ModuleSpec):
+        value.module = _swap(value.module)
+        if value.submodules is not None:
+            value.submodules = _swap(value.submodules)
+        return value
+    if isinstance(value, list):
+        return [_swap(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            setattr(value, f.name, _swap(getattr(value, f.name)))
+    return value
+
+
+def bitnet_spec(spec: ModuleSpec) -> ModuleSpec:
+    """A deep copy of `spec` whose Column/RowParallelLinear (and torch Linear) slots are the
+    BitNet versions. The input spec, often shared module-level state, is not mutated."""
+    return _swap(copy.deepcopy(spec))
+
+
+def maybe_bitnet_spec(spec: ModuleSpec, config) -> ModuleSpec:
+    """`bitnet_spec(spec)` when `config.bitnet.enabled`, else `spec` unchanged."""
+    bitnet: Optional[object] = getattr(config, "bitnet", None)
+    return bitnet_spec(spec) if bitnet is not None and bitnet.enabled else spec
