@@ -13,6 +13,10 @@ import argparse
 import json
 import sys
 import time
+import warnings
+
+# Megatron-Core warns at import that TE/Apex are absent; irrelevant to data preparation.
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 from megatron_mvmoe.data.corpus import CorpusConfig, build_corpus
 from megatron_mvmoe.data.errors import DataError
