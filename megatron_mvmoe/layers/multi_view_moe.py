@@ -1,0 +1,145 @@
+"""Multi-View MoE (seed 000, Eq. 4-5, Algorithm 1) as a Megatron MoELayer: `MultiViewMoELayer`.
+
+Legend: T tokens (flattened [S, B] order), D hidden size, L latent size, E experts,
+R routing heads (= K views), S selected slots per token (top-k).
+
+Phases (LatentMoELayer's, two of them overridden):
+- route: `MultiRouter.route` -> probs_TE, routing_map_TE and the mixing weights mix_TSR
+  (a_{m,i} = s_{m,i} / sum_n s_{n,i}); the mix is kept until preprocess (the next phase of
+  the same forward), as Megatron's dispatchers keep their routing metadata between phases.
+- preprocess: views_TRL = [P h, P h + gamma dP_m h]; rows_TSL = mix_views(views, mix): the
+  blend is formed BEFORE dispatch, one latent row per (token, selected expert), then
+  `PerRowAlltoAllTokenDispatcher` gathers those rows in Megatron's expert-major order.
+  The expert computes E_i(sum_m a_{m,i} v_m), never sum_m a_{m,i} E_i(v_m), and the bytes
+  through the all-to-all equal the latent baseline's (T*S rows of L either way).
+
+Design choices:
+- Only the alltoall dispatcher: the allgather and flex dispatchers send unique tokens and
+  permute on arrival, so per-expert rows there would cost up to k times more; they are
+  refused at construction with a ValueError naming moe_token_dispatcher_type.
+- gamma comes from a `GammaRamp` owned by the layer; its state is the persistent buffer
+  `gamma_ramp_state` = [ramp_steps, step] (int64), so checkpoints carry it and a resume
+  continues the ramp (a checkpoint with another ramp length is refused on load). The
+  training loop advances it once per optimizer step (`advance_gamma_ramps(model)`).
+- pg_collection is passed explicitly: Megatron's TransformerLayer forwards it only to the
+  exact MoELayer class, so the spec hands it over through its params.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+from megatron_mvmoe.layers.errors import require
+from megatron_mvmoe.layers.latent_moe import LatentMoELayer
+from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
+from megatron_mvmoe.views import GammaRamp, MultiViewProjection, mix_views
+
+
+def validate_multi_view_config(config) -> None:
+    """Start-up checks of the Multi-View layer (ValueError naming the field and the fix)."""
+    require(config.moe_token_dispatcher_type == "alltoall", "moe_token_dispatcher_type",
+            f"{config.moe_token_dispatcher_type!r} sends each token once and permutes on "
+            "arrival, so Multi-View's per-(token, expert) rows would cost up to top-k times "
+            "the baseline's volume", "set moe_token_dispatcher_type='alltoall'")
+    mv = config.multi_view
+    require(mv.num_views == mv.num_routers, "multi_view.num_views",
+            f"got {mv.num_views} views for {mv.num_routers} routing heads (R = K required)",
+            f"set num_views = num_routers = {mv.num_routers}")
+    require(mv.gamma_ramp_steps >= 0, "multi_view.gamma_ramp_steps",
+            f"must be >= 0, got {mv.gamma_ramp_steps}", "use 0 for no ramp")
+
+
+class MultiViewMoELayer(LatentMoELayer):
+    """Latent MoE whose experts see router-conditioned blends of K latent views."""
+
+    def __init__(self, config, submodules: Optional[MoESubmodules] = None,
+                 layer_number: Optional[int] = None, pg_collection=None) -> None:
+        validate_multi_view_config(config)
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         pg_collection=pg_collection)
+        require(hasattr(self.router, "route"), "MoESubmodules.router",
+                f"{type(self.router).__name__} gives no per-head scores to mix views with",
+                "use megatron_mvmoe.routing.router.MultiRouter")
+        self.token_dispatcher = PerRowAlltoAllTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=self.config,
+            pg_collection=pg_collection)
+        self.stop_grad_mixing = config.multi_view.stop_grad_mixing
+        self.gamma_ramp = GammaRamp(config.multi_view.gamma_ramp_steps)
+        self.register_buffer("gamma_ramp_state", torch.tensor(
+            [self.gamma_ramp.ramp_steps, 0], dtype=torch.int64))
+        self._pending_mix_TSR = None
+
+    def build_down_projection(self, config) -> torch.nn.Module:
+        """K views: view 0 is the backbone P (`fc1_latent_proj.weight`), others P + gamma dP_m."""
+        return MultiViewProjection(config)
+
+    # ---- gamma ramp -------------------------------------------------------------------
+    def gamma(self) -> float:
+        return self.gamma_ramp.value()
+
+    def advance_gamma(self, num_steps: int = 1) -> float:
+        """Count optimizer steps; returns the new gamma."""
+        value = self.gamma_ramp.advance(num_steps)
+        self.gamma_ramp_state[1] = self.gamma_ramp.step
+        return value
+
+    def restart_gamma(self) -> None:
+        """Back to step 0 (gamma = 0 when ramping): used by the warm start."""
+        self.gamma_ramp.step = 0
+        self.gamma_ramp_state[1] = 0
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        ramp_steps, step = (int(v) for v in self.gamma_ramp_state.tolist())
+        self.gamma_ramp.load_state_dict({"ramp_steps": ramp_steps, "step": step})
+
+    # ---- named phases -----------------------------------------------------------------
+    def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """MultiRouter routing; keeps the mixing weights for preprocess."""
+        routing = self.router.route(hidden_states, padding_mask)
+        self._pending_mix_TSR = routing.mix_TSR
+        return routing.probs_TE, routing.routing_map_TE
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                   routing_map: torch.Tensor):
+        """Views -> per-(token, slot) blends -> per-row permute (same metadata as baseline)."""
+        mix_TSR, self._pending_mix_TSR = self._pending_mix_TSR, None
+        hidden_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
+        views_TRL = self.fc1_latent_proj(hidden_TD, self.gamma())
+        rows_TSL = self.expert_rows(views_TRL, mix_TSR)
+        token_shape = (*hidden_states.shape[:-1], self.latent_size)
+        return self.token_dispatcher.dispatch_preprocess_rows(
+            rows_TSL, routing_map, probs, token_shape)
+
+    def expert_rows(self, views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor]):
+        """rows_TSL: what the expert of slot s sees for token t (Eq. 5's inner sum).
+
+        Computed as v_0 + sum_m a_m (v_m - v_0), which equals sum_m a_m v_m because the
+        weights sum to 1. At gamma = 0 the differences are exactly zero, so the rows are
+        P h bit for bit (the warm start reproduces the baseline exactly) while every
+        parameter stays in the autograd graph (Megatron's overlapped grad reduce needs it).
+        """
+        num_tokens, _, latent = views_TRL.shape
+        backbone_T1L = views_TRL[:, :1, :]
+        if mix_TSR is None:  # one view: every slot sees the backbone view, as the baseline
+            return backbone_T1L.expand(num_tokens, self.config.moe_router_topk, latent)
+        return backbone_T1L + mix_views(views_TRL - backbone_T1L, mix_TSR,
+                                        self.stop_grad_mixing)
+
+
+def advance_gamma_ramps(model: torch.nn.Module, num_steps: int = 1) -> Optional[float]:
+    """Advance every Multi-View layer's gamma ramp (call once per optimizer step).
+
+    Returns the last gamma (None when the model has no Multi-View layer), for logging.
+    """
+    gamma = None
+    for module in model.modules():
+        if isinstance(module, MultiViewMoELayer):
+            gamma = module.advance_gamma(num_steps)
+    return gamma

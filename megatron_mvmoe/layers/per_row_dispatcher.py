@@ -1,0 +1,99 @@
+"""All-to-all dispatch of per-(token, slot) rows: `PerRowAlltoAllTokenDispatcher`.
+
+Legend: T tokens (flattened [S, B] order), E experts, S selected slots per token (top-k),
+L latent size, N = T*S permuted rows.
+
+Megatron's alltoall dispatcher replicates each token k times in its permute
+(`tokens.index_select(0, sorted_indices)`, expert-major, tokens ascending inside an
+expert). Multi-View gives every (token, selected expert) pair its own row, so this
+subclass replaces only that gather: row (t, s) sits at index t*S + s of the [T*S, L] row
+tensor, and slot s of token t is the s-th True of routing_map row t (the router's
+contract: slots ascending by expert id). Everything else is the parent's: the split sizes
+and tokens_per_expert (from the routing map alone), the all-to-all, the TP all-gather,
+the local sort, the combine and the unpermute (a scatter-add by token id). So the bytes on
+the wire equal the latent baseline's exactly.
+
+Refused (ValueError at construction): drop-and-pad / capacity (rows would be dropped by the
+dispatcher but not by the mixing), padding for quantization, fused permute (TE kernels),
+shared-expert overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from megatron_mvmoe.layers.errors import require
+
+
+def permute_rows(
+    rows_TSL: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row version of Megatron's `permute` (moe_utils.permute, dropless, unfused).
+
+    Returns:
+        permuted_NL: rows in Megatron's expert-major order (tokens ascending per expert);
+        permuted_probs_N: the gates in the same order (differentiable);
+        token_ids_N: the token of each permuted row (Megatron's `sorted_indices`, used by
+            the combine's scatter-add).
+    """
+    num_tokens, num_slots, latent = rows_TSL.shape
+    map_ET = routing_map_TE.T.contiguous()
+    slot_TE = routing_map_TE.long().cumsum(dim=1) - 1  # s-th True of row t -> slot s
+    token_T1 = torch.arange(num_tokens, device=rows_TSL.device).unsqueeze(1)
+    row_ids_N = (token_T1 * num_slots + slot_TE).T.masked_select(map_ET)
+    token_ids_N = token_T1.T.expand(map_ET.shape).masked_select(map_ET)
+    permuted_NL = rows_TSL.reshape(num_tokens * num_slots, latent).index_select(0, row_ids_N)
+    permuted_probs_N = probs_TE.T.contiguous().masked_select(map_ET)
+    return permuted_NL, permuted_probs_N, token_ids_N
+
+
+class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """MoEAlltoAllTokenDispatcher whose permute gathers per-(token, slot) rows."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        _validate(config)
+        super().__init__(num_local_experts, local_expert_indices, config=config,
+                         pg_collection=pg_collection)
+
+    def dispatch_preprocess_rows(
+        self, rows_TSL: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor,
+        token_shape: torch.Size,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Like `dispatch_preprocess`, but from rows [T, S, L] instead of tokens [.., L].
+
+        `token_shape` is the shape the combined output takes ([S, B, L] or [T, L]).
+        """
+        num_tokens, num_slots, latent = rows_TSL.shape
+        assert routing_map_TE.shape[0] == num_tokens and probs_TE.dim() == 2
+        assert routing_map_TE.dtype == torch.bool
+        assert num_slots == self.config.moe_router_topk, "one row per selected slot"
+        self.hidden_shape = torch.Size(token_shape)
+        self.probs = probs_TE
+        self.routing_map = routing_map_TE
+        self.tokens_per_expert = self.preprocess(routing_map_TE)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+            "before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = torch.Size((num_tokens, latent))
+        permuted_NL, permuted_probs_N, self.reversed_local_input_permutation_mapping = (
+            permute_rows(rows_TSL, routing_map_TE, probs_TE))
+        return permuted_NL, permuted_probs_N
+
+
+def _validate(config) -> None:
+    require(config.moe_expert_capacity_factor is None, "moe_expert_capacity_factor",
+            "per-row dispatch is dropless (a dropped slot would still own a mixed row)",
+            "leave moe_expert_capacity_factor None")
+    require(not config.moe_pad_expert_input_to_capacity, "moe_pad_expert_input_to_capacity",
+            "per-row dispatch is dropless", "set moe_pad_expert_input_to_capacity=False")
+    require(not config.moe_router_padding_for_quantization,
+            "moe_router_padding_for_quantization",
+            "padding the routing map would shift the slot order of the rows",
+            "set moe_router_padding_for_quantization=False")
+    require(not config.moe_permute_fusion, "moe_permute_fusion",
+            "the fused (TE) permute gathers replicated tokens, not per-slot rows",
+            "set moe_permute_fusion=False")
+    require(not config.moe_shared_expert_overlap, "moe_shared_expert_overlap",
+            "the overlap hooks see latent rows", "set moe_shared_expert_overlap=False")

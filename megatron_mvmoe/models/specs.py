@@ -1,0 +1,136 @@
+"""Decoder-block specs for every MoE variant: `build_decoder_block_spec`.
+
+Design choices:
+- Start from Megatron's own `get_gpt_decoder_block_spec` (it parses `moe_layer_freq` and
+  slices the layers of this pipeline stage / virtual stage) and swap ONLY the MoE MLP slots
+  for the variant's layer. Spec objects are shared between layers (and module-level in
+  Megatron): every change builds new objects with `dataclasses.replace`, nothing is mutated.
+- Variants: dense (no experts; Megatron's dense spec), smoe (stock MoELayer), latent
+  (LatentMoELayer + Megatron's TopKRouter), multi_router (LatentMoELayer + MultiRouter),
+  multi_view (MultiViewMoELayer + MultiRouter), mh_moe (the MH-MoE engineer's
+  `megatron_mvmoe.layers.multi_head_moe.mh_moe_spec(config, pg_collection)`).
+- Our layers are MoELayer subclasses, which TransformerLayer does not hand pg_collection to
+  (it checks the exact class), so the spec carries it in `params`.
+- Without TransformerEngine the local backend is used; its torch norm refuses sequence
+  parallelism, so with SP on every `WrappedTorchNorm` slot becomes `SequenceParallelTorchNorm`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+from typing import Optional
+
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_mvmoe.layers.errors import require
+from megatron_mvmoe.layers.latent_moe import LatentMoELayer, validate_latent_config
+from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer, validate_multi_view_config
+from megatron_mvmoe.layers.norm import SequenceParallelTorchNorm
+
+_LAYER_NORM_SLOTS = ("input_layernorm", "pre_cross_attn_layernorm", "pre_mlp_layernorm")
+
+
+def use_transformer_engine() -> bool:
+    """TE specs when TransformerEngine is importable, else Megatron's local backend."""
+    return bool(gpt_layer_specs.HAVE_TE)
+
+
+def build_decoder_block_spec(config, vp_stage: Optional[int] = None, pg_collection=None,
+                             use_te: Optional[bool] = None) -> TransformerBlockSubmodules:
+    """This pipeline stage's decoder block spec for `config.moe_variant`."""
+    use_te = use_transformer_engine() if use_te is None else use_te
+    validate_variant(config)
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, vp_stage=vp_stage)
+    layer_specs = [_swap_moe_slot(spec, config, pg_collection, use_te)
+                   for spec in block.layer_specs]
+    block = replace(block, layer_specs=layer_specs)
+    if config.sequence_parallel and not use_te:
+        block = _sequence_parallel_norms(block)
+    return block
+
+
+def validate_variant(config) -> None:
+    """Start-up checks for the variant's layer, before any module or group exists."""
+    variant = getattr(config, "moe_variant", "smoe")
+    if variant in ("latent", "multi_router", "multi_view"):
+        validate_latent_config(config)
+    if variant == "multi_view":
+        validate_multi_view_config(config)
+    if variant == "dense":
+        require(not config.num_moe_experts, "num_moe_experts",
+                f"moe_variant='dense' but {config.num_moe_experts} experts are set",
+                "set num_moe_experts=None or choose an MoE variant")
+
+
+def moe_mlp_spec(config, moe_spec: ModuleSpec, pg_collection=None,
+                 use_te: bool = False) -> ModuleSpec:
+    """The MLP spec of an MoE slot for the variant, derived from Megatron's `moe_spec`."""
+    variant = getattr(config, "moe_variant", "smoe")
+    if variant == "smoe":
+        return moe_spec
+    if variant == "mh_moe":
+        return _mh_moe_spec(config, pg_collection)
+    router = _router_for(variant, moe_spec.submodules.router)
+    layer = MultiViewMoELayer if variant == "multi_view" else LatentMoELayer
+    params = dict(moe_spec.params)
+    if pg_collection is not None:
+        params["pg_collection"] = pg_collection
+    return ModuleSpec(module=layer, params=params, metainfo=dict(moe_spec.metainfo),
+                      submodules=replace(moe_spec.submodules, router=router))
+
+
+def stock_moe_spec(config, use_te: bool = False) -> ModuleSpec:
+    """Megatron's MoE module spec for this config (no block around it)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    return get_moe_module_spec(use_te=use_te, num_experts=config.num_moe_experts,
+                               moe_grouped_gemm=config.moe_grouped_gemm)
+
+
+def _router_for(variant: str, stock_router):
+    if variant == "latent":
+        return stock_router  # Megatron's TopKRouter (sigmoid + expert bias via the config)
+    from megatron_mvmoe.routing.router import MultiRouter
+
+    return MultiRouter
+
+
+def _mh_moe_spec(config, pg_collection) -> ModuleSpec:
+    try:
+        module = importlib.import_module("megatron_mvmoe.layers.multi_head_moe")
+    except ImportError as exc:
+        raise NotImplementedError(
+            "moe_variant='mh_moe' needs megatron_mvmoe.layers.multi_head_moe.mh_moe_spec, "
+            "which is not available yet") from exc
+    if not hasattr(module, "mh_moe_spec"):
+        raise NotImplementedError("megatron_mvmoe.layers.multi_head_moe has no mh_moe_spec")
+    return module.mh_moe_spec(config, pg_collection)
+
+
+def _swap_moe_slot(layer_spec: ModuleSpec, config, pg_collection, use_te: bool) -> ModuleSpec:
+    mlp = getattr(layer_spec.submodules, "mlp", None)
+    if not (isinstance(mlp, ModuleSpec) and mlp.module is MoELayer):
+        return layer_spec
+    new_mlp = moe_mlp_spec(config, mlp, pg_collection, use_te)
+    if new_mlp is mlp:
+        return layer_spec
+    return replace(layer_spec, submodules=replace(layer_spec.submodules, mlp=new_mlp))
+
+
+def _sequence_parallel_norms(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
+    """Every WrappedTorchNorm slot (block and layers) -> SequenceParallelTorchNorm."""
+    def swap(norm):
+        return SequenceParallelTorchNorm if norm is WrappedTorchNorm else norm
+
+    layer_specs = []
+    for spec in block.layer_specs:
+        changes = {slot: swap(getattr(spec.submodules, slot)) for slot in _LAYER_NORM_SLOTS
+                   if hasattr(spec.submodules, slot)}
+        layer_specs.append(replace(spec, submodules=replace(spec.submodules, **changes)))
+    return replace(block, layer_specs=layer_specs, layer_norm=swap(block.layer_norm))
