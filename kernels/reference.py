@@ -132,6 +132,7 @@ def reference_mix_and_permute(
 
     Computed in fp32 and returned in views' dtype. Materialises [N, R, L] (a reference).
     """
-    mix_NR = mix_TSR[row_token_N, row_slot_N].float()
-    views_NRL = views_TRL[row_token_N].float()
+    # upcast before indexing so the backward's per-token sum also runs in fp32
+    mix_NR = mix_TSR.float()[row_token_N, row_slot_N]
+    views_NRL = views_TRL.float()[row_token_N]
     return (mix_NR.unsqueeze(-1) * views_NRL).sum(dim=1).to(views_TRL.dtype)
