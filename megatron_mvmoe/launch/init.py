@@ -40,17 +40,27 @@ def _check_existing(rdzv: Rendezvous) -> Rendezvous:
     return rdzv
 
 
+def device_index(local_rank: int, device_count: int) -> int:
+    """Which visible device a process uses: its local rank, or the only visible device
+    when the scheduler already gave each task its own (srun --gpus-per-task=1)."""
+    if device_count == 1:
+        return 0
+    if not 0 <= local_rank < device_count:
+        raise ValueError(
+            f"local_rank={local_rank} but this process sees {device_count} devices; launch at "
+            f"most {device_count} processes per node, or give each task one device"
+        )
+    return local_rank
+
+
 def _bind_device(backend: str, rdzv: Rendezvous) -> None:
-    """NCCL needs one device per process: take the node-local rank's device."""
+    """NCCL needs one device per process, bound before the group is created."""
     if backend != "nccl":
         return
     count = torch.accelerator.device_count()
-    if rdzv.local_rank >= count:
-        raise ValueError(
-            f"local_rank={rdzv.local_rank} but this node has {count} devices; launch at most "
-            f"{count} processes per node (local_world_size={rdzv.local_world_size})"
-        )
-    platform.set_local_device(rdzv.local_rank)
+    if count == 0:
+        raise ValueError("backend='nccl' but no accelerator is visible; use backend='gloo' on CPU")
+    platform.set_local_device(device_index(rdzv.local_rank, count))
 
 
 def init_distributed(

@@ -154,3 +154,12 @@ def test_precedence(env, expected):
 def test_inconsistent_env_names_the_variable(env, message):
     with pytest.raises(ValueError, match=message):
         rendezvous_from_env(env, mpi_world=fake_world)
+
+
+def test_device_index():
+    from megatron_mvmoe.launch.init import device_index
+
+    assert device_index(3, 8) == 3
+    assert device_index(5, 1) == 0  # one GPU bound per task by the scheduler
+    with pytest.raises(ValueError, match="local_rank=4 but this process sees 2 devices"):
+        device_index(4, 2)
