@@ -6,6 +6,8 @@ Public API (legend: T tokens, D hidden, E experts, R routing heads, S slots = to
 - select_topk(summed_TE, bias_E, k) -> topk_idx_TS   (slots ascending by expert id)
 - gates(summed_TE, topk_idx_TS, alpha, eps, num_routers=1) -> gates_TS
 - to_megatron(gates_TS, topk_idx_TS, E) -> (probs_TE, routing_map_TE)
+- MultiRouter(config, pg_collection=None): Megatron router (weight [R*E, D], expert_bias [E]);
+  route(hidden, padding_mask=None) -> RoutingOutput; forward(...) -> (probs_TE, routing_map_TE)
 - balancing: expert_bias_update, normalized_summed_scores, load_balancing_loss,
   sequence_load_balancing_loss, z_loss
 """
@@ -17,11 +19,12 @@ from megatron_mvmoe.routing.balancing import (
     sequence_load_balancing_loss,
     z_loss,
 )
+from megatron_mvmoe.routing.router import MultiRouter, RoutingOutput
 from megatron_mvmoe.routing.scores import multi_router_logits, sigmoid_scores, sum_over_routers
 from megatron_mvmoe.routing.selection import gates, select_topk, to_megatron
 
 __all__ = [
-    "expert_bias_update", "gates", "load_balancing_loss", "multi_router_logits",
+    "MultiRouter", "RoutingOutput", "expert_bias_update", "gates", "load_balancing_loss", "multi_router_logits",
     "normalized_summed_scores", "select_topk", "sequence_load_balancing_loss",
     "sigmoid_scores", "sum_over_routers", "to_megatron", "z_loss",
 ]

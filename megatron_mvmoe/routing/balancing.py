@@ -16,6 +16,8 @@ Design choices:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -84,6 +86,16 @@ def sequence_load_balancing_loss(
     return torch.sum(probs_BE * tokens_per_seq_expert_BE) * scale / batch_size
 
 
-def z_loss(logits_TRE: torch.Tensor, coeff: float) -> torch.Tensor:
-    """ST-MoE router z-loss  coeff * mean_{t,r} logsumexp_i(logit_{t,r,i})^2, each head on its own."""
-    return torch.square(torch.logsumexp(logits_TRE.float(), dim=-1)).mean() * coeff
+def z_loss(
+    logits_TRE: torch.Tensor, coeff: float, valid_T: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """ST-MoE router z-loss  coeff * mean_{t,r} logsumexp_i(logit_{t,r,i})^2, each head on its own.
+
+    valid_T (bool [T], optional) excludes padding tokens from the mean, as Megatron does.
+    """
+    squared_TR = torch.square(torch.logsumexp(logits_TRE.float(), dim=-1))
+    if valid_T is None:
+        return squared_TR.mean() * coeff
+    valid_T1 = valid_T.unsqueeze(-1).to(squared_TR.dtype)
+    num_valid = (valid_T1.sum() * squared_TR.shape[1]).clamp_min(1.0)
+    return (squared_TR * valid_T1).sum() / num_valid * coeff

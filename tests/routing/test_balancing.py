@@ -56,3 +56,11 @@ def test_z_loss_hand_case_and_megatron():
     assert z_loss(torch.zeros(3, 2, 4), 0.5).item() == pytest.approx(0.5 * math.log(4) ** 2)
     logits_TE = torch.randn(7, 5)
     torch.testing.assert_close(z_loss(logits_TE[:, None], 0.2), z_loss_func(logits_TE, 0.2))
+
+
+def test_z_loss_padding_matches_megatron():
+    from megatron.core.transformer.moe.moe_utils import z_loss_func
+    logits_TE = torch.randn(6, 5)
+    padding_T = torch.tensor([False, True, False, False, True, False])
+    torch.testing.assert_close(z_loss(logits_TE[:, None], 0.2, valid_T=~padding_T),
+                               z_loss_func(logits_TE, 0.2, padding_mask=padding_T))

@@ -1,0 +1,366 @@
+"""Megatron adapter for the Multi-Router (seed 000, Eq. 2-4): `MultiRouter`.
+
+Legend: T tokens (flattened [S, B] order), D hidden size, E experts, R routing heads,
+S selected slots per token (top-k).
+
+Design choices:
+- Plugs into Megatron's seam `MoESubmodules.router`: built as
+  `MultiRouter(config=..., pg_collection=...)`, called as `router(hidden, padding_mask)` and
+  returns Megatron's `(probs_TE, routing_map_TE)`. `route()` returns everything else the
+  Multi-View layer needs (slots, gates, mixing weights) in a `RoutingOutput`.
+- Not a TopKRouter subclass: that class places weights and buffers with
+  `torch.cuda.current_device()`. We subclass MegatronModule (an nn.Module) for its
+  dist-checkpointing support; placement follows the module (`model.to(device)`).
+- `weight` [R*E, D], head-major: with R = 1 exactly TopKRouter.weight, so weights copy over.
+- Expert bias: buffers `expert_bias` (persistent) and `local_tokens_per_expert` with the
+  names, dtype and counting rule of TopKRouter (count only when grad is enabled; padding
+  excluded), so Megatron's finalize_model_grads `_update_router_expert_bias` (found by
+  `hasattr(module, "expert_bias")`) updates ours too. Both are kept fp32, also under
+  Float16Module (Megatron keeps only the bias fp32, so its bf16 counts round).
+- Aux losses are Megatron's family (aux_loss, seq_aux_loss, global_aux_loss, z-loss) with
+  Megatron's coefficients, scaling and logging, but computed on what this router uses: the
+  summed head scores normalised over the experts, and the counts of the dispatched routing
+  map (with the bias). They are attached with MoEAuxLossAutoScaler to gates_TS, from which
+  probs_TE is built, so the backward fires exactly once whichever of the two the layer uses.
+- padding_mask follows Megatron's router code: [S, B] bool, True marks PADDING (excluded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    get_default_pg_collection,
+    save_to_aux_losses_tracker,
+)
+
+from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.routing.balancing import (
+    load_balancing_loss,
+    normalized_summed_scores,
+    sequence_load_balancing_loss,
+    z_loss,
+)
+from megatron_mvmoe.routing.scores import multi_router_logits, sigmoid_scores, sum_over_routers
+from megatron_mvmoe.routing.selection import gates, select_topk, to_megatron
+from megatron_mvmoe.views.mixing import mixing_weights
+
+_ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+_AUX_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+@dataclass
+class RoutingOutput:
+    """Everything one routing step produces (T flattened in [S, B] order)."""
+
+    probs_TE: torch.Tensor
+    """Gates scattered to [T, E], zero off the selection (Megatron's `probs`)."""
+    routing_map_TE: torch.Tensor
+    """bool [T, E], k Trues per row; its s-th True in row t is slot s (ascending expert id)."""
+    topk_idx_TS: torch.Tensor
+    """Selected experts [T, S], ascending per row."""
+    gates_TS: torch.Tensor
+    """Output gates g (Eq. 3) aligned with topk_idx_TS; carries the attached aux losses."""
+    mix_TSR: Optional[torch.Tensor]
+    """View mixing weights a (Eq. 4) [T, S, R]; None when num_views == 1."""
+    scores_TRE: torch.Tensor
+    """Per-head sigmoid scores [T, R, E]."""
+    logits_TRE: torch.Tensor
+    """Per-head logits [T, R, E] (carries the attached z-loss)."""
+    aux_loss: Optional[torch.Tensor]
+    """Detached sum of the aux and z losses attached this step, for logging; None if none.
+    Already in the backward through gates_TS / logits_TRE: never add it to the loss."""
+
+
+class MultiRouter(MegatronModule):
+    """R sigmoid routing heads summed after the sigmoid; top-k on sum + expert bias."""
+
+    def __init__(
+        self, config: MVMoETransformerConfig, pg_collection=None
+    ) -> None:
+        super().__init__(config)
+        _validate(config)
+        mv = config.multi_view
+        self.num_experts = config.num_moe_experts
+        self.num_routers = mv.num_routers
+        self.num_views = mv.num_views
+        self.topk = config.moe_router_topk
+        self.layer_number = None
+        self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
+        self._set_groups(pg_collection)
+
+        self.weight = torch.nn.Parameter(torch.empty(
+            (self.num_routers * self.num_experts, config.hidden_size), dtype=torch.float32))
+        self.gate_scale = _make_gate_scale(config)
+        self.enable_expert_bias = config.moe_router_enable_expert_bias
+        self._register_expert_bias_buffers()
+        self._register_global_aux_buffers()
+        self.reset_parameters()
+
+    # ---- construction -------------------------------------------------------------------
+    def _set_groups(self, pg_collection) -> None:
+        """Explicit groups win; else Megatron's global ones if built; else single process."""
+        if pg_collection is None and parallel_state.model_parallel_is_initialized():
+            pg_collection = get_default_pg_collection()
+        self.tp_group = getattr(pg_collection, "tp", None)
+        self.tp_cp_group = getattr(pg_collection, "tp_cp", None)
+        self.tp_dp_cp_group = getattr(pg_collection, "tp_dp_cp", None)
+
+    def _register_expert_bias_buffers(self) -> None:
+        if not self.enable_expert_bias:
+            self.expert_bias = None  # Megatron's convention: attribute present, None
+            self.local_tokens_per_expert = None
+            return
+        self.register_buffer(
+            "local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
+            persistent=False)
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def _register_global_aux_buffers(self) -> None:
+        if self.aux_loss_coeff("global_aux_loss") <= 0:
+            self.global_tokens_per_expert = None
+            self.ga_steps = None
+            return
+        self.register_buffer(
+            "global_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
+            persistent=False)
+        self.register_buffer("ga_steps", torch.tensor(0.0), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Megatron's router init: config.init_method, then params_dtype; tagged for SP."""
+        if self.config.perform_initialization:
+            self.config.init_method(self.weight)
+        self.weight.data = self.weight.data.to(dtype=self.config.params_dtype)
+        setattr(self.weight, "sequence_parallel", self.config.sequence_parallel)
+        if isinstance(self.gate_scale, torch.nn.Parameter):
+            setattr(self.gate_scale, "sequence_parallel", self.config.sequence_parallel)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by MoELayer; used to log aux losses per layer."""
+        self.layer_number = layer_number
+
+    # ---- routing ------------------------------------------------------------------------
+    def forward(
+        self, hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Megatron's router contract: (probs_TE, routing_map_TE)."""
+        out = self.route(hidden, padding_mask)
+        return out.probs_TE, out.routing_map_TE
+
+    def route(
+        self, hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+    ) -> RoutingOutput:
+        """Route hidden [S, B, D] (or [T, D]); padding_mask [S, B] (or [T]), True = padding."""
+        hidden_TD, seq_length, batch_size = _flatten_tokens(hidden)
+        valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).bool()
+        self._maintain_float32_buffers()
+
+        logits_TRE = multi_router_logits(
+            hidden_TD, self.weight.view(self.num_routers, self.num_experts, -1),
+            self.router_dtype)
+        logits_TRE, z_value = self._attach_z_loss(logits_TRE, valid_T)
+        scores_TRE = sigmoid_scores(logits_TRE)
+        summed_TE = sum_over_routers(scores_TRE)
+        topk_idx_TS = select_topk(summed_TE, self.expert_bias, self.topk)
+        gates_TS = gates(summed_TE, topk_idx_TS, self._alpha(), self.config.multi_view.normalizer_eps,
+                         self.num_routers)
+        gates_TS, aux_value = self._attach_aux_losses(
+            gates_TS, summed_TE, topk_idx_TS, valid_T, seq_length, batch_size)
+        probs_TE, routing_map_TE = to_megatron(gates_TS, topk_idx_TS, self.num_experts)
+        mix_TSR = mixing_weights(scores_TRE, topk_idx_TS) if self.num_views > 1 else None
+        self._count_tokens(routing_map_TE, valid_T)
+        return RoutingOutput(probs_TE, routing_map_TE, topk_idx_TS, gates_TS, mix_TSR,
+                             scores_TRE, logits_TRE, _sum_or_none(z_value, aux_value))
+
+    def _alpha(self) -> Union[float, torch.Tensor]:
+        return self.gate_scale if isinstance(self.gate_scale, torch.Tensor) else float(
+            self.gate_scale)
+
+    # ---- expert bias --------------------------------------------------------------------
+    def _maintain_float32_buffers(self) -> None:
+        """Float16Module casts buffers to bf16/fp16: keep the bias and its counts fp32."""
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buf = getattr(self, name, None)
+            if buf is not None and buf.dtype != torch.float32:
+                buf.data = buf.data.to(torch.float32)
+
+    def _count_tokens(self, routing_map_TE: torch.Tensor, valid_T: Optional[torch.Tensor]):
+        """TopKRouter's rule: count only with grad enabled (not in eval under no_grad, nor in
+        the no-grad first pass of activation recompute); padding excluded."""
+        if not (self.enable_expert_bias and torch.is_grad_enabled()):
+            return
+        with torch.no_grad():
+            if valid_T is not None:
+                routing_map_TE = routing_map_TE & valid_T.unsqueeze(-1)
+            self.local_tokens_per_expert += routing_map_TE.sum(dim=0)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._maintain_float32_buffers()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def _save_to_state_dict(self, *args, **kwargs):
+        self._maintain_float32_buffers()
+        return super()._save_to_state_dict(*args, **kwargs)
+
+    # ---- auxiliary losses ---------------------------------------------------------------
+    def aux_loss_coeff(self, aux_type: str) -> float:
+        """Megatron's mapping of moe_router_load_balancing_type to moe_aux_loss_coeff."""
+        types = self.config.moe_router_load_balancing_type
+        coeffs = self.config.moe_aux_loss_coeff
+        if isinstance(types, str):
+            return float(coeffs) if types == aux_type else 0.0
+        return float(coeffs[types.index(aux_type)]) if aux_type in types else 0.0
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Called by finalize_model_grads once per global batch."""
+        if self.global_tokens_per_expert is not None:
+            self.global_tokens_per_expert.zero_()
+            self.ga_steps.zero_()
+
+    def _losses_active(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def _attach_z_loss(self, logits_TRE, valid_T):
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not self._losses_active():
+            return logits_TRE, None
+        coeff = coeff / _group_size(self.tp_cp_group)  # as Megatron: grads are summed over TP x CP
+        loss = z_loss(logits_TRE, coeff, valid_T)
+        num_tokens = logits_TRE.shape[0] if valid_T is None else valid_T.sum()
+        logits_TRE = self._attach(logits_TRE, loss, num_tokens)
+        save_to_aux_losses_tracker("z_loss", loss / coeff, self.layer_number, self._num_layers())
+        return logits_TRE, loss.detach()
+
+    def _attach_aux_losses(self, gates_TS, summed_TE, topk_idx_TS, valid_T, seq_length,
+                           batch_size):
+        if not self._losses_active() or not any(
+                self.aux_loss_coeff(t) > 0 for t in _AUX_TYPES):
+            return gates_TS, None
+        probs_TE = normalized_summed_scores(summed_TE)
+        map_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter(1, topk_idx_TS, True)
+        if valid_T is not None:
+            probs_TE = probs_TE * valid_T.unsqueeze(-1)
+            map_TE = map_TE & valid_T.unsqueeze(-1)
+        total = None
+        for aux_type, loss_fn in (("aux_loss", self._switch_loss),
+                                  ("seq_aux_loss", self._seq_loss),
+                                  ("global_aux_loss", self._global_loss)):
+            coeff = self.aux_loss_coeff(aux_type)
+            if coeff <= 0:
+                continue
+            loss, group, has_dp, num_local = loss_fn(probs_TE, map_TE, coeff, valid_T is not None,
+                                                     seq_length, batch_size)
+            gates_TS = self._attach(gates_TS, loss, num_local)
+            save_to_aux_losses_tracker(
+                _LOG_NAMES[aux_type], loss / coeff, self.layer_number, self._num_layers(),
+                reduce_group=group, reduce_group_has_dp=has_dp)
+            total = loss.detach() if total is None else total + loss.detach()
+        return gates_TS, total
+
+    def _switch_loss(self, probs_TE, map_TE, coeff, padded, seq_length, batch_size):
+        counts_E, local, total = _token_counts(map_TE, self.tp_cp_group, self.topk, padded)
+        loss = load_balancing_loss(probs_TE, counts_E, total, self.topk, coeff)
+        return loss, self.tp_cp_group, False, local
+
+    def _seq_loss(self, probs_TE, map_TE, coeff, padded, seq_length, batch_size):
+        map_SX = map_TE.reshape(seq_length, -1)  # X = B*E: per-sequence expert counts
+        counts_X, local, total = _token_counts(map_SX, self.tp_cp_group,
+                                               self.topk * batch_size, padded)
+        counts_BE = counts_X.view(batch_size, self.num_experts)
+        loss = sequence_load_balancing_loss(probs_TE, counts_BE, total, batch_size, self.topk,
+                                            coeff)
+        return loss, self.tp_cp_group, False, local
+
+    def _global_loss(self, probs_TE, map_TE, coeff, padded, seq_length, batch_size):
+        counts_E, local, total = _token_counts(map_TE, self.tp_dp_cp_group, self.topk, padded)
+        self.global_tokens_per_expert += counts_E
+        self.ga_steps += 1
+        averaged_E = self.global_tokens_per_expert / self.ga_steps
+        loss = load_balancing_loss(probs_TE, averaged_E, total, self.topk, coeff)
+        return loss, self.tp_dp_cp_group, True, local
+
+    def _attach(self, activation, loss, num_local_tokens):
+        """MoEAuxLossAutoScaler, scaled by local tokens under calculate_per_token_loss."""
+        if self.config.calculate_per_token_loss:
+            loss = loss * num_local_tokens
+        return MoEAuxLossAutoScaler.apply(activation, loss)
+
+    def _num_layers(self) -> int:
+        return self.config.num_layers + (self.config.mtp_num_layers or 0)
+
+
+_LOG_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+              "global_aux_loss": "global_load_balancing_loss"}
+
+
+def _validate(config: MVMoETransformerConfig) -> None:
+    """Refuse Megatron router features this router does not implement, naming the fix."""
+    def refuse(ok: bool, field_name: str, fix: str) -> None:
+        if not ok:
+            raise ValueError(f"{field_name}: not supported by MultiRouter. Fix: {fix}")
+
+    refuse(config.num_moe_experts is not None, "num_moe_experts", "set the expert count")
+    refuse(config.moe_router_score_function == "sigmoid", "moe_router_score_function",
+           "set 'sigmoid' (the Multi-Router sums sigmoid scores)")
+    refuse(not config.moe_router_group_topk, "moe_router_group_topk", "leave it None")
+    refuse(config.moe_expert_capacity_factor is None, "moe_expert_capacity_factor",
+           "leave it None (dropless: every slot keeps its view row)")
+    refuse(config.moe_input_jitter_eps is None, "moe_input_jitter_eps", "leave it None")
+    refuse(not config.moe_router_force_load_balancing, "moe_router_force_load_balancing",
+           "leave it False")
+    refuse(not config.moe_enable_routing_replay, "moe_enable_routing_replay", "leave it False")
+    refuse(not config.moe_router_fusion, "moe_router_fusion", "leave it False (TE kernels)")
+    types = config.moe_router_load_balancing_type
+    for aux_type in [types] if isinstance(types, str) else types:
+        refuse(aux_type in _AUX_TYPES + ("none",), "moe_router_load_balancing_type",
+               f"use one of {_AUX_TYPES + ('none',)} (got {aux_type!r})")
+    scaling = config.moe_router_topk_scaling_factor
+    refuse(scaling is None or scaling == config.multi_view.gate_scale,
+           "moe_router_topk_scaling_factor",
+           f"set multi_view.gate_scale (alpha) instead, or make both equal ({scaling} != "
+           f"{config.multi_view.gate_scale})")
+
+
+def _make_gate_scale(config: MVMoETransformerConfig):
+    """alpha: a float, or a learned per-expert parameter initialised to gate_scale."""
+    mv = config.multi_view
+    if not mv.learned_gate_scale:
+        return mv.gate_scale
+    return torch.nn.Parameter(torch.full((config.num_moe_experts,), float(mv.gate_scale)))
+
+
+def _flatten_tokens(hidden: torch.Tensor):
+    """[S, B, D] -> ([S*B, D], S, B); [T, D] -> ([T, D], T, 1)."""
+    if hidden.dim() == 3:
+        seq_length, batch_size, _ = hidden.shape
+        return hidden.reshape(seq_length * batch_size, -1), seq_length, batch_size
+    if hidden.dim() == 2:
+        return hidden, hidden.shape[0], 1
+    raise ValueError(f"hidden: expected [S, B, D] or [T, D], got shape {tuple(hidden.shape)}")
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else group.size()
+
+
+def _token_counts(map_TX, group, topk: int, padded: bool):
+    """Counts per column reduced over `group`, local and total token counts (Megatron's
+    get_tokens_per_expert_and_token_count, without its autograd reduce)."""
+    counts_X = map_TX.sum(dim=0).float()
+    if _group_size(group) > 1:
+        torch.distributed.all_reduce(counts_X, group=group)
+    if padded:
+        local = map_TX.sum() / topk
+        return counts_X, local, counts_X.sum() / topk
+    local = map_TX.shape[0]
+    return counts_X, local, local * _group_size(group)
+
+
+def _sum_or_none(*values):
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None

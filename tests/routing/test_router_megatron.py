@@ -1,0 +1,125 @@
+"""MultiRouter against Megatron-Core's own TopKRouter (sigmoid + expert bias) at R = K = 1, and
+the finalize_model_grads expert-bias update finding and moving our bias like Megatron's.
+
+Megatron runs in forked gloo ranks (megatron_mvmoe.testing.spawn) with the CPU patches.
+"""
+import torch
+
+from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.testing.spawn import run_distributed
+
+HIDDEN, EXPERTS, SEQ, BATCH = 16, 8, 6, 3
+
+
+def _config(topk=2, alpha=2.5, num_routers=1, **overrides):
+    base = dict(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=EXPERTS,
+        moe_router_topk=topk, moe_variant="multi_router", latent_size=8,
+        multi_view=MultiViewConfig(num_routers=num_routers, num_views=1, gate_scale=alpha),
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=alpha, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        use_cpu_initialization=True, add_bias_linear=False)
+    base.update(overrides)
+    return MVMoETransformerConfig(**base)
+
+
+def _randn(*shape, seed):
+    # explicit generators: the test never reseeds the global RNG of the patched process
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _pair(config, pg, bias_scale):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_mvmoe.routing import MultiRouter
+    ref, ours = TopKRouter(config, pg), MultiRouter(config, pg)
+    with torch.no_grad():
+        ours.weight.copy_(ref.weight)
+        bias_E = _randn(EXPERTS, seed=0) * bias_scale
+        ref.expert_bias.copy_(bias_E)
+        ours.expert_bias.copy_(bias_E)
+    for router in (ref, ours):
+        router.set_layer_number(1)
+    return ref, ours
+
+
+def _run_and_grads(router, hidden_SBD, upstream_TE):
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker)
+    clear_aux_losses_tracker()
+    hidden_SBD = hidden_SBD.clone().requires_grad_(True)
+    probs_TE, map_TE = router(hidden_SBD)
+    (probs_TE * upstream_TE).sum().backward()
+    logged = {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
+    return probs_TE.detach(), map_TE, router.weight.grad.clone(), hidden_SBD.grad, logged
+
+
+def _parity_rank(rank, world_size, topk, bias_scale, overrides):
+    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+    destroy_layout()
+    pg = initialize_layout(ParallelLayout())
+    config = _config(topk=topk, **overrides)
+    ref, ours = _pair(config, pg, bias_scale)
+    hidden_SBD = _randn(SEQ, BATCH, HIDDEN, seed=1)
+    upstream_TE = _randn(SEQ * BATCH, EXPERTS, seed=2)
+    r_probs, r_map, r_wgrad, r_hgrad, r_log = _run_and_grads(ref, hidden_SBD, upstream_TE)
+    o_probs, o_map, o_wgrad, o_hgrad, o_log = _run_and_grads(ours, hidden_SBD, upstream_TE)
+    assert torch.equal(r_map, o_map)
+    assert (r_map.sum(1) == topk).all()
+    torch.testing.assert_close(o_probs, r_probs, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(o_wgrad, r_wgrad, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(o_hgrad, r_hgrad, atol=1e-6, rtol=1e-6)
+    assert r_log.keys() == o_log.keys()
+    for name in r_log:
+        torch.testing.assert_close(o_log[name], r_log[name], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours.local_tokens_per_expert, ref.local_tokens_per_expert)
+    return sorted(r_log)
+
+
+def _parity_cases_rank(rank, world_size, cases):
+    return [_parity_rank(rank, world_size, *case) for case in cases]
+
+
+def test_r1_matches_megatron_topk_router_with_bias_and_losses():
+    # Megatron picks the aux-loss routing map without the bias; with a zero bias both agree
+    losses = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                  moe_aux_loss_coeff=[0.01, 0.02], moe_z_loss_coeff=1e-3)
+    cases = [(1, 0.05, {}), (2, 0.05, {}), (3, 0.05, {}), (2, 0.0, losses)]
+    logged = run_distributed(_parity_cases_rank, 1, timeout_s=150, args=(cases,))[0]
+    assert logged[:3] == [[], [], []]
+    assert logged[3] == ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"]
+
+
+def _bias_update_rank(rank, world_size):
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias, reset_model_temporary_tensors)
+
+    from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
+    from megatron_mvmoe.routing import expert_bias_update
+    pg = initialize_layout(ParallelLayout())  # world 2: DP = 2, counts all-reduced
+    config = _config(moe_router_bias_update_rate=0.01)
+    ref, ours = _pair(config, pg, 0.05)
+    hidden_SBD = _randn(SEQ, BATCH, HIDDEN, seed=10 + rank)  # DP ranks see different tokens
+    with torch.no_grad():
+        ours(hidden_SBD)  # eval / recompute pass under no_grad: not counted
+    assert ours.local_tokens_per_expert.sum() == 0
+    for router in (ref, ours):
+        router(hidden_SBD)
+    local_E = ours.local_tokens_per_expert.clone()
+    bias_before = ours.expert_bias.clone()
+    model = [torch.nn.ModuleList([ref, ours])]
+    _update_router_expert_bias(model, config)
+    torch.testing.assert_close(ours.expert_bias, ref.expert_bias, rtol=0, atol=0)
+    global_E = local_E.clone()
+    torch.distributed.all_reduce(global_E)
+    torch.testing.assert_close(ours.expert_bias, expert_bias_update(global_E, bias_before, 0.01))
+    assert not torch.equal(ours.expert_bias, bias_before)
+    reset_model_temporary_tensors(config, model)
+    assert ours.local_tokens_per_expert.sum() == 0
+    return ours.expert_bias.tolist()
+
+
+def test_finalize_model_grads_updates_our_bias_like_megatron():
+    biases = run_distributed(_bias_update_rank, 2, timeout_s=180)
+    assert biases[0] == biases[1]  # every DP rank applies the same update
