@@ -23,7 +23,6 @@ Design choices:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Optional
 
@@ -166,25 +165,25 @@ BIT_REPLACEMENTS = {ColumnParallelLinear: BitColumnParallelLinear,
 
 
 def _swap(value):
+    """Rebuild a spec tree with Bit classes; copies containers, shares leaves (no deepcopy:
+    spec params may hold process groups, which cannot be copied)."""
     if isinstance(value, type):
         return BIT_REPLACEMENTS.get(value, value)
     if isinstance(value, ModuleSpec):
-        value.module = _swap(value.module)
-        if value.submodules is not None:
-            value.submodules = _swap(value.submodules)
-        return value
-    if isinstance(value, list):
-        return [_swap(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            setattr(value, f.name, _swap(getattr(value, f.name)))
+        return dataclasses.replace(value, module=_swap(value.module), params=dict(value.params),
+                                   submodules=_swap(value.submodules))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_swap(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _swap(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
     return value
 
 
 def bitnet_spec(spec: ModuleSpec) -> ModuleSpec:
-    """A deep copy of `spec` whose Column/RowParallelLinear (and torch Linear) slots are the
-    BitNet versions. The input spec, often shared module-level state, is not mutated."""
-    return _swap(copy.deepcopy(spec))
+    """A copy of `spec` whose Column/RowParallelLinear (and torch Linear) slots are the BitNet
+    versions. The input spec, often shared module-level state, is not mutated."""
+    return _swap(spec)
 
 
 def maybe_bitnet_spec(spec: ModuleSpec, config) -> ModuleSpec:
