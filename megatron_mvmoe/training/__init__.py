@@ -1,1 +1,1 @@
-
+"""Pretraining: run config + flags, model/optimizer build, the loop, checkpoints, logs."""

@@ -1,0 +1,132 @@
+"""Model provider: a resolved ModelShape + layout -> MVMoETransformerConfig -> GPTModel chunks.
+
+Design choices:
+- The decoder block comes from our spec builder (`models/specs.py`,
+  `build_decoder_block_spec(config, vp_stage, pg_collection)`) which swaps only the MoE MLP
+  slots of Megatron's own block spec; while that module is absent, dense and smoe fall back
+  to Megatron's `get_gpt_decoder_block_spec` with the local (non-TE) backend.
+- One GPTModel per virtual pipeline chunk, each knowing whether it holds the embedding
+  (pre_process) or the LM head (post_process) from Megatron's own stage helpers.
+- CPU runs: fp32, CPU initialisation, fusions and dropout off (the CUDA RNG tracker cannot
+  fork on CPU); GPU runs: bf16 with the same numerics otherwise.
+- Routing defaults per variant: smoe uses softmax top-k with a small aux loss (the classic
+  SMoE); latent / multi_router / multi_view use sigmoid scores with the aux-loss-free expert
+  bias (seed 000), the alltoall dispatcher everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_mvmoe.config import MultiHeadConfig, MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.models.presets import ModelShape
+
+_SIGMOID_VARIANTS = ("latent", "multi_router", "multi_view")
+
+
+def _numerics(use_bf16: bool, on_cpu: bool) -> Dict[str, Any]:
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    return dict(
+        bf16=use_bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=on_cpu, perform_initialization=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )
+
+
+def _routing(shape: ModelShape) -> Dict[str, Any]:
+    if not shape.is_moe:
+        return {}
+    common = dict(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+                  moe_router_topk=shape.moe_router_topk, moe_token_dispatcher_type="alltoall",
+                  moe_grouped_gemm=False, moe_router_dtype="fp32",
+                  moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size)
+    if shape.moe_variant in _SIGMOID_VARIANTS:
+        return dict(common, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none",
+                    moe_aux_loss_coeff=0.0, moe_router_bias_update_rate=1e-3)
+    return dict(common, moe_router_score_function="softmax",
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+
+
+def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+                       vpp: Optional[int] = None, use_bf16: bool = False,
+                       on_cpu: bool = True) -> MVMoETransformerConfig:
+    """The full Megatron config of `shape` for one layout."""
+    kwargs: Dict[str, Any] = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, init_method_std=0.02,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
+        moe_variant=shape.moe_variant, latent_size=shape.latent_size,
+        multi_view=MultiViewConfig(num_routers=shape.num_routers, num_views=shape.num_views,
+                                   gamma_ramp_steps=shape.gamma_ramp_steps),
+        multi_head=MultiHeadConfig(num_heads=shape.num_heads_mh),
+    )
+    kwargs.update(_numerics(use_bf16, on_cpu))
+    kwargs.update(_routing(shape))
+    kwargs.update(shape.extra)
+    return MVMoETransformerConfig(**kwargs)
+
+
+def decoder_block_spec(config: MVMoETransformerConfig, vp_stage: Optional[int] = None,
+                       pg_collection=None):
+    """Our block spec (models/specs.py), or Megatron's local one for dense/smoe until then."""
+    try:
+        from megatron_mvmoe.models.specs import build_decoder_block_spec
+    except ImportError:
+        build_decoder_block_spec = None
+    if build_decoder_block_spec is not None:
+        return build_decoder_block_spec(config, vp_stage=vp_stage, pg_collection=pg_collection)
+    if config.moe_variant not in ("dense", "smoe"):
+        raise ValueError(f"moe_variant: {config.moe_variant!r} needs megatron_mvmoe.models.specs "
+                         "(not installed yet). Fix: use dense or smoe for now")
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_local_spec)
+
+    if config.moe_variant == "dense":
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                      normalization="RMSNorm", vp_stage=vp_stage)
+
+
+def _stage_flags(vp_stage: Optional[int]) -> Dict[str, bool]:
+    return dict(
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage))
+
+
+def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelShape, pg_collection=None,
+                    vp_stage: Optional[int] = None, pre_process: bool = True,
+                    post_process: bool = True) -> GPTModel:
+    """One GPTModel holding this stage's layers (RoPE, untied embeddings)."""
+    return GPTModel(config=config,
+                    transformer_layer_spec=decoder_block_spec(config, vp_stage, pg_collection),
+                    vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    pg_collection=pg_collection, vp_stage=vp_stage)
+
+
+def build_model_chunks(config: MVMoETransformerConfig, shape: ModelShape,
+                       pg_collection=None) -> List[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), on Megatron's groups."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    stages = range(vpp) if vpp else [None]
+    return [build_gpt_chunk(config, shape, pg_collection, vp_stage=stage, **_stage_flags(stage))
+            for stage in stages]
+
+
+def count_parameters(chunks: List[torch.nn.Module]) -> int:
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())

@@ -1,0 +1,116 @@
+"""Everything a training run holds, built in order: config -> model chunks -> DDP ->
+distributed optimizer -> LR scheduler.
+
+Design choices:
+- All engine pieces are Megatron-Core's own: `DistributedDataParallel` (grad buffers and
+  the DP reduce), `get_megatron_optimizer` (ZeRO-1 distributed optimizer, fp32 main params
+  with bf16 models, grad clipping), `OptimizerParamScheduler` (linear warmup then cosine to
+  min_lr), `finalize_model_grads` as `config.finalize_model_grads_func` (without it the
+  schedule does neither the DP grad sync nor the expert-bias update).
+- Everything lives in the returned `Trainer` object; nothing module-level is mutated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import List, Optional
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_mvmoe import platform
+from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.models.presets import ModelShape, resolve_model
+from megatron_mvmoe.models.provider import build_model_chunks, transformer_config
+from megatron_mvmoe.training.config import RunConfig
+
+
+@dataclass
+class Trainer:
+    """The model, optimizer and scheduler of one run on this rank."""
+
+    run: RunConfig
+    shape: ModelShape
+    config: MVMoETransformerConfig
+    pg_collection: object
+    model: List[DistributedDataParallel]
+    """One DDP-wrapped GPTModel per virtual pipeline stage."""
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+
+    def unwrapped(self) -> List[torch.nn.Module]:
+        return [chunk.module for chunk in self.model]
+
+
+def use_bf16(run: RunConfig) -> bool:
+    if run.training.precision == "auto":
+        return platform.is_cuda()
+    return run.training.precision == "bf16"
+
+
+def model_config(run: RunConfig, shape: Optional[ModelShape] = None) -> MVMoETransformerConfig:
+    shape = shape or resolve_model(run.model)
+    p = run.parallel
+    return transformer_config(shape, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                              use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+
+
+def _wrap_ddp(config, chunks, run: RunConfig, pg_collection) -> List[DistributedDataParallel]:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
+        check_for_nan_in_grad=False)
+    device = platform.device()
+    wrapped = []
+    for index, chunk in enumerate(chunks):
+        chunk.to(device)
+        wrapped.append(DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=chunk,
+            # Bucketing is pointless for non-first virtual chunks (Megatron does the same).
+            disable_bucketing=index > 0))
+    return wrapped
+
+
+def _optimizer(run: RunConfig, config, model) -> object:
+    o = run.optimizer
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=o.use_distributed_optimizer)
+    return get_megatron_optimizer(opt_config, model)
+
+
+def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
+    o, t = run.optimizer, run.training
+    decay = o.decay_iters or t.train_iters
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
+        lr_decay_steps=decay, lr_decay_style="cosine", start_wd=o.weight_decay,
+        end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+
+
+def build_trainer(run: RunConfig, pg_collection) -> Trainer:
+    """Build this rank's model chunks, DDP wrappers, optimizer and scheduler."""
+    from megatron_mvmoe.training import _platform_gaps
+
+    _platform_gaps.apply()
+    shape = resolve_model(run.model)
+    config = model_config(run, shape)
+    platform.seed_all(run.training.seed)
+    chunks = build_model_chunks(config, shape, pg_collection)
+    model = _wrap_ddp(config, chunks, run, pg_collection)
+    # The schedule calls this after the last backward: DP grad sync, TP/PP embedding and
+    # layer-norm grad reductions, and the expert-bias update.
+    config.finalize_model_grads_func = partial(finalize_model_grads)
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    optimizer = _optimizer(run, config, model)
+    scheduler = _scheduler(run, optimizer)
+    return Trainer(run=run, shape=shape, config=config, pg_collection=pg_collection,
+                   model=model, optimizer=optimizer, scheduler=scheduler)

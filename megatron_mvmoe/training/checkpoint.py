@@ -1,0 +1,200 @@
+"""Checkpoints with Megatron dist-checkpointing: crash-safe, resumable, reshardable.
+
+Layout of a checkpoint root:
+    latest                  one line: the directory name of the last good checkpoint
+    iter_0000100/           Megatron dist-checkpoint (model + optimizer shards) plus
+        run_state.json      step, consumed samples, gamma, scheduler, model fingerprint, config
+        rng/rank_<r>.pt     per-rank RNG states (tensors only; torch.load weights_only=True)
+
+Design choices:
+- A save writes into `.tmp_iter_N`, then renames it to `iter_N`, then replaces `latest`
+  through a temp file + os.replace: a crash at any point leaves the previous `latest` and
+  its directory intact.
+- Tensors (model, optimizer) go through dist-checkpointing, so a checkpoint saved at one
+  TP/PP/EP layout loads at another; the distributed optimizer uses the
+  `dp_reshardable` format (the default errors on CPU, MCORE notes).
+- Everything else is JSON we read ourselves. The model fingerprint (every ModelShape field
+  that changes a parameter shape or meaning) is compared before any tensor is read, and a
+  mismatch names the differing fields.
+- The RNG files are per rank; on a different world size they do not apply and the run
+  reseeds from (seed, step) instead, which the log says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_mvmoe.training.build import Trainer
+
+LATEST = "latest"
+RUN_STATE = "run_state.json"
+FORMAT = "megatron_mvmoe.checkpoint/1"
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+_NOT_STRUCTURAL = ("gamma_ramp_steps", "seq_length")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, or from an incompatible model."""
+
+
+@dataclass
+class ResumeState:
+    """What the loop needs besides tensors to continue exactly."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    gamma: Optional[float] = None
+
+
+def fingerprint(trainer: Trainer) -> Dict:
+    shape = dataclasses.asdict(trainer.shape)
+    return {k: v for k, v in shape.items() if k not in _NOT_STRUCTURAL}
+
+
+def _sharded_state_dict(trainer: Trainer, is_loading: bool) -> Dict:
+    state = {f"model{i}": chunk.sharded_state_dict()
+             for i, chunk in enumerate(trainer.unwrapped())}
+    state["optimizer"] = trainer.optimizer.sharded_state_dict(
+        state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    return state
+
+
+# ------------------------------------------------------------------------------- save
+def _rng_state() -> Dict:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+            "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "numpy_pos": int(np_state[2])}
+
+
+def _write_json_atomic(path: str, payload) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=1) if not isinstance(payload, str) else fh.write(payload)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(trainer: Trainer, root: str, state: ResumeState) -> str:
+    """Collective: save to root/iter_<step>, then point `latest` at it. Returns the dir."""
+    name = f"iter_{state.step:07d}"
+    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp_{name}")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(trainer, is_loading=False), tmp)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        _write_json_atomic(os.path.join(tmp, RUN_STATE), {
+            "format": FORMAT, "step": state.step, "consumed_samples": state.consumed_samples,
+            "gamma": state.gamma, "world_size": dist.get_world_size(),
+            "scheduler": trainer.scheduler.state_dict(), "fingerprint": fingerprint(trainer),
+            "config": trainer.run.to_dict()})
+        if os.path.exists(final):  # re-saving a step: keep the old one until the swap
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_json_atomic(os.path.join(root, LATEST), name + "\n")
+    dist.barrier()
+    return final
+
+
+# ------------------------------------------------------------------------------- load
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a root (via `latest`) or a checkpoint dir itself."""
+    if os.path.isfile(os.path.join(path, RUN_STATE)):
+        return path
+    pointer = os.path.join(path, LATEST)
+    if not os.path.isfile(pointer):
+        raise CheckpointError(f"--load {path}: no checkpoint here (no '{LATEST}' file and no "
+                              f"{RUN_STATE}). Fix: pass the --save directory of an earlier "
+                              "run, or drop --load to start fresh")
+    with open(pointer) as fh:
+        name = fh.read().strip()
+    directory = os.path.join(path, name)
+    if not os.path.isfile(os.path.join(directory, RUN_STATE)):
+        raise CheckpointError(f"--load {path}: '{LATEST}' points at {name!r}, which is missing "
+                              f"or has no {RUN_STATE} (deleted or corrupt). Fix: point "
+                              f"'{LATEST}' at an intact iter_* directory")
+    return directory
+
+
+def read_run_state(directory: str) -> Dict:
+    try:
+        with open(os.path.join(directory, RUN_STATE)) as fh:
+            meta = json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{directory}/{RUN_STATE} is unreadable ({err}): the checkpoint "
+                              "is corrupt. Fix: load an earlier iter_* directory") from err
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{directory}: format {meta.get('format')!r}, expected "
+                              f"{FORMAT!r}. Fix: load a checkpoint written by megatron_mvmoe")
+    return meta
+
+
+def check_fingerprint(saved: Dict, current: Dict, directory: str) -> None:
+    keys = sorted(set(saved) | set(current))
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {current.get(k)!r}"
+             for k in keys if saved.get(k) != current.get(k)]
+    if diffs:
+        raise CheckpointError(f"{directory} is from an incompatible model; differing fields: "
+                              + "; ".join(diffs) + ". Fix: use the checkpoint's model config "
+                              "(its run_state.json 'config') or start without --load")
+
+
+def _restore_rng(directory: str, run_world_size: int, saved_world_size: int) -> bool:
+    path = os.path.join(directory, "rng", f"rank_{dist.get_rank()}.pt")
+    if run_world_size != saved_world_size or not os.path.isfile(path):
+        return False
+    rng = torch.load(path, weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    random.setstate((3, tuple(rng["python"]), None))
+    np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32),
+                         rng["numpy_pos"], 0, 0.0))
+    return True
+
+
+def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True) -> ResumeState:
+    """Collective: restore model (+ optimizer, scheduler, RNG, position) from `path`."""
+    directory = resolve_checkpoint(path)
+    meta = read_run_state(directory)
+    check_fingerprint(meta["fingerprint"], fingerprint(trainer), directory)
+    sharded = _sharded_state_dict(trainer, is_loading=True)
+    if not load_optimizer:
+        sharded.pop("optimizer")
+    try:
+        with torch.no_grad():  # the distributed optimizer's fp32 params need it (notes)
+            loaded = dist_checkpointing.load(sharded, directory)
+    except Exception as err:
+        raise CheckpointError(f"{directory}: reading the tensors failed ({type(err).__name__}: "
+                              f"{err}). The checkpoint is corrupt or incomplete. Fix: load an "
+                              "earlier iter_* directory") from err
+    for i, chunk in enumerate(trainer.unwrapped()):
+        chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    if not load_optimizer:
+        return ResumeState()
+    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    _restore_rng(directory, dist.get_world_size(), meta["world_size"])
+    return ResumeState(step=meta["step"], consumed_samples=meta["consumed_samples"],
+                       gamma=meta.get("gamma"))
+
+
+def list_checkpoints(root: str) -> List[str]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if d.startswith("iter_"))

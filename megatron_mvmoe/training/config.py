@@ -1,0 +1,254 @@
+"""Typed run configuration: model, layout, optimizer, data, training, logging.
+
+Design choices:
+- One dataclass per concern, every field documented; `RunConfig` nests them. A YAML file
+  (examples/*.yaml) mirrors the nesting; Megatron-style command-line flags (flags.py)
+  override single fields after the YAML is read, so a recipe plus a few flags fully
+  describes a run and `RunConfig.to_dict()` is what gets written into the run directory.
+- `model.preset` names a preset in `megatron_mvmoe.models.presets`; fields set in the YAML
+  or by flags override the preset's values (unset fields are None).
+- Validation raises ValueError naming the field and the fix, before any process group or
+  weight exists; layout divisibility is `ParallelLayout.validate` (parallel.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from megatron_mvmoe.parallel import ParallelLayout
+
+
+def _require(ok: bool, field_name: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name}: {problem}. Fix: {fix}")
+
+
+@dataclass
+class ModelSection:
+    """The model: a preset name plus overrides of its fields (None = keep the preset's)."""
+
+    preset: Optional[str] = None
+    """Name in megatron_mvmoe.models.presets.PRESETS (e.g. tiny_multi_view, mvmoe_10b_a1b)."""
+    moe_variant: Optional[str] = None
+    """dense, smoe, latent, multi_router, multi_view or mh_moe."""
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention groups (None = one per head)."""
+    ffn_hidden_size: Optional[int] = None
+    """Dense MLP width (dense layers and the dense variant)."""
+    num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of one routed expert."""
+    moe_router_topk: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the always-active shared expert (None = no shared expert)."""
+    latent_size: Optional[int] = None
+    """L for latent / multi_router / multi_view."""
+    num_routers: Optional[int] = None
+    """R routing heads (multi_router, multi_view)."""
+    num_views: Optional[int] = None
+    """K latent views (multi_view; equals num_routers)."""
+    gamma_ramp_steps: Optional[int] = None
+    """Steps over which the view perturbation gamma ramps 0 -> 1."""
+    num_heads_mh: Optional[int] = None
+    """H sub-tokens per token (mh_moe)."""
+    vocab_size: Optional[int] = None
+    seq_length: Optional[int] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Further MVMoETransformerConfig keyword arguments, passed through unchanged."""
+
+
+@dataclass
+class ParallelSection:
+    """How the model is laid out over the ranks (see ParallelLayout)."""
+
+    tp: int = 1
+    """Tensor-parallel size (MoE with tp > 1 turns sequence parallelism on)."""
+    pp: int = 1
+    """Pipeline stages."""
+    ep: int = 1
+    """Expert-parallel size."""
+    etp: int = 1
+    """Expert tensor-parallel size (gloo needs 1 when tp > 1)."""
+    vpp: Optional[int] = None
+    """Virtual pipeline chunks per rank (interleaved 1F1B), or None."""
+    distributed_timeout_seconds: float = 120.0
+    """Collective timeout: a dead rank makes the others fail after at most this long."""
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp)
+
+
+@dataclass
+class OptimizerSection:
+    """Adam with linear warmup and cosine decay (Megatron's OptimizerParamScheduler)."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached after warmup_iters."""
+    min_lr: float = 1e-4
+    """Floor of the cosine decay."""
+    warmup_iters: int = 10
+    """Linear warmup steps from 0 to lr."""
+    decay_iters: Optional[int] = None
+    """Cosine decay length in steps (None = training.train_iters)."""
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    use_distributed_optimizer: bool = True
+    """Shard optimizer states over the data-parallel ranks (ZeRO-1)."""
+
+
+@dataclass
+class DataSection:
+    """Where the tokens come from."""
+
+    kind: str = "indexed"
+    """indexed: Megatron .bin/.idx datasets via megatron_mvmoe.data.loader;
+    tokens: .npy token arrays per domain and split (tests and tiny demos)."""
+    path: Optional[str] = None
+    """Preprocessed data directory (indexed) or directory of <domain>_<split>.npy (tokens)."""
+    train_blend: Dict[str, float] = field(default_factory=dict)
+    """Domain -> sampling weight for training (empty = every domain, equal weights)."""
+    eval_domains: List[str] = field(default_factory=list)
+    """Domains evaluated separately (empty = the training domains)."""
+
+
+@dataclass
+class TrainingSection:
+    """Steps, batches, evaluation, checkpointing cadence and precision."""
+
+    train_iters: int = 100
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks and microbatches."""
+    micro_batch_size: int = 2
+    eval_interval: int = 50
+    """Evaluate every this many steps (0 = only at the end)."""
+    eval_iters: int = 4
+    """Microbatch rounds per domain per evaluation."""
+    save: Optional[str] = None
+    """Checkpoint root directory (None = no saving)."""
+    load: Optional[str] = None
+    """Checkpoint root to resume from (its `latest` pointer), or None."""
+    load_optimizer: bool = True
+    """Also restore optimizer, scheduler, step and data position (False = weights only)."""
+    save_interval: int = 0
+    """Save every this many steps (0 = only at the end when save is set)."""
+    seed: int = 1234
+    precision: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
+    exit_on_nonfinite: bool = True
+    """Stop with an error naming the step when the loss is NaN/inf."""
+
+
+@dataclass
+class LoggingSection:
+    """Console, JSONL and TensorBoard output."""
+
+    log_interval: int = 1
+    run_dir: Optional[str] = None
+    """Directory for config.yaml, metrics.jsonl and TensorBoard events (None = no files)."""
+    tensorboard: bool = True
+    routing_metrics: bool = True
+    """Per-layer tokens per expert, load max/mean and aux loss in the logs."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self, world_size: Optional[int] = None,
+                 num_layers: Optional[int] = None, num_experts: Optional[int] = None) -> None:
+        """Field checks; with world_size also the layout and batch divisibility."""
+        t, o = self.training, self.optimizer
+        _require(t.train_iters >= 1, "training.train_iters", f"got {t.train_iters}",
+                 "use --train-iters >= 1")
+        _require(t.micro_batch_size >= 1, "training.micro_batch_size",
+                 f"got {t.micro_batch_size}", "use --micro-batch-size >= 1")
+        _require(o.lr > 0 and 0 <= o.min_lr <= o.lr, "optimizer.min_lr",
+                 f"need 0 <= min_lr ({o.min_lr}) <= lr ({o.lr}) and lr > 0",
+                 "set --min-lr below --lr")
+        decay = o.decay_iters or t.train_iters
+        _require(0 <= o.warmup_iters < decay, "optimizer.warmup_iters",
+                 f"{o.warmup_iters} warmup steps must be < decay steps {decay}",
+                 "lower --lr-warmup-iters or raise --lr-decay-iters/--train-iters")
+        _require(t.precision in ("auto", "bf16", "fp32"), "training.precision",
+                 f"unknown {t.precision!r}", "use auto, bf16 or fp32")
+        _require(self.data.kind in ("indexed", "tokens"), "data.kind",
+                 f"unknown {self.data.kind!r}", "use indexed or tokens")
+        _require(self.parallel.distributed_timeout_seconds > 0,
+                 "parallel.distributed_timeout_seconds", "must be > 0", "use e.g. 120")
+        if world_size is not None:
+            self._validate_layout(world_size, num_layers, num_experts)
+
+    def _validate_layout(self, world_size: int, num_layers, num_experts) -> None:
+        layout = self.parallel.layout()
+        layout.validate(world_size, num_layers, num_experts)
+        dp = layout.data_parallel_size(world_size)
+        t = self.training
+        _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                 "training.global_batch_size",
+                 f"{t.global_batch_size} is not divisible by micro_batch_size * data-parallel "
+                 f"size = {t.micro_batch_size} * {dp}",
+                 f"use a multiple of {t.micro_batch_size * dp}")
+
+    def num_microbatches(self, world_size: int) -> int:
+        dp = self.parallel.layout().data_parallel_size(world_size)
+        return self.training.global_batch_size // (self.training.micro_batch_size * dp)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+
+def _section_from_dict(cls, values: Dict[str, Any], where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}. Fix: use one of {sorted(known)}")
+    return cls(**values)
+
+
+def config_from_dict(raw: Dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from nested dicts (YAML), rejecting unknown keys by name."""
+    raw = raw or {}
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ValueError(f"config: unknown section(s) {unknown}. Fix: use {sorted(_SECTIONS)}")
+    classes = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+    sections = {name: _section_from_dict(type(classes[name]()), raw.get(name) or {}, name)
+                for name in _SECTIONS}
+    return RunConfig(**sections)
+
+
+def load_yaml(path: str) -> RunConfig:
+    """Read a run config YAML file (sections as in RunConfig)."""
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"--config: file {path!r} not found. Fix: pass an existing YAML "
+                         "file, e.g. examples/tiny_cpu.yaml") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: top level must be a mapping of sections")
+    return config_from_dict(raw)
+
+
+def dump_yaml(config: RunConfig, path: str) -> None:
+    with open(path, "w") as fh:
+        yaml.safe_dump(config.to_dict(), fh, sort_keys=False)

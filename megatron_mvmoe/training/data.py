@@ -1,0 +1,134 @@
+"""Microbatch streams for training and per-domain evaluation.
+
+Design choices:
+- `indexed` (the real path): Megatron GPTDataset / BlendedDataset over the .bin/.idx files
+  of tools/preprocess_data.py, through `megatron_mvmoe.data.loader` (Megatron's pretraining
+  sampler order, resumable from `consumed_samples`).
+- `tokens` (tests, tiny demos): `<domain>_<split>.npy` int token arrays cut into
+  consecutive seq_length + 1 windows; the train blend interleaves domains round-robin.
+  Same batch dict as GPTDataset, same sampler order (each DP rank its slice of every
+  micro_batch_size * dp block), so the loop cannot tell the two apart.
+- Every pipeline stage draws the same microbatches (first stage reads tokens, last stage
+  labels), so no batch broadcast between stages is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+from megatron_mvmoe.training.config import RunConfig
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """seq_length + 1 token windows of one or more token arrays, domains interleaved."""
+
+    def __init__(self, arrays: List[np.ndarray], seq_length: int) -> None:
+        self.seq_length = seq_length
+        self.arrays = arrays
+        self.counts = [max(0, (len(a) - 1) // seq_length) for a in arrays]
+        if min(self.counts, default=0) == 0:
+            raise ValueError(f"data: a token file holds fewer than seq_length+1 = "
+                             f"{seq_length + 1} tokens. Fix: more text or a shorter seq_length")
+
+    def __len__(self) -> int:
+        return min(self.counts) * len(self.arrays)
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        array = self.arrays[index % len(self.arrays)]
+        window = index // len(self.arrays)
+        start = window * self.seq_length
+        chunk = torch.from_numpy(array[start:start + self.seq_length + 1].astype(np.int64))
+        return {"tokens": chunk[:-1], "labels": chunk[1:],
+                "loss_mask": torch.ones(self.seq_length),
+                "position_ids": torch.arange(self.seq_length)}
+
+
+def _cycle(dataset, mbs: int, dp_rank: int, dp_size: int, consumed: int) -> Iterator:
+    """Megatron's pretraining order, wrapping around at the end of the dataset."""
+    total = len(dataset)
+    block = mbs * dp_size
+    index = consumed
+    while True:
+        ids = [(index + dp_rank * mbs + i) % total for i in range(mbs)]
+        samples = [dataset[i] for i in ids]
+        yield {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        index += block
+
+
+class RunData:
+    """Train and per-domain eval microbatch iterators of one run on one DP rank."""
+
+    def __init__(self, run: RunConfig, seq_length: int, vocab_size: int, dp_rank: int,
+                 dp_size: int) -> None:
+        self.run, self.seq_length, self.vocab_size = run, seq_length, vocab_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        if run.data.path is None:
+            raise ValueError("data.path: not set. Fix: --data-path <preprocessed dir>")
+        if not os.path.isdir(run.data.path):
+            raise ValueError(f"data.path: {run.data.path!r} is not a directory. Fix: run "
+                             "tools/preprocess_data.py or pass the right --data-path")
+        build = self._build_indexed if run.data.kind == "indexed" else self._build_tokens
+        self.train, self.valid = build()
+        self.domains = list(self.valid)
+
+    # ----------------------------------------------------------------- builders
+    def _domains(self, available: List[str]) -> List[str]:
+        wanted = list(self.run.data.train_blend) or available
+        missing = sorted(set(wanted) - set(available))
+        if missing:
+            raise ValueError(f"data.train_blend: domains {missing} not found in "
+                             f"{self.run.data.path}. Fix: use some of {available}")
+        return wanted
+
+    def _build_tokens(self):
+        path = self.run.data.path
+        available = sorted(f[:-len("_train.npy")] for f in os.listdir(path)
+                           if f.endswith("_train.npy"))
+        domains = self._domains(available)
+
+        def load(domain, split):
+            array = np.load(os.path.join(path, f"{domain}_{split}.npy"), mmap_mode="r")
+            if array.size and int(array.max()) >= self.vocab_size:
+                raise ValueError(f"data: {domain}_{split}.npy has token id {int(array.max())} "
+                                 f">= model vocab_size {self.vocab_size}. Fix: --vocab-size")
+            return np.asarray(array)
+
+        train = TokenWindows([load(d, "train") for d in domains], self.seq_length)
+        eval_domains = self.run.data.eval_domains or domains
+        valid = {d: TokenWindows([load(d, "valid")], self.seq_length) for d in eval_domains}
+        return train, valid
+
+    def _build_indexed(self):
+        from megatron_mvmoe.data.loader import DataConfig, build_datasets
+
+        t = self.run.training
+        blend = self.run.data.train_blend
+        config = DataConfig(
+            data_dir=self.run.data.path, seq_length=self.seq_length,
+            micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+            train_samples=t.train_iters * t.global_batch_size, seed=t.seed,
+            create_attention_mask=False,
+            **({"domains": tuple(blend), "domain_weights": list(blend.values())}
+               if blend else {}))
+        bundle = build_datasets(config, model_vocab_size=self.vocab_size)
+        eval_domains = self.run.data.eval_domains or list(bundle.valid)
+        return bundle.train, {d: bundle.valid[d] for d in eval_domains}
+
+    # ----------------------------------------------------------------- iterators
+    def train_iterator(self, consumed_samples: int) -> Iterator:
+        return _cycle(self.train, self.run.training.micro_batch_size, self.dp_rank,
+                      self.dp_size, consumed_samples)
+
+    def eval_iterator(self, domain: str) -> Iterator:
+        """Always the same held-out microbatches (from the start of the domain's set)."""
+        return _cycle(self.valid[domain], self.run.training.micro_batch_size, self.dp_rank,
+                      self.dp_size, 0)
+
+
+def to_device(batch: Dict[str, Optional[torch.Tensor]], device) -> Dict[str, torch.Tensor]:
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
+            for k, v in batch.items()}

@@ -1,0 +1,149 @@
+"""Routing metrics per MoE layer, and the run's log sinks (console, JSONL, TensorBoard).
+
+Legend: E experts.
+
+Design choices:
+- Tokens per expert are read where they are certain for every variant: a forward
+  pre-hook on each MoE layer's `experts` module sees Megatron's `tokens_per_expert` for the
+  local experts after dispatch (training forwards only). Counts accumulate locally and are
+  reduced only at log time: scattered into a global counts_E, summed over the expert-parallel
+  group (disjoint experts) and the expert-data-parallel group (disjoint tokens), divided by
+  the expert-TP size (ETP ranks see the same tokens), then gathered over the pipeline.
+- Aux losses come from Megatron's own layer-wise tracker (what its routers record); we
+  reduce them ourselves (sum over pipeline stages, mean over data parallel) because
+  Megatron's reducer uses ReduceOp.AVG, which gloo lacks.
+- Only global rank 0 writes; every rank takes part in the reductions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                     get_moe_layer_wise_logging_tracker)
+
+
+class RoutingMonitor:
+    """Counts tokens per expert for every MoE layer on this rank."""
+
+    def __init__(self, chunks: List[torch.nn.Module], num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.layers: Dict[int, MoELayer] = {}
+        self.counts: Dict[int, torch.Tensor] = {}
+        self.handles = []
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, MoELayer):
+                    self._watch(module)
+
+    def _watch(self, layer: MoELayer) -> None:
+        number = int(layer.layer_number)
+        self.layers[number] = layer
+        self.counts[number] = torch.zeros(self.num_experts, dtype=torch.float64)
+        indices = torch.tensor(layer.local_expert_indices)
+
+        def count(module, args):
+            if module.training and torch.is_grad_enabled():
+                local = args[1].detach().to("cpu", torch.float64)
+                self.counts[number].index_add_(0, indices, local)
+
+        self.handles.append(layer.experts.register_forward_pre_hook(count))
+
+    def reduce(self) -> Dict[int, List[float]]:
+        """Global tokens per expert per layer since the last call (collective)."""
+        mine = {}
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        for number, counts in sorted(self.counts.items()):
+            total = counts.clone()
+            dist.all_reduce(total, group=parallel_state.get_expert_model_parallel_group())
+            dist.all_reduce(total, group=parallel_state.get_expert_data_parallel_group())
+            mine[number] = (total / etp).tolist()
+            counts.zero_()
+        gathered: List[Optional[dict]] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(gathered, mine,
+                               group=parallel_state.get_pipeline_model_parallel_group())
+        merged: Dict[int, List[float]] = {}
+        for part in gathered:
+            merged.update(part or {})
+        return merged
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def aux_losses(num_microbatch_steps: int) -> Dict[str, List[float]]:
+    """Per-layer aux losses from Megatron's tracker, averaged per microbatch (collective)."""
+    tracker = get_moe_layer_wise_logging_tracker()
+    out = {}
+    for name in sorted(tracker):
+        values = tracker[name]["values"].detach().double().cpu()
+        dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+        dp_group = parallel_state.get_data_parallel_group()
+        dist.all_reduce(values, group=dp_group)
+        values /= dist.get_world_size(dp_group) * max(1, num_microbatch_steps)
+        out[name] = values.tolist()
+    clear_aux_losses_tracker()
+    return out
+
+
+def routing_summary(counts: Dict[int, List[float]], aux: Dict[str, List[float]]) -> Dict:
+    """Per layer: tokens per expert, load max/mean, and every aux loss recorded."""
+    layers = {}
+    for number, per_expert in sorted(counts.items()):
+        tokens = torch.tensor(per_expert)
+        mean = float(tokens.mean()) if tokens.numel() else 0.0
+        entry = {"tokens_per_expert": [int(x) for x in per_expert],
+                 "load_max_over_mean": float(tokens.max()) / mean if mean > 0 else 0.0}
+        for name, values in aux.items():
+            if number - 1 < len(values):
+                entry[name] = values[number - 1]
+        layers[str(number)] = entry
+    return layers
+
+
+class RunLog:
+    """JSONL + TensorBoard + console lines, written by global rank 0 only."""
+
+    def __init__(self, run_dir: Optional[str], tensorboard: bool, is_writer: bool) -> None:
+        self.is_writer = is_writer and run_dir is not None
+        self.console = is_writer
+        self.jsonl = None
+        self.tb = None
+        if self.is_writer:
+            os.makedirs(run_dir, exist_ok=True)
+            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def record(self, kind: str, step: int, values: Dict) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            self._scalars(f"{kind}/", step, values)
+
+    def _scalars(self, prefix: str, step: int, values: Dict) -> None:
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.tb.add_scalar(prefix + key, value, step)
+            elif isinstance(value, dict):
+                self._scalars(f"{prefix}{key}/", step, value)
+
+    def line(self, text: str) -> None:
+        if self.console:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,233 @@
+"""Pretraining entry point: `python -m megatron_mvmoe.training.pretrain --config x.yaml [flags]`.
+
+The loop, in order, each step:
+  gamma ramp position -> forward/backward over the global batch (Megatron schedule,
+  finalize_model_grads: DP sync + expert-bias update) -> optimizer + LR scheduler ->
+  gamma ramp advance -> NaN/inf check (all ranks, same step) -> progress line, JSONL,
+  TensorBoard, routing metrics -> per-domain evaluation -> checkpoint.
+
+Design choices:
+- `pretrain(run, pg_collection)` is a function of its inputs (no module-level state beyond
+  Megatron's parallel state), so tests call it in-process on gloo ranks; `main()` adds the
+  launcher: `launch.init_distributed` with the run's collective timeout (a dead rank makes
+  the survivors fail within `distributed_timeout_seconds`) and `initialize_layout`.
+- bf16 on GPU, fp32 on CPU (`training.precision = auto`).
+- `on_step` (tests only) is called with (step, trainer) before each step, e.g. to corrupt
+  a weight and check the NaN error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_mvmoe import platform
+from megatron_mvmoe.training import checkpoint as ckpt
+from megatron_mvmoe.training.build import Trainer, build_trainer
+from megatron_mvmoe.training.config import RunConfig, dump_yaml
+from megatron_mvmoe.training.data import RunData
+from megatron_mvmoe.training.metrics import RoutingMonitor, RunLog, aux_losses, routing_summary
+from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, check_loss
+from megatron_mvmoe.training.step import evaluate, train_step
+
+
+@dataclass
+class RunResult:
+    """What a run returns (on every rank)."""
+
+    losses: List[float] = field(default_factory=list)
+    """Training loss of each step taken by this call (global-batch mean)."""
+    first_step: int = 1
+    eval: Dict[str, float] = field(default_factory=dict)
+    """Final per-domain held-out loss."""
+    tokens_per_second: float = 0.0
+    last_checkpoint: Optional[str] = None
+
+
+def _gamma_controls(trainer: Trainer):
+    """(advance, current) for the Multi-View gamma ramps, or no-ops without such layers."""
+    try:
+        from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer, advance_gamma_ramps
+    except ImportError:
+        return (lambda: None), (lambda: None)
+    layers = [m for c in trainer.unwrapped() for m in c.modules()
+              if isinstance(m, MultiViewMoELayer)]
+
+    def advance():
+        values = [advance_gamma_ramps(c) for c in trainer.unwrapped()]
+        return next((v for v in values if v is not None), None)
+
+    def current():
+        return float(layers[0].gamma()) if layers else None
+
+    return advance, current
+
+
+class _Loop:
+    """State of one pretraining call; methods are the named steps of an iteration."""
+
+    def __init__(self, run: RunConfig, pg_collection, on_step) -> None:
+        self.run, self.on_step = run, on_step
+        self.trainer = build_trainer(run, pg_collection)
+        world = dist.get_world_size()
+        self.num_microbatches = run.num_microbatches(world)
+        self.data = RunData(run, self.trainer.shape.seq_length, self.trainer.shape.vocab_size,
+                            parallel_state.get_data_parallel_rank(),
+                            parallel_state.get_data_parallel_world_size())
+        self.log = RunLog(run.logging.run_dir, run.logging.tensorboard, dist.get_rank() == 0)
+        self.watch = NonFiniteWatch(self.trainer.unwrapped())
+        self.routing = (RoutingMonitor(self.trainer.unwrapped(), self.trainer.shape.num_experts)
+                        if run.logging.routing_metrics and self.trainer.shape.is_moe else None)
+        self.advance_gamma, self.gamma = _gamma_controls(self.trainer)
+        self.state = ckpt.ResumeState()
+        self.result = RunResult()
+
+    def resume(self) -> None:
+        load = self.run.training.load
+        if load is None:
+            return
+        self.state = ckpt.load_checkpoint(self.trainer, load, self.run.training.load_optimizer)
+        self.log.line(f"resumed from {ckpt.resolve_checkpoint(load)} at step "
+                      f"{self.state.step} (consumed samples {self.state.consumed_samples})")
+
+    def iterators(self):
+        return [self.data.train_iterator(self.state.consumed_samples)
+                for _ in self.trainer.model]
+
+    def one_step(self, iterators) -> Dict[str, float]:
+        step = self.state.step + 1
+        if self.on_step is not None:
+            self.on_step(step, self.trainer)
+        metrics = train_step(self.trainer, iterators, self.num_microbatches)
+        check_loss(metrics["loss"], step, self.watch if self.run.training.exit_on_nonfinite
+                   else None)
+        gamma = self.advance_gamma()
+        self.state.step = step
+        self.state.consumed_samples += self.run.training.global_batch_size
+        self.state.gamma = gamma
+        metrics["gamma"] = gamma
+        return metrics
+
+    def report(self, metrics: Dict, seconds: float, steps: int) -> None:
+        t, shape = self.run.training, self.trainer.shape
+        tokens = steps * t.global_batch_size * shape.seq_length
+        metrics = dict(metrics, tokens_per_s=tokens / max(seconds, 1e-9),
+                       consumed_samples=self.state.consumed_samples)
+        if self.routing is not None:
+            metrics["routing"] = routing_summary(self.routing.reduce(),
+                                                 aux_losses(steps * self.num_microbatches))
+        self.log.record("train", self.state.step, metrics)
+        gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
+        self.log.line(f"step {self.state.step:6d}/{t.train_iters} | loss {metrics['loss']:.4f} "
+                      f"| lr {metrics['lr']:.3e} | grad norm {metrics['grad_norm']:.3f} | "
+                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}")
+
+    def evaluate(self) -> Dict[str, float]:
+        losses = evaluate(self.trainer, self.data, self.run.training.eval_iters)
+        values = {d: {"loss": v, "ppl": _ppl(v)} for d, v in losses.items()}
+        self.log.record("eval", self.state.step, values)
+        self.log.line(f"eval step {self.state.step}: " + ", ".join(
+            f"{d} loss {v:.4f} ppl {_ppl(v):.1f}" for d, v in losses.items()))
+        return losses
+
+    def save(self) -> None:
+        if self.run.training.save is None:
+            return
+        path = ckpt.save_checkpoint(self.trainer, self.run.training.save, self.state)
+        self.result.last_checkpoint = path
+        self.log.line(f"saved checkpoint {path}")
+
+    def close(self) -> None:
+        self.watch.close()
+        if self.routing is not None:
+            self.routing.close()
+        self.log.close()
+
+
+def _ppl(loss: float) -> float:
+    import math
+
+    return math.exp(min(loss, 50.0))
+
+
+def _due(step: int, interval: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+def pretrain(run: RunConfig, pg_collection,
+             on_step: Optional[Callable[[int, Trainer], None]] = None) -> RunResult:
+    """Train `run` on the initialised layout; returns losses and final evaluation."""
+    loop = _Loop(run, pg_collection, on_step)
+    t = run.training
+    try:
+        loop.resume()
+        if run.logging.run_dir and dist.get_rank() == 0:
+            dump_yaml(run, os.path.join(run.logging.run_dir, "config.yaml"))
+        loop.result.first_step = loop.state.step + 1
+        iterators = loop.iterators()
+        window_start, window_steps = time.perf_counter(), 0
+        total_start, total_steps = window_start, 0
+        while loop.state.step < t.train_iters:
+            metrics = loop.one_step(iterators)
+            loop.result.losses.append(metrics["loss"])
+            window_steps += 1
+            total_steps += 1
+            step = loop.state.step
+            if _due(step, run.logging.log_interval) or step == t.train_iters:
+                loop.report(metrics, time.perf_counter() - window_start, window_steps)
+                window_start, window_steps = time.perf_counter(), 0
+            if _due(step, t.eval_interval) and step < t.train_iters:
+                loop.evaluate()
+            if _due(step, t.save_interval) and step < t.train_iters:
+                loop.save()
+        elapsed = time.perf_counter() - total_start
+        loop.result.tokens_per_second = (total_steps * t.global_batch_size *
+                                         loop.trainer.shape.seq_length / max(elapsed, 1e-9))
+        if t.eval_iters > 0:
+            loop.result.eval = loop.evaluate()
+        loop.save()
+        return loop.result
+    finally:
+        loop.close()
+
+
+# ------------------------------------------------------------------------------ launcher
+def run_from_args(argv: Optional[Sequence[str]] = None) -> RunResult:
+    from megatron_mvmoe.launch import init_distributed
+    from megatron_mvmoe.parallel import destroy_layout, initialize_layout
+    from megatron_mvmoe.training.flags import config_from_args
+
+    run = config_from_args(argv)
+    platform.apply_cpu_patches()
+    init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)
+    try:
+        from megatron_mvmoe.models.presets import resolve_model
+
+        shape = resolve_model(run.model)
+        run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
+        pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts)
+        result = pretrain(run, pgs)
+        destroy_layout()
+        return result
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        run_from_args(argv)
+    except (ValueError, ckpt.CheckpointError, NonFiniteLoss) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""One optimizer step and one evaluation, through Megatron's pipeline schedules.
+
+Design choices:
+- `get_forward_backward_func` picks no-pipelining, 1F1B or interleaved 1F1B from the
+  parallel state; our `forward_step` only moves a microbatch to the device and returns the
+  model output with a loss function (Megatron's contract).
+- The loss function returns (mean token loss, {"lm loss": loss}); the schedule divides by
+  the number of microbatches, DDP averages over data-parallel ranks, so the loss (and the
+  gradients) are the global-batch mean whatever the layout: the basis of layout parity.
+- The reported loss lives on the last pipeline stage; it is averaged over the DP ranks and
+  broadcast over the pipeline group, so every rank sees the same number and a non-finite
+  loss stops all ranks at the same step.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict, Iterator, List
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_mvmoe import platform
+from megatron_mvmoe.training.build import Trainer
+from megatron_mvmoe.training.data import to_device
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """output_tensor: per-token losses [B, S] from GPTModel given labels."""
+    losses = output_tensor.float()
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses.reshape(-1) * mask) / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    batch = to_device(next(data_iterator), platform.device())
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _iterators(trainer: Trainer, make) -> List[Iterator]:
+    """One iterator per model chunk (the interleaved schedule advances each separately)."""
+    return [make() for _ in trainer.model]
+
+
+def _mean_loss(trainer: Trainer, losses: List[Dict[str, torch.Tensor]]) -> float:
+    """Mean microbatch loss, averaged over DP and broadcast over the pipeline group."""
+    value = torch.zeros(1, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and losses:
+        value[0] = torch.stack([d["lm loss"].double().cpu() for d in losses]).mean()
+    value = value.to(platform.device())
+    dp_group = parallel_state.get_data_parallel_group()
+    dist.all_reduce(value, group=dp_group)
+    value /= dist.get_world_size(dp_group)
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(value, src=last, group=pp_group)
+    return float(value.item())
+
+
+def _run_schedule(trainer: Trainer, iterators, num_microbatches: int, forward_only: bool):
+    run = trainer.run
+    schedule = get_forward_backward_func()
+    return schedule(forward_step_func=forward_step,
+                    data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                    model=trainer.model if len(trainer.model) > 1 else trainer.model[0],
+                    num_microbatches=num_microbatches, seq_length=trainer.shape.seq_length,
+                    micro_batch_size=run.training.micro_batch_size, forward_only=forward_only)
+
+
+def train_step(trainer: Trainer, iterators, num_microbatches: int) -> Dict[str, float]:
+    """Forward/backward over the global batch, then the optimizer and scheduler steps."""
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    losses = _run_schedule(trainer, iterators, num_microbatches, forward_only=False)
+    loss = _mean_loss(trainer, losses)
+    updated, grad_norm, _ = trainer.optimizer.step()
+    trainer.scheduler.step(increment=1)
+    return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "lr": trainer.optimizer.param_groups[0]["lr"], "updated": bool(updated)}
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer, data, eval_iters: int) -> Dict[str, float]:
+    """Mean held-out loss per domain (same microbatches every time)."""
+    for chunk in trainer.model:
+        chunk.eval()
+    results = {}
+    try:
+        for domain in data.domains:
+            iterators = _iterators(trainer, partial(data.eval_iterator, domain))
+            losses = _run_schedule(trainer, iterators, eval_iters, forward_only=True)
+            results[domain] = _mean_loss(trainer, losses)
+    finally:
+        for chunk in trainer.model:
+            chunk.train()
+    return results
