@@ -26,19 +26,21 @@ def toy_config(variant="multi_view", num_routers=2, topk=2, **overrides):
     return MVMoETransformerConfig(**base)
 
 
-def build_layer(config, pg):
+def build_layer(config, pg, stock_router=False):
     from megatron_mvmoe.layers.latent_moe import LatentMoELayer
     from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
     from megatron_mvmoe.routing.router import MultiRouter
 
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
                                moe_grouped_gemm=False)
-    submodules = replace(spec.submodules, router=MultiRouter)
+    submodules = spec.submodules if stock_router else replace(spec.submodules, router=MultiRouter)
     cls = MultiViewMoELayer if config.moe_variant == "multi_view" else LatentMoELayer
     layer = cls(config=config, submodules=submodules, layer_number=1, pg_collection=pg)
     with torch.no_grad():  # visible routing differences between heads and experts
         gen = torch.Generator().manual_seed(7)
         layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=gen))
+        if layer.router.expert_bias is not None:
+            layer.router.expert_bias.copy_(0.3 * torch.randn(EXPERTS, generator=gen))
         if hasattr(layer.fc1_latent_proj, "view_perturbations"):
             layer.fc1_latent_proj.view_perturbations.normal_(0.0, 0.5, generator=gen)
     return layer
