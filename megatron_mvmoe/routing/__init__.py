@@ -24,7 +24,8 @@ from megatron_mvmoe.routing.scores import multi_router_logits, sigmoid_scores, s
 from megatron_mvmoe.routing.selection import gates, select_topk, to_megatron
 
 __all__ = [
-    "MultiRouter", "RoutingOutput", "expert_bias_update", "gates", "load_balancing_loss", "multi_router_logits",
+    "MultiRouter", "RoutingOutput", "expert_bias_update", "gates", "load_balancing_loss",
+    "multi_router_logits",
     "normalized_summed_scores", "select_topk", "sequence_load_balancing_loss",
     "sigmoid_scores", "sum_over_routers", "to_megatron", "z_loss",
 ]

@@ -167,8 +167,8 @@ class MultiRouter(MegatronModule):
         scores_TRE = sigmoid_scores(logits_TRE)
         summed_TE = sum_over_routers(scores_TRE)
         topk_idx_TS = select_topk(summed_TE, self.expert_bias, self.topk)
-        gates_TS = gates(summed_TE, topk_idx_TS, self._alpha(), self.config.multi_view.normalizer_eps,
-                         self.num_routers)
+        gates_TS = gates(summed_TE, topk_idx_TS, self._alpha(),
+                         self.config.multi_view.normalizer_eps, self.num_routers)
         gates_TS, aux_value = self._attach_aux_losses(
             gates_TS, summed_TE, topk_idx_TS, valid_T, seq_length, batch_size)
         probs_TE, routing_map_TE = to_megatron(gates_TS, topk_idx_TS, self.num_experts)

@@ -19,8 +19,8 @@ class GammaRamp:
 
     def __init__(self, ramp_steps: int) -> None:
         if ramp_steps < 0:
-            raise ValueError(
-                f"multi_view.gamma_ramp_steps: must be >= 0, got {ramp_steps}. Fix: use 0 for no ramp")
+            raise ValueError(f"multi_view.gamma_ramp_steps: must be >= 0, got {ramp_steps}. "
+                             "Fix: use 0 for no ramp")
         self.ramp_steps = int(ramp_steps)
         self.step = 0
         """Optimizer steps taken so far (advance() once per step)."""

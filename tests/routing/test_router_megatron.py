@@ -55,13 +55,13 @@ def _run_and_grads(router, hidden_SBD, upstream_TE):
     return probs_TE.detach(), map_TE, router.weight.grad.clone(), hidden_SBD.grad, logged
 
 
-def _parity_rank(rank, world_size, topk, bias_scale, overrides):
+def _parity_rank(rank, world_size, topk, bias_scale, overrides, tp=1):
     from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
     destroy_layout()
-    pg = initialize_layout(ParallelLayout())
+    pg = initialize_layout(ParallelLayout(tp=tp))
     config = _config(topk=topk, **overrides)
     ref, ours = _pair(config, pg, bias_scale)
-    hidden_SBD = _randn(SEQ, BATCH, HIDDEN, seed=1)
+    hidden_SBD = _randn(SEQ, BATCH, HIDDEN, seed=1 + rank)  # SP: each TP rank has its tokens
     upstream_TE = _randn(SEQ * BATCH, EXPERTS, seed=2)
     r_probs, r_map, r_wgrad, r_hgrad, r_log = _run_and_grads(ref, hidden_SBD, upstream_TE)
     o_probs, o_map, o_wgrad, o_hgrad, o_log = _run_and_grads(ours, hidden_SBD, upstream_TE)
@@ -89,6 +89,17 @@ def test_r1_matches_megatron_topk_router_with_bias_and_losses():
     logged = run_distributed(_parity_cases_rank, 1, timeout_s=150, args=(cases,))[0]
     assert logged[:3] == [[], [], []]
     assert logged[3] == ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"]
+
+
+def test_r1_losses_match_megatron_with_counts_reduced_over_tp():
+    overrides = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                     moe_aux_loss_coeff=[0.01, 0.02, 0.03], moe_z_loss_coeff=1e-3,
+                     tensor_model_parallel_size=2, sequence_parallel=True,
+                     expert_tensor_parallel_size=1)
+    logged = run_distributed(_parity_cases_rank, 2, timeout_s=150,
+                             args=([(2, 0.0, overrides, 2)],))
+    assert logged[0][0] == ["global_load_balancing_loss", "load_balancing_loss",
+                            "seq_load_balancing_loss", "z_loss"]
 
 
 def _bias_update_rank(rank, world_size):

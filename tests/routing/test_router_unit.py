@@ -32,7 +32,8 @@ def test_route_outputs_fit_together():
     hidden_SBD = torch.randn(4, 3, D)
     out = router.route(hidden_SBD)
     assert out.logits_TRE.shape == (12, 2, E) and out.mix_TSR.shape == (12, 2, 2)
-    torch.testing.assert_close(out.logits_TRE[:, 1], hidden_SBD.reshape(12, D) @ router.weight[E:].t())
+    torch.testing.assert_close(out.logits_TRE[:, 1],
+                               hidden_SBD.reshape(12, D) @ router.weight[E:].t())
     assert torch.equal(out.routing_map_TE.nonzero()[:, 1].view(12, 2), out.topk_idx_TS)
     assert torch.equal(out.probs_TE[out.routing_map_TE].view(12, 2), out.gates_TS)
     torch.testing.assert_close(out.mix_TSR, mixing_weights(out.scores_TRE, out.topk_idx_TS))

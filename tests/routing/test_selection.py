@@ -46,7 +46,8 @@ def test_bias_changes_selection_never_gate_values():
         gates(summed_TE, idx_biased, 1.0, 1e-6), torch.tensor([[0.9 / 1.6, 0.7 / 1.6]]))
     # a bias that keeps the selection keeps the gates bit-identical
     idx_same = select_topk(summed_TE, torch.tensor([0.05, -0.02, 0.0]), 2)
-    assert torch.equal(gates(summed_TE, idx_same, 1.0, 1e-6), gates(summed_TE, idx_plain, 1.0, 1e-6))
+    assert torch.equal(gates(summed_TE, idx_same, 1.0, 1e-6),
+                       gates(summed_TE, idx_plain, 1.0, 1e-6))
 
 
 def test_slots_ascending_and_match_routing_map_order():
