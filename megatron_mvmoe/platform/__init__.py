@@ -38,17 +38,14 @@ def set_local_device(local_rank: int) -> None:
 
 
 def seed_all(seed: int) -> None:
-    """Seed python, numpy and torch, and Megatron's model-parallel RNG tracker on CUDA.
+    """Seed python, numpy and torch, and Megatron's model-parallel RNG tracker once the
+    parallel state exists (on CPU the tracker forks the CPU generator, see cpu_patches)."""
+    from megatron.core import parallel_state, tensor_parallel
 
-    On CPU the CUDA RNG tracker cannot fork, so configs use dropout 0 there and seeding the
-    CPU generator is the whole story.
-    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if is_cuda():
-        from megatron.core import tensor_parallel
-
+    if parallel_state.model_parallel_is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -113,7 +113,9 @@ def _shim_torch_cuda() -> None:
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     cuda.random.set_rng_state = cuda.set_rng_state
-    cuda.manual_seed = lambda seed: None
+    # The "CUDA" generator Megatron seeds and forks is the CPU generator here.
+    # (torch.manual_seed itself calls cuda.manual_seed_all, so that one stays a no-op.)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     cuda.manual_seed_all = lambda seed: None
     cuda.memory_allocated = lambda device=None: 0
     cuda.max_memory_allocated = lambda device=None: 0
@@ -176,11 +178,13 @@ def _redirect_cuda_factories() -> None:
 
 
 def _cuda_factories_break() -> bool:
-    try:
-        torch.zeros(1, device="cuda")
-        return False
-    except (AssertionError, RuntimeError):
-        return True
+    for module_name in _CUDA_FACTORY_MODULES:
+        module_torch = importlib.import_module(module_name).torch
+        try:
+            module_torch.zeros(1, device="cuda")
+        except (AssertionError, RuntimeError):
+            return True
+    return False
 
 
 # -------------------------------------------------- Tensor.type() string comparisons
@@ -242,7 +246,44 @@ def _wrap_type_name_functions() -> None:
 
 
 def _type_names_break() -> bool:
-    return torch.zeros(1).type() != "torch.cuda.FloatTensor"
+    """Needed while Megatron still compares CUDA type names in a method we have not
+    wrapped yet."""
+    import inspect
+
+    for module_name, class_name, method in _TYPE_NAME_FUNCTIONS:
+        fn = getattr(importlib.import_module(module_name), class_name).__dict__[method]
+        fn = getattr(fn, "__func__", fn)
+        if getattr(fn, "_mvmoe_wrapped", False):
+            continue
+        if "torch.cuda." in inspect.getsource(fn) and "Tensor" in inspect.getsource(fn):
+            return True
+    return False
+
+
+# ------------------------------------------------------------ RNG tracker on CPU
+def _cpu_rng_tracker() -> None:
+    """The CUDA RNG tracker (used by attention/dropout forks) saves, reseeds and restores
+    the CPU generator, so weight init and forks follow the same order as on a GPU."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state())
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state))
+
+
+def _rng_tracker_breaks() -> bool:
+    """Unpatched, setting a state is deferred to a CUDA init that never comes (a silent
+    no-op), so the tracker would never restore the generator after a fork."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    state = torch.get_rng_state()
+    torch.rand(1)
+    try:
+        random._set_cuda_rng_state(state)
+    except (AssertionError, RuntimeError, AttributeError):
+        return True
+    restored = torch.equal(torch.get_rng_state(), state)
+    torch.set_rng_state(state)
+    return not restored
 
 
 # ------------------------------------------------------------ MoE-specific patches
@@ -323,6 +364,10 @@ PATCHES: List[Patch] = [
           "The distributed optimizer, the fp16 optimizer and grad clipping dispatch on "
           "'torch.cuda.*Tensor' strings.",
           _wrap_type_name_functions, _type_names_break),
+    Patch("CUDA RNG tracker",
+          "model_parallel_cuda_manual_seed / get_cuda_rng_tracker().fork() read and set "
+          "CUDA generator states (dot_product_attention forks it on every forward).",
+          _cpu_rng_tracker, _rng_tracker_breaks),
     Patch("te_general_gemm",
           "moe_utils.router_gating_linear references te_general_gemm, undefined without "
           "TransformerEngine (NameError).",

@@ -11,6 +11,7 @@ Design choices:
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue as queue_lib
@@ -31,6 +32,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _to_bytes(obj: Any) -> bytes:
+    """Results travel by value: tensors shared by file descriptor would vanish when the
+    child exits before the parent reads them."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    import torch
+
+    # Our own children's results (tensors, dicts, floats): trusted, not user files.
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[Any],
             results: mp.Queue, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -47,7 +65,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
                                 init_method=f"tcp://127.0.0.1:{port}",
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
-        results.put(("ok", rank, result))
+        results.put(("ok", rank, _to_bytes(result)))
     except BaseException:  # report everything, including assertion failures
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -101,8 +119,10 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> List[Any]:
             _raise_if_dead(procs, reported)
             continue
         if status == "error":
+            time.sleep(0.5)  # a peer that died first is the root cause: name it
+            _raise_if_dead(procs, reported)
             raise DistributedTestError(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
+        outputs[rank] = _from_bytes(payload)
         reported.add(rank)
     return outputs
 

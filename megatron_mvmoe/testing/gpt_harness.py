@@ -1,0 +1,111 @@
+"""Build a small Megatron-Core GPTModel from a decoder-block spec and run one training
+step through Megatron's own forward-backward schedule (PP=1 or 1F1B with PP>1), DDP
+wrapper and `finalize_model_grads`, for layout-parity tests.
+
+Data parallel ranks each take their slice of one fixed global batch, so every layout sees
+the same tokens; the returned loss is the global-batch mean on every rank.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_mvmoe.platform import seed_all
+from megatron_mvmoe.testing.deterministic_init import deterministic_init, local_grads
+
+
+def build_gpt(config, block_spec, vocab_size: int, seq_len: int, pg_collection,
+              seed: int = 0) -> DistributedDataParallel:
+    """A GPTModel for this pipeline stage with deterministic weights, wrapped in DDP."""
+    seed_all(seed)
+    model = GPTModel(
+        config=config, transformer_layer_spec=block_spec, vocab_size=vocab_size,
+        max_sequence_length=seq_len,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
+        pg_collection=pg_collection)
+    deterministic_init(model, seed=seed)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                   pg_collection=pg_collection)
+
+
+def global_batch(batch: int, seq_len: int, vocab_size: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, seq_len + 1),
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def _microbatches(tokens_BS1: torch.Tensor, micro_batch: int) -> List[Dict[str, torch.Tensor]]:
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    local = tokens_BS1.chunk(dp_size, dim=0)[dp_rank]
+    seq = local.shape[1] - 1
+    batches = []
+    for mb in local.split(micro_batch, dim=0):
+        batches.append({
+            "tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous(),
+            "loss_mask": torch.ones(mb.shape[0], seq),
+            "position_ids": torch.arange(seq).unsqueeze(0).expand(mb.shape[0], -1),
+        })
+    return batches
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1)
+    loss = (losses * mask).sum() / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule scales loss in place
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def train_step_losses_and_grads(model: DistributedDataParallel, config, tokens_BS1: torch.Tensor,
+                                micro_batch: int, pg_collection) -> Dict:
+    """One forward+backward over the global batch; mean loss and this rank's grads."""
+    model.zero_grad_buffer()
+    batches = _microbatches(tokens_BS1, micro_batch)
+    seq_len = tokens_BS1.shape[1] - 1
+    config.finalize_model_grads_func = finalize_model_grads
+    forward_backward = get_forward_backward_func()
+    losses = forward_backward(
+        forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
+        forward_only=False)
+    loss = _global_mean_loss(losses)
+    return {"loss": loss, "grads": local_grads(model)}
+
+
+def _global_mean_loss(losses: List[Dict]) -> float:
+    """Mean loss over microbatches and data-parallel ranks, broadcast from the last stage."""
+    value = torch.zeros(1)
+    if parallel_state.is_pipeline_last_stage():
+        value += torch.stack([d["lm loss"] for d in losses]).mean()
+        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        value /= parallel_state.get_data_parallel_world_size()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(value, src=last, group=pp_group)
+    return float(value.item())
+
+
+def block_spec_fn_local(config) -> Callable:
+    """Megatron's own decoder-block spec (local, non-TE backend) for this stage."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False)
