@@ -24,7 +24,8 @@ def _grads(fn, inputs, seed=1):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,k,num_experts", [(1, 8, 64), (2, 8, 256), (4, 2, 60), (2, 1, 32)])
+@pytest.mark.parametrize("num_heads,k,num_experts",
+                         [(1, 8, 64), (2, 8, 256), (4, 2, 60), (2, 1, 32)])
 def test_fused_multi_router_gpu(dtype, num_heads, k, num_experts):
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
