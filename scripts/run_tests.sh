@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test suite, fail-fast: pure-math unit tests first, then Megatron layers, distributed,
+# launcher and functional training tests; stops at the first failure. Extra args go to
+# pytest (e.g. -m "not slow").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
+ORDER=(routing views mhmoe kernels platform data layers launch training analysis)
+dirs=()
+for d in "${ORDER[@]}"; do [ -d "tests/$d" ] && dirs+=("tests/$d"); done
+for d in tests/*/; do
+  d=${d%/}; case " ${dirs[*]} " in *" $d "*) ;; *) dirs+=("$d");; esac
+done
+start=$(date +%s)
+.venv/bin/python -m pytest -x -q --timeout=900 -p no:cacheprovider "${dirs[@]}" "$@"
+echo "[tests] total wall time $(( $(date +%s) - start )) s"
