@@ -1,0 +1,117 @@
+"""PNG figures for the analysis tools (matplotlib, Agg backend: no display needed).
+
+Each function takes the tools' JSON-ready dicts, writes one PNG and returns its path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Mapping, Sequence
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ensure_dir(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def plot_alignment(reports: Mapping[str, dict], path: str, title: str) -> str:
+    """Per-layer mean per-token rho with CI bars, one series per model (Figure 2 style).
+
+    Args:
+        reports: label -> AlignmentReport.as_dict().
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    count = max(len(reports), 1)
+    for index, (label, report) in enumerate(reports.items()):
+        layers = [entry["layer"] for entry in report["layers"]]
+        est = [entry["per_token"]["estimate"] for entry in report["layers"]]
+        low = [e - entry["per_token"]["low"] for e, entry in zip(est, report["layers"])]
+        high = [entry["per_token"]["high"] - e for e, entry in zip(est, report["layers"])]
+        offset = (index - (count - 1) / 2) * 0.12
+        glob = report["global"]["estimate"]
+        ax.errorbar([x + offset for x in layers], est, yerr=[low, high], marker="o",
+                    capsize=3, label=f"{label} (global {glob:.3f})")
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("mean per-token Spearman rho")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _ensure_dir(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_bars(values: Mapping[str, Mapping[str, float]], path: str, title: str,
+              ylabel: str) -> str:
+    """Grouped bars: group -> {series: value} (e.g. policy -> {domain: ΔNLL})."""
+    plt = _pyplot()
+    groups = list(values)
+    series: List[str] = sorted({s for g in groups for s in values[g]})
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.8 / max(len(series), 1)
+    for index, name in enumerate(series):
+        xs = [g + index * width for g in range(len(groups))]
+        ax.bar(xs, [values[g].get(name, 0.0) for g in groups], width, label=name)
+    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))])
+    ax.set_xticklabels(groups)
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _ensure_dir(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(curves: Mapping[str, Sequence[Sequence[float]]], path: str, title: str,
+                ylabel: str = "training loss") -> str:
+    """Mean curve per label with a min-max band over seeds: label -> [seed][step] values."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for label, runs in curves.items():
+        length = min(len(r) for r in runs)
+        if length == 0:
+            continue
+        cols = [[r[i] for r in runs] for i in range(length)]
+        mean = [sum(c) / len(c) for c in cols]
+        steps = list(range(1, length + 1))
+        line, = ax.plot(steps, mean, label=label, linewidth=1.2)
+        ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols],
+                        color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _ensure_dir(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_volume(rows: Sequence[Dict], path: str, title: str) -> str:
+    """Bytes per layer and phase: rows of {'label', 'bytes'} as horizontal bars."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 0.35 * len(rows) + 1.2))
+    ax.barh([r["label"] for r in rows], [r["bytes"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("bytes per rank per step")
+    ax.set_title(title)
+    fig.tight_layout()
+    _ensure_dir(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

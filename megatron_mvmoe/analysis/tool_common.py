@@ -1,0 +1,82 @@
+"""Shared plumbing of the analysis tools: model specs on the command line, one-rank runs.
+
+A model spec is one of:
+  <preset>            a preset of megatron_mvmoe.models.presets, freshly initialised
+  <path>.yaml         a run config (fresh init unless the YAML sets training.load)
+  <checkpoint dir>    a checkpoint root or iter_* directory (its stored run config)
+optionally prefixed by a label: `baseline=tiny_latent`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    label: str
+    preset: Optional[str] = None
+    config_path: Optional[str] = None
+    checkpoint: Optional[str] = None
+
+
+def parse_model_spec(text: str) -> ModelSpec:
+    label, _, body = text.rpartition("=")
+    body = body.strip()
+    if not body:
+        raise ValueError(f"--model {text!r}: empty. Fix: pass a preset, a .yaml or a checkpoint")
+    label = label or os.path.basename(body.rstrip("/")) or body
+    if body.endswith((".yaml", ".yml")):
+        if not os.path.isfile(body):
+            raise ValueError(f"--model {text!r}: file {body!r} not found")
+        return ModelSpec(label, config_path=body)
+    if os.path.isdir(body):
+        return ModelSpec(label, checkpoint=body)
+    from megatron_mvmoe.models.presets import PRESETS, preset_names
+
+    if body not in PRESETS:
+        raise ValueError(f"--model {text!r}: not a directory, YAML file or preset. Fix: use one "
+                         f"of {preset_names()} or a checkpoint directory")
+    return ModelSpec(label, preset=body)
+
+
+def open_spec(spec: ModelSpec, pg, overrides: Optional[Dict[str, Any]] = None):
+    """(OpenModel, run) for a spec on this rank."""
+    from megatron_mvmoe.analysis import model_access
+
+    run = model_access.run_config(spec.preset, spec.config_path, spec.checkpoint, overrides)
+    return model_access.open_model(run, pg, spec.checkpoint)
+
+
+def single_rank(fn: Callable, *args, timeout_s: float = 1800.0):
+    """Run fn(rank, world_size, *args) on one gloo rank (Megatron needs a process group)."""
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    return run_distributed(fn, 1, timeout_s=timeout_s, args=args)[0]
+
+
+def in_rank_setup():
+    """CPU patches + the EP = 1 layout on the already initialised default group."""
+    from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
+    from megatron_mvmoe.platform import apply_cpu_patches
+
+    apply_cpu_patches()
+    return initialize_layout(ParallelLayout())
+
+
+def emit(payload: Dict, as_json: bool, text: str) -> None:
+    """Print JSON (machine-readable) or the human summary."""
+    if as_json:
+        json.dump(payload, sys.stdout, indent=2, default=float)
+        sys.stdout.write("\n")
+    else:
+        print(text)
+
+
+def fail(message: str) -> Tuple[int, None]:
+    print(f"error: {message}", file=sys.stderr)
+    return 2, None
