@@ -10,7 +10,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first used (see b
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mvmoe_kernels import fused_multi_router, reference_multi_router, resolve_backend  # noqa: E402
+import math  # noqa: E402
+
+from mvmoe_kernels import fused_multi_router, resolve_backend  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 NUM_TOKENS, NUM_EXPERTS = 37, 20  # not a multiple of the block; E not a power of 2
@@ -47,6 +49,19 @@ def _assert_match(results):
         torch.testing.assert_close(getattr(out_k, name), getattr(out_r, name), **TOL)
     for grad_k, grad_r in zip(grads_k, grads_r):
         torch.testing.assert_close(grad_k, grad_r, **TOL)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_hand_computed_case(backend):
+    # sigmoid(+-ln 3) = 0.75 / 0.25: every expert sums to 1.0 (a three-way tie), the bias
+    # picks expert 2, the tie rule picks expert 0; the mix keeps the heads' opposite views
+    third = math.log(3.0)
+    logits_TRE = torch.tensor([[[0.0, third, -third], [0.0, -third, third]]])
+    out = fused_multi_router(logits_TRE, torch.tensor([0.0, 0.0, 0.1]), 2, backend=backend)
+    assert out.topk_idx_TS.tolist() == [[0, 2]]
+    torch.testing.assert_close(out.gates_TS, torch.tensor([[0.5, 0.5]]))
+    torch.testing.assert_close(out.mix_TSR, torch.tensor([[[0.5, 0.5], [0.25, 0.75]]]))
+    torch.testing.assert_close(out.summed_TE, torch.ones(1, 3))
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
