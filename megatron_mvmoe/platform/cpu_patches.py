@@ -168,6 +168,7 @@ _CUDA_FACTORY_MODULES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.transformer.utils",
     "megatron.core.rerun_state_machine",
+    "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex/TE)
 )
 
 
@@ -234,8 +235,8 @@ def _wrap_type_name_functions() -> None:
     for module_name, class_name, method in _TYPE_NAME_FUNCTIONS:
         cls = getattr(importlib.import_module(module_name), class_name)
         fn = cls.__dict__[method]
-        if isinstance(fn, staticmethod):
-            setattr(cls, method, staticmethod(_with_cuda_type_names(fn.__func__)))
+        if isinstance(fn, (staticmethod, classmethod)):  # rewrap the same descriptor kind
+            setattr(cls, method, type(fn)(_with_cuda_type_names(fn.__func__)))
         else:
             setattr(cls, method, _with_cuda_type_names(fn))
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
