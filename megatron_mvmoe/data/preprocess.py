@@ -96,10 +96,22 @@ def _token_lists(tokenizer: Tokenizer, texts: Iterator[str], batch: int) -> Iter
         yield from tokenizer.tokenize_batch(chunk)
 
 
+def _check_corpus_files(corpus_dir: str, manifest: dict) -> None:
+    """Fail before any tokenizing if a domain/split file is missing or empty."""
+    for domain in manifest["domains"]:
+        for split in SPLITS:
+            path = os.path.join(corpus_dir, f"{domain}.{split}.jsonl")
+            if not os.path.isfile(path) or os.path.getsize(path) == 0:
+                raise data_error(path, "empty corpus file" if os.path.isfile(path) else
+                                 "corpus file missing", "rebuild the corpus with "
+                                 "tools/build_corpus.py (raise --max-mb-per-domain)")
+
+
 def preprocess(config: PreprocessConfig, progress: Optional[Progress] = None) -> dict:
     """Tokenize every domain/split of the corpus; return the metadata written."""
     progress = progress or (lambda msg: None)
     manifest = load_manifest(config.corpus_dir)
+    _check_corpus_files(config.corpus_dir, manifest)
     os.makedirs(config.out_dir, exist_ok=True)
     tokenizer = _make_tokenizer(config, manifest, progress)
     prefixes = {}
