@@ -201,17 +201,22 @@ class PretrainingSampler:
     def __len__(self) -> int:
         return (self.total - self.consumed) // (self.mbs * self.dp_size)
 
-    def __iter__(self) -> Iterator[List[int]]:
+    def batch_at(self, k: int) -> Optional[List[int]]:
+        """This rank's k-th microbatch of sample ids (None past the last full block)."""
         block = self.mbs * self.dp_size
-        mine = slice(self.dp_rank * self.mbs, (self.dp_rank + 1) * self.mbs)
-        batch: List[int] = []
-        for idx in range(self.consumed, self.total):
-            batch.append(idx)
-            if len(batch) == block:
-                yield batch[mine]
-                batch = []
-        if batch and not self.drop_last and len(batch) > mine.start:
-            yield batch[mine]
+        first = self.consumed + k * block
+        if first + block > self.total:
+            return None
+        start = first + self.dp_rank * self.mbs
+        return list(range(start, start + self.mbs))
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for k in range(len(self)):
+            yield self.batch_at(k)
+        block = self.mbs * self.dp_size
+        tail_start = self.consumed + len(self) * block + self.dp_rank * self.mbs
+        if not self.drop_last and tail_start < self.total:
+            yield list(range(tail_start, min(tail_start + self.mbs, self.total)))
 
 
 def microbatches(dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
