@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--level", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="run-config override, e.g. model.gamma_ramp_steps=0 (repeatable)")
     p.add_argument("--plot", default=None, help="PNG path for the per-layer figure")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return p.parse_args(argv)
@@ -50,6 +52,7 @@ def _overrides(args):
         out["data.path"] = args.data_path
     if args.data_kind:
         out["data.kind"] = args.data_kind
+    out.update(tool_common.parse_overrides(args.set))
     return out
 
 

@@ -44,6 +44,20 @@ def parse_model_spec(text: str) -> ModelSpec:
     return ModelSpec(label, preset=body)
 
 
+def parse_overrides(pairs) -> Dict[str, Any]:
+    """`--set section.field=value` pairs -> {"section.field": value} (value parsed as YAML)."""
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or "." not in key:
+            raise ValueError(f"--set {pair!r}: expected section.field=value, e.g. "
+                             "model.gamma_ramp_steps=0")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
 def open_spec(spec: ModelSpec, pg, overrides: Optional[Dict[str, Any]] = None):
     """(OpenModel, run) for a spec on this rank."""
     from megatron_mvmoe.analysis import model_access

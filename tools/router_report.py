@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Router diversity and expert load per MoE layer, from a checkpoint or a fresh model:
+inter-head rank correlation and top-k overlap (vs chance k/E), mixing-weight entropy,
+tokens per expert, load max/mean and coefficient of variation per layer and per EP rank.
+
+Examples:
+  python tools/router_report.py --model tiny_multi_view
+  python tools/router_report.py --model runs/mv/ckpt --data-path data/tok --ep-size 2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_mvmoe.analysis import tool_common  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", required=True,
+                   help="[label=]preset | run.yaml | checkpoint dir (repeatable)")
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="EP size whose per-rank load to report (contiguous expert blocks)")
+    p.add_argument("--data-path", default=None)
+    p.add_argument("--data-kind", default=None, choices=["indexed", "tokens"])
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="run-config override, e.g. model.gamma_ramp_steps=0 (repeatable)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def _rank(rank, world_size, spec, args):
+    import torch
+
+    from megatron_mvmoe.analysis import model_access, moe_probe
+    from megatron_mvmoe.analysis.diversity import diversity_report
+    from megatron_mvmoe.analysis.load import load_report
+
+    pg = tool_common.in_rank_setup()
+    overrides = {k: v for k, v in (("data.path", args.data_path),
+                                   ("data.kind", args.data_kind)) if v}
+    overrides.update(tool_common.parse_overrides(args.set))
+    opened = tool_common.open_spec(spec, pg, overrides)
+    layers = moe_probe.moe_layers(opened.model)
+    by_domain = model_access.heldout_batches(opened.run, args.batches, args.batch_size,
+                                             args.seed)
+    probes = {k: [] for k in layers}
+    with torch.no_grad():
+        for batch in (b for d in sorted(by_domain) for b in by_domain[d]):
+            with moe_probe.capture_inputs(layers) as inputs:
+                model_access.gpt_token_nll(opened.model, batch)
+            for key, layer in layers.items():
+                probes[key].append(moe_probe.probe_routing(layer, inputs[key]))
+    diversity, maps = {}, {}
+    for key, chunks in probes.items():
+        mix = None if chunks[0].mix_TSR is None else torch.cat([c.mix_TSR for c in chunks])
+        diversity[key] = diversity_report(torch.cat([c.scores_TRE for c in chunks]),
+                                          torch.cat([c.topk_idx_TS for c in chunks]),
+                                          mix).as_dict()
+        maps[key] = torch.cat([c.routing_map_TE for c in chunks])
+    return {"label": spec.label, "source": opened.source,
+            "variant": opened.trainer.config.moe_variant,
+            "data": model_access.SYNTHETIC if "random" in by_domain else sorted(by_domain),
+            "diversity": diversity,
+            "load": [entry.as_dict() for entry in load_report(maps, args.ep_size)]}
+
+
+def _summary(results) -> str:
+    lines = []
+    for res in results:
+        lines.append(f"{res['label']} ({res['variant']}, data {res['data']}, {res['source']})")
+        loads = {entry["layer"]: entry for entry in res["load"]}
+        for layer, div in res["diversity"].items():
+            load = loads[layer]
+            corr = ", ".join(f"{k} {v:+.3f}" for k, v in div["rank_correlation"].items()) or "-"
+            over = ", ".join(f"{k} {v:.3f}" for k, v in div["topk_overlap"].items()) or "-"
+            ent = "-" if div["mixing_entropy"] is None else f"{div['mixing_entropy']:.3f}"
+            lines.append(
+                f"  layer {layer}: head rho {corr}; top-k overlap {over} (chance "
+                f"{div['chance_overlap']:.3f}); mix entropy {ent}; load max/mean "
+                f"{load['experts']['max_over_mean']:.3f} CV {load['experts']['cv']:.3f}; "
+                f"EP-rank max/mean {load['ranks']['max_over_mean']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        specs = [tool_common.parse_model_spec(text) for text in args.model]
+    except ValueError as err:
+        return tool_common.fail(str(err))[0]
+    start = time.time()
+    results = [tool_common.single_rank(_rank, spec, args) for spec in specs]
+    payload = {"results": results, "wall_s": round(time.time() - start, 1),
+               "command": " ".join(["python", "tools/router_report.py", *sys.argv[1:]])}
+    tool_common.emit(payload, args.json, _summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
