@@ -159,7 +159,7 @@ def _slurm_conf(state_dir: Path, host: str) -> str:
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
         "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
         "JobCompType=jobcomp/none", "MpiDefault=none", "SwitchType=switch/none",
-        "ReturnToService=2", "SchedulerType=sched/backfill",
+        "ReturnToService=2", "SchedulerType=sched/backfill", "MailProg=/bin/true",
         f"NodeName={host} NodeAddr=127.0.0.1 CPUs={res['CPUs']} RealMemory={res['RealMemory']} State=UNKNOWN",
         f"PartitionName={PARTITION} Nodes={host} Default=YES MaxTime=INFINITE State=UP",
         "",
@@ -197,7 +197,8 @@ def _require_tools() -> None:
 def status(state_dir: Path = DEFAULT_STATE_DIR) -> Dict[str, object]:
     pids = _read_pids(state_dir)
     alive = {name: _runs(pid, name) for name, pid in pids.items() if pid}
-    node_state = _node_state(state_dir) if _paths(state_dir)["conf"].exists() else None
+    # sinfo blocks for its message timeout (~10 s) when no slurmctld listens: ask only ours
+    node_state = _node_state(state_dir) if alive.get("slurmctld") else None
     running = bool(pids) and all(alive.values()) and node_state is not None
     return {"running": running, "state_dir": str(state_dir), "slurm_conf": str(_paths(state_dir)["conf"]),
             "pids": pids, "alive": alive, "node": socket.gethostname(), "node_state": node_state,
