@@ -6,7 +6,9 @@ Python 3.11 (0.17+ needs 3.12), and our CPU patches are version-guarded against 
 from setuptools import find_packages, setup
 
 MEGATRON_CORE_PIN = "megatron-core==0.16.1"
-TORCH_PIN = "torch==2.13.0"
+# The CPU machines install torch==2.13.0 first (scripts/setup_env.sh); GPU images bring
+# their own CUDA torch, so only a floor is declared here.
+TORCH_REQ = "torch>=2.6"
 
 setup(
     name="megatron_mvmoe",
@@ -14,9 +16,9 @@ setup(
     description="Multi-View MoE, Multi-Router and MH-MoE on Megatron-Core",
     packages=find_packages(include=["megatron_mvmoe*"]) + ["mvmoe_kernels"],
     package_dir={"mvmoe_kernels": "kernels"},
-    python_requires=">=3.10,<3.12",
+    python_requires=">=3.10,<3.13",
     install_requires=[
-        TORCH_PIN,
+        TORCH_REQ,
         MEGATRON_CORE_PIN,
         "numpy",
         "packaging",
