@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""The seeds' model comparisons reproduced at CPU scale: trains every variant of a suite
+with several seeds through the project's trainer on the three-domain corpus, then writes a
+Markdown table (mean ± std of held-out perplexity per domain, differences to the reference
+marked inside/outside seed noise) and loss-curve PNGs, with the exact command and wall time.
+
+Suites (analysis/compare_variants.py):
+  a  latent baseline vs Multi-Router vs Multi-View (+ stop-gradient ablation)     (seed 000)
+  b  dense, SMoE, fine-grained, MH-MoE h=2/h=3, shared expert, head/merge ablations (seed 001)
+
+Example (data from tools/build_corpus.py + tools/preprocess_data.py):
+  python tools/compare.py --suite a --seeds 3 --data-path data/tok_small \
+      --train-iters 150 --out-dir examples/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_mvmoe.analysis import tool_common  # noqa: E402
+
+REFERENCES = {"a": "latent", "b": "smoe"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=["a", "b"], required=True)
+    p.add_argument("--variants", nargs="+", default=None, help="subset of the suite")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (>= 3 for noise)")
+    p.add_argument("--data-path", required=True, help="preprocessed three-domain data dir")
+    p.add_argument("--data-kind", default="indexed", choices=["indexed", "tokens"])
+    p.add_argument("--train-iters", type=int, default=150)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-iters", type=int, default=8, help="held-out microbatches per domain")
+    p.add_argument("--out-dir", default="examples/results")
+    p.add_argument("--timeout", type=float, default=900.0, help="per run")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def run_config(variant, seed: int, args):
+    from megatron_mvmoe.training.config import config_from_dict
+
+    return config_from_dict({
+        "model": dict(variant.model),
+        "data": {"kind": args.data_kind, "path": args.data_path},
+        "optimizer": {"lr": args.lr, "min_lr": args.lr / 10, "warmup_iters": max(1, min(10, args.train_iters // 5)),
+                      "use_distributed_optimizer": False},
+        "training": {"train_iters": args.train_iters, "global_batch_size": args.global_batch,
+                     "micro_batch_size": args.micro_batch, "eval_interval": 0,
+                     "eval_iters": args.eval_iters, "seed": seed, "save": None},
+        "logging": {"log_interval": 10 ** 9, "run_dir": None, "tensorboard": False,
+                    "routing_metrics": False},
+    })
+
+
+def _train(rank, world_size, run):
+    from megatron_mvmoe.analysis.model_access import run_config as _unused  # noqa: F401
+    from megatron_mvmoe.training.pretrain import pretrain
+
+    pg = tool_common.in_rank_setup()
+    start = time.perf_counter()
+    result = pretrain(run, pg)
+    return {"losses": [float(x) for x in result.losses], "eval": dict(result.eval),
+            "tokens_per_second": result.tokens_per_second,
+            "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def _write(out_dir, suite, payload, results, variants):
+    from megatron_mvmoe.analysis.compare_report import loss_curves, markdown_table
+    from megatron_mvmoe.analysis.plots import plot_curves
+
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"compare_{suite}")
+    with open(base + ".json", "w") as fh:
+        json.dump(payload, fh, indent=1, default=str)
+    if not any(results.values()):
+        return base
+    plot = plot_curves(loss_curves(results), base + "_loss.png",
+                       f"suite {suite}: training loss (mean, min-max over seeds)")
+    table = markdown_table(results, {v.name: v.reference for v in variants},
+                           {v.name: v.note for v in variants})
+    with open(base + ".md", "w") as fh:
+        fh.write(f"# Comparison suite {suite}\n\nCommand: `{payload['command']}`\n\n"
+                 f"Wall time: {payload['wall_s']} s for {payload['runs_done']} runs "
+                 f"(1 gloo rank each, 2 shared CPU cores). Setup: {payload['setup']}\n\n"
+                 f"Held-out perplexity, mean ± std over seeds. 'inside seed noise' = the "
+                 f"difference to the reference is within 2 standard errors.\n\n{table}\n"
+                 f"Loss curves: `{os.path.basename(plot)}`\n")
+    return base
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_mvmoe.analysis.compare_variants import variants as build_variants
+
+    try:
+        chosen = build_variants(args.suite, args.variants, args.seq_length)
+        if not os.path.isdir(args.data_path):
+            raise ValueError(f"--data-path {args.data_path!r} is not a directory. Fix: run "
+                             "tools/build_corpus.py and tools/preprocess_data.py first")
+    except ValueError as err:
+        return tool_common.fail(str(err))[0]
+    import megatron_mvmoe.training.pretrain  # noqa: F401  (import once, before forking ranks)
+
+    start = time.time()
+    results = {v.name: [] for v in chosen}
+    payload = {"suite": args.suite, "reference": REFERENCES[args.suite],
+               "command": " ".join(["python", "tools/compare.py", *sys.argv[1:]]),
+               "setup": (f"{args.train_iters} steps x {args.global_batch} seqs x "
+                         f"{args.seq_length} tokens, lr {args.lr}, eval {args.eval_iters} x "
+                         f"{args.micro_batch} seqs per domain"),
+               "runs": {}, "errors": {}}
+    for seed in range(1, args.seeds + 1):  # seed-major: partial results cover all variants
+        for variant in chosen:
+            key = f"{variant.name}/seed{seed}"
+            try:
+                run = tool_common.single_rank(_train, run_config(variant, seed, args),
+                                              timeout_s=args.timeout)
+                results[variant.name].append(run)
+                payload["runs"][key] = run
+                print(f"[compare] {key}: eval {run['eval']} ({run['wall_s']} s)",
+                      file=sys.stderr, flush=True)
+            except Exception as err:  # a failed variant is reported, the suite goes on
+                payload["errors"][key] = f"{type(err).__name__}: {str(err)[-500:]}"
+                print(f"[compare] {key} FAILED: {payload['errors'][key]}", file=sys.stderr)
+            payload.update(wall_s=round(time.time() - start, 1), runs_done=len(payload["runs"]))
+            base = _write(args.out_dir, args.suite, payload, results, chosen)
+    summary = open(base + ".md").read() if os.path.exists(base + ".md") else "(no runs)"
+    tool_common.emit(payload, args.json, summary)
+    return 0 if not payload["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
