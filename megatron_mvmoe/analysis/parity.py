@@ -314,3 +314,10 @@ def derive_mh_moe(base: MoELayerShape, num_heads: int, topk: Optional[int] = Non
                                            leading_flops_per_token(base)),
         params_deviation=relative_deviation(layer_params(shape).paper_total,
                                             layer_params(base).paper_total))
+
+
+def all_to_all_bytes_per_token(shape: MoELayerShape, bytes_per_element: int = 4) -> int:
+    """Bytes one token puts into the expert-parallel all-to-all, per direction (dispatch; the
+    combine returns the same rows): H * k sub-token rows of D / H = k * D elements. Gates
+    (H * k scalars) travel in a separate all-to-all and are not included."""
+    return shape.routed_rows * shape.topk * shape.expert_input * bytes_per_element

@@ -2,26 +2,24 @@
 H = 1 reduces to Megatron's SMoE, shared expert, BitNet, decoder-layer integration."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_mvmoe.layers.mh_reference import mh_test_config, naive_mh_moe
 from megatron_mvmoe.layers.multi_head_moe import MultiHeadMoELayer, mh_moe_spec
-from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.platform import apply_cpu_patches
-from megatron_mvmoe.testing.spawn import free_port
+from megatron_mvmoe.testing.spawn import run_distributed
 from megatron.core.transformer.spec_utils import build_module
 
 
-@pytest.fixture(scope="module")
-def pg():
+def _with_groups(rank, world_size, body, kwargs):
     apply_cpu_patches()
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{free_port()}")
-    try:
-        yield initialize_layout(ParallelLayout())
-    finally:
-        destroy_layout()
-        dist.destroy_process_group()
+    body(initialize_layout(ParallelLayout()), **kwargs)
+
+
+def run_in_child(body, **kwargs):
+    """Run `body(pg, **kwargs)` in a forked one-rank gloo process: initialising gloo in the
+    pytest process itself makes later forked distributed tests hang."""
+    run_distributed(_with_groups, 1, timeout_s=120, args=(body, kwargs))
 
 
 def build(pg, seed=0, **cfg):
@@ -34,9 +32,7 @@ def randn(*shape, seed=1):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("cfg", [dict(heads=2, topk=2), dict(heads=4, topk=1, hidden=8),
-                                 dict(heads=2, topk=2, shared=5)])
-def test_matches_naive_reference(pg, cfg):
+def _matches_naive_reference(pg, cfg):
     layer, _ = build(pg, **cfg)
     x = randn(3, 2, 8).requires_grad_(True)
     out, bias = layer(x)
@@ -49,7 +45,7 @@ def test_matches_naive_reference(pg, cfg):
     torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_sub_tokens_of_one_token_route_to_different_experts(pg):
+def _sub_tokens_of_one_token_route_to_different_experts(pg):
     layer, _ = build(pg, heads=2, head=False, merge=False, experts=2, topk=1, hidden=4)
     with torch.no_grad():
         layer.moe.router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
@@ -68,9 +64,7 @@ def test_sub_tokens_of_one_token_route_to_different_experts(pg):
         torch.testing.assert_close(out[0, 0, 2 * half:2 * half + 2], want)
 
 
-@pytest.mark.parametrize("head, merge", [(True, True), (True, False), (False, True),
-                                         (False, False)])
-def test_switches_change_exactly_the_named_modules(pg, head, merge):
+def _switches_change_exactly_the_named_modules(pg, head, merge):
     layer, _ = build(pg, head=head, merge=merge)
     names = {n.split(".")[0] for n, _ in layer.named_parameters()}
     assert names == {"moe"} | ({"head"} if head else set()) | ({"merge"} if merge else set())
@@ -82,7 +76,7 @@ def test_switches_change_exactly_the_named_modules(pg, head, merge):
     torch.testing.assert_close(layer(x)[0], naive_mh_moe(layer, x), atol=1e-5, rtol=1e-5)
 
 
-def test_no_split_routes_whole_tokens(pg):
+def _no_split_routes_whole_tokens(pg):
     layer, _ = build(pg, heads=1, split=False)
     assert layer.moe.router.weight.shape == (4, 8) and layer.head is not None
     with pytest.raises(ValueError, match="split_tokens"):
@@ -97,8 +91,7 @@ def _stock_layer(pg, config):
     return MoELayer(config=config, submodules=spec.submodules, pg_collection=pg)
 
 
-@pytest.mark.parametrize("identity_projections", [False, True])
-def test_one_head_reduces_to_stock_smoe(pg, identity_projections):
+def _one_head_reduces_to_stock_smoe(pg, identity_projections):
     layer, config = build(pg, heads=1, head=identity_projections, merge=identity_projections)
     torch.manual_seed(7)
     stock = _stock_layer(pg, mh_test_config(heads=1, moe_variant="smoe"))
@@ -119,14 +112,14 @@ def test_one_head_reduces_to_stock_smoe(pg, identity_projections):
                                atol=1e-6, rtol=0)
 
 
-def test_shared_expert_runs_on_full_tokens(pg):
+def _shared_expert_runs_on_full_tokens(pg):
     layer, _ = build(pg, shared=5)
     assert layer.shared_experts.linear_fc1.weight.shape == (10, 8)  # SwiGLU: 2 x 5 on full D
     assert layer.moe.config.moe_shared_expert_intermediate_size is None
     assert layer.moe.router.weight.shape == (4, 4)  # D / H
 
 
-def test_padding_mask_is_split_per_sub_token(pg):
+def _padding_mask_is_split_per_sub_token(pg):
     layer, _ = build(pg, heads=2)
     mask = torch.tensor([[False, True, False], [True, False, False]])  # [B=2, S=3]
     assert layer.split_padding_mask(mask).tolist() == [
@@ -135,7 +128,7 @@ def test_padding_mask_is_split_per_sub_token(pg):
     assert out.shape == (3, 2, 8)
 
 
-def test_bitnet_quantizes_projections_and_experts(pg):
+def _bitnet_quantizes_projections_and_experts(pg):
     from megatron_mvmoe.layers.bitnet import BitColumnParallelLinear
     plain, _ = build(pg, seed=3)
     quant, _ = build(pg, seed=3, bitnet=True)
@@ -150,7 +143,7 @@ def test_bitnet_quantizes_projections_and_experts(pg):
     assert quant.head.weight.grad is not None and quant.head.weight.grad.abs().sum() > 0
 
 
-def test_plugs_into_a_transformer_layer(pg):
+def _plugs_into_a_transformer_layer(pg):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_layer import TransformerLayer
     config = mh_test_config(heads=2, normalization="RMSNorm")
@@ -165,3 +158,44 @@ def test_plugs_into_a_transformer_layer(pg):
     out, _ = layer(x, attention_mask=None)
     out.sum().backward()
     assert out.shape == x.shape and layer.mlp.head.weight.grad is not None
+
+
+@pytest.mark.parametrize("cfg", [dict(heads=2, topk=2), dict(heads=4, topk=1, hidden=8),
+                                 dict(heads=2, topk=2, shared=5)])
+def test_matches_naive_reference(cfg):
+    run_in_child(_matches_naive_reference, cfg=cfg)
+
+
+def test_sub_tokens_of_one_token_route_to_different_experts():
+    run_in_child(_sub_tokens_of_one_token_route_to_different_experts)
+
+
+@pytest.mark.parametrize("head, merge", [(True, True), (True, False), (False, True),
+                                         (False, False)])
+def test_switches_change_exactly_the_named_modules(head, merge):
+    run_in_child(_switches_change_exactly_the_named_modules, head=head, merge=merge)
+
+
+def test_no_split_routes_whole_tokens():
+    run_in_child(_no_split_routes_whole_tokens)
+
+
+@pytest.mark.parametrize("identity_projections", [False, True])
+def test_one_head_reduces_to_stock_smoe(identity_projections):
+    run_in_child(_one_head_reduces_to_stock_smoe, identity_projections=identity_projections)
+
+
+def test_shared_expert_runs_on_full_tokens():
+    run_in_child(_shared_expert_runs_on_full_tokens)
+
+
+def test_padding_mask_is_split_per_sub_token():
+    run_in_child(_padding_mask_is_split_per_sub_token)
+
+
+def test_bitnet_quantizes_projections_and_experts():
+    run_in_child(_bitnet_quantizes_projections_and_experts)
+
+
+def test_plugs_into_a_transformer_layer():
+    run_in_child(_plugs_into_a_transformer_layer)
