@@ -47,8 +47,7 @@ def build_decoder_block_spec(config, vp_stage: Optional[int] = None, pg_collecti
     validate_variant(config)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, vp_stage=vp_stage)
-    layer_specs = [_swap_moe_slot(spec, config, pg_collection, use_te)
-                   for spec in block.layer_specs]
+    layer_specs = [_swap_moe_slot(spec, config, pg_collection) for spec in block.layer_specs]
     block = replace(block, layer_specs=layer_specs)
     if config.sequence_parallel and not use_te:
         block = _sequence_parallel_norms(block)
@@ -68,14 +67,13 @@ def validate_variant(config) -> None:
                 "set num_moe_experts=None or choose an MoE variant")
 
 
-def moe_mlp_spec(config, moe_spec: ModuleSpec, pg_collection=None,
-                 use_te: bool = False) -> ModuleSpec:
+def moe_mlp_spec(config, moe_spec: ModuleSpec, pg_collection=None) -> ModuleSpec:
     """The MLP spec of an MoE slot for the variant, derived from Megatron's `moe_spec`."""
     variant = getattr(config, "moe_variant", "smoe")
     if variant == "smoe":
         return moe_spec
     if variant == "mh_moe":
-        return _mh_moe_spec(config, pg_collection)
+        return _mh_moe_spec(config, pg_collection, moe_spec)
     router = _router_for(variant, moe_spec.submodules.router)
     layer = MultiViewMoELayer if variant == "multi_view" else LatentMoELayer
     params = dict(moe_spec.params)
@@ -101,7 +99,7 @@ def _router_for(variant: str, stock_router):
     return MultiRouter
 
 
-def _mh_moe_spec(config, pg_collection) -> ModuleSpec:
+def _mh_moe_spec(config, pg_collection, moe_spec: ModuleSpec) -> ModuleSpec:
     try:
         module = importlib.import_module("megatron_mvmoe.layers.multi_head_moe")
     except ImportError as exc:
@@ -110,14 +108,14 @@ def _mh_moe_spec(config, pg_collection) -> ModuleSpec:
             "which is not available yet") from exc
     if not hasattr(module, "mh_moe_spec"):
         raise NotImplementedError("megatron_mvmoe.layers.multi_head_moe has no mh_moe_spec")
-    return module.mh_moe_spec(config, pg_collection)
+    return module.mh_moe_spec(config, pg_collection, moe_spec=moe_spec)
 
 
-def _swap_moe_slot(layer_spec: ModuleSpec, config, pg_collection, use_te: bool) -> ModuleSpec:
+def _swap_moe_slot(layer_spec: ModuleSpec, config, pg_collection) -> ModuleSpec:
     mlp = getattr(layer_spec.submodules, "mlp", None)
     if not (isinstance(mlp, ModuleSpec) and mlp.module is MoELayer):
         return layer_spec
-    new_mlp = moe_mlp_spec(config, mlp, pg_collection, use_te)
+    new_mlp = moe_mlp_spec(config, mlp, pg_collection)
     if new_mlp is mlp:
         return layer_spec
     return replace(layer_spec, submodules=replace(layer_spec.submodules, mlp=new_mlp))
