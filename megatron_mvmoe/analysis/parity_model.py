@@ -6,7 +6,8 @@ Pure python. Builds on `parity.py` (read its conventions first). Extra conventio
   Megatron's FLOPs formula). Two RMSNorms per layer and a final one (D each).
 - Layer placement follows Megatron's integer `moe_layer_freq`: layer i (0-based) is MoE when
   i % freq == 0, so 12 layers with freq 2 have 6 MoE layers (1st, 3rd, ...) and 6 dense ones.
-- Embeddings: V x D, tied with the output layer unless `tied_embeddings=False`; the LM head
+- Embeddings: V x D, plus a V x D output layer unless `tied_embeddings=True` (GPTModel's
+  `share_embeddings_and_output_weights` defaults to False); the LM head
   costs 2 D V per token. No learned position embeddings (RoPE).
 """
 
@@ -44,8 +45,8 @@ class ModelShape:
     """The MoE layer; None for a dense model."""
     moe_layer_freq: int = 2
     """Megatron's integer frequency: layer i is MoE when i % freq == 0."""
-    tied_embeddings: bool = True
-    """Output layer shares the embedding matrix (Megatron's default)."""
+    tied_embeddings: bool = False
+    """Output layer shares the embedding matrix (GPTModel's default is untied)."""
     ffn_matrices: int = 3
     """Matrices of a dense FFN: 3 for SwiGLU."""
 
