@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-iters", type=int, default=8, help="held-out microbatches per domain")
     p.add_argument("--out-dir", default="examples/results")
+    p.add_argument("--save-dir", default=None,
+                   help="also save each run's final checkpoint to SAVE_DIR/<variant>_seed<n> "
+                        "(for tools/routing_alignment.py, mixing_intervention.py, ...)")
     p.add_argument("--timeout", type=float, default=900.0, help="per run")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
@@ -58,7 +61,9 @@ def run_config(variant, seed: int, args):
                       "use_distributed_optimizer": False},
         "training": {"train_iters": args.train_iters, "global_batch_size": args.global_batch,
                      "micro_batch_size": args.micro_batch, "eval_interval": 0,
-                     "eval_iters": args.eval_iters, "seed": seed, "save": None},
+                     "eval_iters": args.eval_iters, "seed": seed,
+                     "save": None if args.save_dir is None else os.path.join(
+                         args.save_dir, f"{variant.name}_seed{seed}")},
         "logging": {"log_interval": 10 ** 9, "run_dir": None, "tensorboard": False,
                     "routing_metrics": False},
     })
