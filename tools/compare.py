@@ -70,7 +70,6 @@ def run_config(variant, seed: int, args):
 
 
 def _train(rank, world_size, run):
-    from megatron_mvmoe.analysis.model_access import run_config as _unused  # noqa: F401
     from megatron_mvmoe.training.pretrain import pretrain
 
     pg = tool_common.in_rank_setup()

@@ -97,8 +97,10 @@ def probe_routing(layer: MoELayer, hidden: torch.Tensor) -> RoutingProbe:
     router = layer.router
     if hasattr(router, "route"):
         out = router.route(hidden)
+        scale = router.gate_scale
+        alpha = scale.detach() if isinstance(scale, torch.Tensor) else float(scale)
         return RoutingProbe(out.scores_TRE, out.scores_TRE.sum(dim=1), out.topk_idx_TS,
-                            out.gates_TS, out.routing_map_TE, out.mix_TSR, router._alpha(),
+                            out.gates_TS, out.routing_map_TE, out.mix_TSR, alpha,
                             router.num_routers)
     probs_TE, routing_map_TE = router(hidden)
     logits_TE = torch.nn.functional.linear(_flat(hidden).float(), router.weight.float())
