@@ -130,3 +130,18 @@ def test_preprocess_cli_json(corpus_dir, tmp_path, capsys, load_tool):
     summary = json.loads(capsys.readouterr().out)
     assert summary["tokenizer"]["eod_id"] == 50256
     assert summary["prefixes"]["tech.valid"]["tokens"] > 0
+
+
+def test_collate_expands_a_shared_mask_and_stacks_distinct_ones():
+    from megatron_mvmoe.data.loader import collate
+
+    causal = torch.tril(torch.ones(1, 4, 4, dtype=torch.bool)) < 0.5
+    same = [{"tokens": torch.arange(4), "attention_mask": causal.clone()} for _ in range(3)]
+    batch = collate(same)
+    assert batch["attention_mask"].shape == (3, 1, 4, 4)
+    assert batch["attention_mask"].stride(0) == 0  # a view, not three copies
+    assert torch.equal(batch["tokens"], torch.arange(4).expand(3, 4))
+    other = causal.clone()
+    other[0, 3, 0] = True
+    batch = collate([same[0], {"tokens": torch.arange(4), "attention_mask": other}])
+    assert torch.equal(batch["attention_mask"], torch.stack([causal, other]))
