@@ -251,3 +251,22 @@ def microbatches(dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int 
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
                                          num_workers=num_workers, collate_fn=collate)
     return iter(loader)
+
+
+def num_microbatches(config: DataConfig, dp_size: int) -> int:
+    """Microbatches per optimizer step on each data-parallel rank."""
+    per_step = config.micro_batch_size * dp_size
+    if config.global_batch_size % per_step:
+        raise ValueError(f"global_batch_size={config.global_batch_size} is not a multiple of "
+                         f"micro_batch_size * dp_size = {per_step}. Fix: change one of them")
+    return config.global_batch_size // per_step
+
+
+def train_microbatches(bundle: DataBundle, config: DataConfig, dp_rank: int = 0,
+                       dp_size: int = 1, consumed_samples: int = 0,
+                       num_workers: int = 0) -> Iterator[Dict[str, torch.Tensor]]:
+    """This rank's train microbatches from `consumed_samples` on (a resumed run passes
+    iteration * global_batch_size); num_microbatches(config, dp_size) make one step."""
+    num_microbatches(config, dp_size)  # validates the batch arithmetic
+    return microbatches(bundle.train, config.micro_batch_size, dp_rank, dp_size,
+                        consumed_samples, num_workers)

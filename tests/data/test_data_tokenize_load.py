@@ -145,3 +145,17 @@ def test_collate_expands_a_shared_mask_and_stacks_distinct_ones():
     other[0, 3, 0] = True
     batch = collate([same[0], {"tokens": torch.arange(4), "attention_mask": other}])
     assert torch.equal(batch["attention_mask"], torch.stack([causal, other]))
+
+
+def test_train_microbatches_resume_where_they_stopped(bundle):
+    from megatron_mvmoe.data.loader import num_microbatches, train_microbatches
+
+    config = DataConfig(data_dir="unused", seq_length=SEQ, micro_batch_size=4,
+                        global_batch_size=8, train_samples=64)
+    assert num_microbatches(config, dp_size=1) == 2
+    with pytest.raises(ValueError, match="not a multiple of micro_batch_size"):
+        num_microbatches(config, dp_size=3)
+    full = train_microbatches(bundle, config)
+    steps = [[next(full)["tokens"] for _ in range(2)] for _ in range(3)]
+    resumed = train_microbatches(bundle, config, consumed_samples=2 * 8)
+    assert torch.equal(next(resumed)["tokens"], steps[2][0])
