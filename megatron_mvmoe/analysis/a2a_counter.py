@@ -15,7 +15,8 @@ output_bytes (this rank's buffers), self_bytes (the part of an all-to-all kept b
 group_size, dtype, shape (of the input), layer (module name of the MoE layer, or None when
 the call happened outside a dispatcher), phase (the dispatcher method: dispatch_preprocess,
 token_dispatch, dispatch_postprocess, combine_preprocess, token_combine), direction ("fwd" or
-"bwd") and payload ("tokens" float rows, "probs" float vector, "metadata" int/bool).
+"bwd") and payload ("tokens" float rows; "probs": a float vector, or the allgather
+dispatcher's dense [T, E] probs; "metadata": int/bool).
 
 Design choices:
 - Counting happens at torch.distributed itself (the functions are wrapped for the duration of
@@ -70,6 +71,7 @@ class CollectiveCounter:
         self._forward_labels: List[Tuple[str, str]] = []
         self._backward_label: Optional[Tuple[str, str]] = None
         self._names: Dict[int, str] = {}
+        self._hints: Dict[Tuple[str, str], Tuple[int, int]] = {}  # (experts, token width)
 
     def attach(self, model: Optional[torch.nn.Module]) -> None:
         """Name each dispatcher after the module (MoE layer) holding it."""
@@ -92,9 +94,10 @@ class CollectiveCounter:
         self_bytes = _self_bytes(first, size, dist.get_rank(group), input_splits) \
             if op == "all_to_all_single" else 0
         layer, phase, direction = self._label()
+        hint = self._hints.get((layer, phase))
         self.records.append(CollectiveRecord(
             op, in_bytes, out_bytes, self_bytes, size, str(first.dtype).replace("torch.", ""),
-            tuple(first.shape), layer, phase, direction, _payload(first)))
+            tuple(first.shape), layer, phase, direction, _payload(first, hint)))
 
     def _label(self):
         if self._forward_labels:
@@ -133,10 +136,18 @@ def _self_bytes(inp: torch.Tensor, size: int, rank: int, splits) -> int:
     return rows * row_bytes
 
 
-def _payload(t: torch.Tensor) -> str:
+def _payload(t: torch.Tensor, hint) -> str:
+    """metadata (int/bool), probs (1-D, or the allgather dispatcher's dense [T, E] whose
+    width is the expert count and not the token width), else tokens."""
     if not t.is_floating_point():
         return "metadata"
-    return "probs" if t.dim() == 1 else "tokens"
+    if t.dim() == 1:
+        return "probs"
+    if hint is not None:
+        num_experts, token_width = hint
+        if t.shape[-1] == num_experts and t.shape[-1] != token_width:
+            return "probs"
+    return "tokens"
 
 
 def _wrap_dist_op(counter: CollectiveCounter, name: str, original):
@@ -191,6 +202,8 @@ def _mark(value, marker, counter, label):
 def _wrap_phase(counter: CollectiveCounter, phase: str, original):
     def wrapped(dispatcher, *args, **kwargs):
         label = (counter.layer_name(dispatcher), phase)
+        if args and torch.is_tensor(args[0]) and args[0].dim() >= 2:
+            counter._hints[label] = (dispatcher.config.num_moe_experts, args[0].shape[-1])
         args = _mark(args, _ExitOnBackward, counter, label)
         counter._forward_labels.append(label)
         try:
