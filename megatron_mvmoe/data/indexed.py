@@ -142,7 +142,8 @@ def write_meta(directory: str, tokenizer_meta: dict, prefixes: dict, corpus: dic
 
 def read_meta(prefix_or_dir: str) -> dict:
     """The dataset_meta.json of a preprocessed directory (given it or one of its prefixes)."""
-    directory = prefix_or_dir if os.path.isdir(prefix_or_dir) else os.path.dirname(prefix_or_dir)
+    is_dir = os.path.isdir(prefix_or_dir)
+    directory = prefix_or_dir if is_dir else os.path.dirname(prefix_or_dir)
     path = os.path.join(directory, META_FILE)
     if not os.path.isfile(path):
         raise data_error(path, "dataset metadata missing (it records which tokenizer made "

