@@ -79,14 +79,22 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
             dist.destroy_process_group()
 
 
+def _default_start_method() -> str:
+    """fork, unless this process already holds a process group: a forked child would
+    inherit its gloo threads and sockets and hang, so start fresh interpreters then."""
+    import torch.distributed as dist
+
+    return "spawn" if dist.is_available() and dist.is_initialized() else "fork"
+
+
 def run_distributed(fn: Callable, world_size: int, timeout_s: float = 180.0,
-                    args: Sequence[Any] = (), start_method: str = "fork") -> List[Any]:
+                    args: Sequence[Any] = (), start_method: Optional[str] = None) -> List[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
     `fn` must be a module-level function (picklable under `spawn`). Raises
     DistributedTestError on an exception in any rank, a dead rank, or a timeout.
     """
-    ctx = mp.get_context(start_method)
+    ctx = mp.get_context(start_method or _default_start_method())
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
@@ -119,12 +127,27 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> List[Any]:
             _raise_if_dead(procs, reported)
             continue
         if status == "error":
-            time.sleep(0.5)  # a peer that died first is the root cause: name it
-            _raise_if_dead(procs, reported)
-            raise DistributedTestError(f"rank {rank} failed:\n{payload}")
+            _raise_first_failure(procs, results, reported, [(rank, payload)])
         outputs[rank] = _from_bytes(payload)
         reported.add(rank)
     return outputs
+
+
+def _raise_first_failure(procs, results, reported, errors) -> None:
+    """Report every rank's failure: the root cause (a peer that raised or died first) is
+    often not the first message to arrive, e.g. rank 0's 'connection reset' may beat rank
+    1's own exception through the queue."""
+    time.sleep(1.0)
+    while True:
+        try:
+            status, rank, payload = results.get(timeout=0.2)
+        except queue_lib.Empty:
+            break
+        if status == "error":
+            errors.append((rank, payload))
+    _raise_if_dead(procs, reported | {rank for rank, _ in errors})
+    raise DistributedTestError("\n".join(f"rank {rank} failed:\n{payload}"
+                                         for rank, payload in sorted(errors)))
 
 
 def _raise_if_dead(procs, reported) -> None:

@@ -50,3 +50,18 @@ def test_dead_rank_fails():
 def test_deadlock_times_out():
     with pytest.raises(DistributedTestError, match="timed out|failed"):
         run_distributed(_deadlock, 2, timeout_s=8)
+
+
+def test_spawner_survives_a_process_group_in_the_parent():
+    """A test that initialised gloo in the pytest process must not make later jobs hang."""
+    from megatron_mvmoe.testing.spawn import free_port
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        assert run_distributed(_allreduce, 2, timeout_s=90) == [3.0, 3.0]
+    finally:
+        if own_group:
+            dist.destroy_process_group()
