@@ -77,9 +77,9 @@ def _summary(results) -> str:
     lines = []
     for res in results:
         lines.append(f"{res['label']} ({res['variant']}, data {res['data']}, {res['source']})")
-        loads = {entry["layer"]: entry for entry in res["load"]}
+        loads = {str(entry["layer"]): entry for entry in res["load"]}
         for layer, div in res["diversity"].items():
-            load = loads[layer]
+            load = loads[str(layer)]
             corr = ", ".join(f"{k} {v:+.3f}" for k, v in div["rank_correlation"].items()) or "-"
             over = ", ".join(f"{k} {v:.3f}" for k, v in div["topk_overlap"].items()) or "-"
             ent = "-" if div["mixing_entropy"] is None else f"{div['mixing_entropy']:.3f}"
