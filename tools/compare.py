@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--suite", choices=["a", "b"], required=True)
     p.add_argument("--variants", nargs="+", default=None, help="subset of the suite")
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (>= 3 for noise)")
-    p.add_argument("--data-path", required=True, help="preprocessed three-domain data dir")
+    p.add_argument("--data-path", default=None, help="preprocessed three-domain data dir")
     p.add_argument("--data-kind", default="indexed", choices=["indexed", "tokens"])
     p.add_argument("--train-iters", type=int, default=150)
     p.add_argument("--global-batch", type=int, default=8)
@@ -47,6 +47,9 @@ def parse_args(argv=None):
                    help="also save each run's final checkpoint to SAVE_DIR/<variant>_seed<n> "
                         "(for tools/routing_alignment.py, mixing_intervention.py, ...)")
     p.add_argument("--timeout", type=float, default=900.0, help="per run")
+    p.add_argument("--smooth", type=int, default=25, help="loss-curve moving-average window")
+    p.add_argument("--render-only", action="store_true",
+                   help="re-write the table and PNG from OUT_DIR/compare_<suite>.json, no training")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -80,7 +83,7 @@ def _train(rank, world_size, run):
             "wall_s": round(time.perf_counter() - start, 1)}
 
 
-def _write(out_dir, suite, payload, results, variants):
+def _write(out_dir, suite, payload, results, variants, smooth=25):
     from megatron_mvmoe.analysis.compare_report import loss_curves, markdown_table
     from megatron_mvmoe.analysis.plots import plot_curves
 
@@ -91,7 +94,7 @@ def _write(out_dir, suite, payload, results, variants):
     if not any(results.values()):
         return base
     plot = plot_curves(loss_curves(results), base + "_loss.png",
-                       f"suite {suite}: training loss (mean, min-max over seeds)")
+                       f"suite {suite}: training loss (mean, min-max over seeds)", smooth=smooth)
     table = markdown_table(results, {v.name: v.reference for v in variants},
                            {v.name: v.note for v in variants})
     with open(base + ".md", "w") as fh:
@@ -104,13 +107,28 @@ def _write(out_dir, suite, payload, results, variants):
     return base
 
 
+def _render_only(args, chosen) -> int:
+    path = os.path.join(args.out_dir, f"compare_{args.suite}.json")
+    if not os.path.isfile(path):
+        return tool_common.fail(f"--render-only: {path} not found. Fix: run the suite first")[0]
+    with open(path) as fh:
+        payload = json.load(fh)
+    results = {v.name: [payload["runs"][k] for k in sorted(payload["runs"])
+                        if k.split("/")[0] == v.name] for v in chosen}
+    base = _write(args.out_dir, args.suite, payload, results, chosen, args.smooth)
+    tool_common.emit(payload, args.json, open(base + ".md").read())
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_mvmoe.analysis.compare_variants import variants as build_variants
 
     try:
         chosen = build_variants(args.suite, args.variants, args.seq_length)
-        if not os.path.isdir(args.data_path):
+        if args.render_only:
+            return _render_only(args, chosen)
+        if args.data_path is None or not os.path.isdir(args.data_path):
             raise ValueError(f"--data-path {args.data_path!r} is not a directory. Fix: run "
                              "tools/build_corpus.py and tools/preprocess_data.py first")
     except ValueError as err:
@@ -139,7 +157,7 @@ def main(argv=None) -> int:
                 payload["errors"][key] = f"{type(err).__name__}: {str(err)[-500:]}"
                 print(f"[compare] {key} FAILED: {payload['errors'][key]}", file=sys.stderr)
             payload.update(wall_s=round(time.time() - start, 1), runs_done=len(payload["runs"]))
-            base = _write(args.out_dir, args.suite, payload, results, chosen)
+            base = _write(args.out_dir, args.suite, payload, results, chosen, args.smooth)
     summary = open(base + ".md").read() if os.path.exists(base + ".md") else "(no runs)"
     tool_common.emit(payload, args.json, summary)
     return 0 if not payload["errors"] else 1

@@ -4,9 +4,12 @@ perplexity per domain, and whether each difference to the reference is inside se
 Design choices:
 - Perplexity = exp(held-out mean NLL) per run; mean and sample std (ddof = 1) over seeds.
 - "Inside seed noise": |mean_v - mean_ref| <= 2 * sqrt(std_v^2 / n_v + std_ref^2 / n_ref),
-  i.e. within two standard errors of the difference (about a 95% band for a t-like test
-  with few seeds it is optimistic; it is stated, not hidden). With one seed nothing can be
-  said and the cell says so.
+  i.e. within two standard errors of the difference (with 3 seeds a t-test would need
+  about 4.3 standard errors for 95%, so "outside" is a weak claim; it is stated, not
+  hidden). With one seed nothing can be said and the cell says so.
+- Paired: seed i of every variant shares the data order (and the seed), so the per-seed
+  difference to the reference removes the data-order noise; reported next to the unpaired
+  verdict with the same 2-standard-error rule.
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ def perplexity_cells(runs: Sequence[Mapping]) -> Dict[str, Cell]:
     return cells
 
 
+def final_loss_cell(runs: Sequence[Mapping], last: int = 100) -> Cell:
+    """Mean training loss over each run's last `last` steps (the seed's "final 1,000 steps"
+    comparison, scaled down), mean ± std over runs."""
+    values = [sum(run["losses"][-last:]) / len(run["losses"][-last:]) for run in runs]
+    mean, std = mean_std(values)
+    return Cell(mean, std, len(values))
+
+
 def inside_noise(cell: Cell, ref: Cell) -> Optional[bool]:
     """None when either side has a single seed (no noise estimate)."""
     if cell.n < 2 or ref.n < 2:
@@ -61,8 +72,8 @@ def markdown_table(results: Mapping[str, Sequence[Mapping]], references: Mapping
     if not cells:
         return "(no finished runs)\n"
     columns = list(next(iter(cells.values())))
-    header = ["variant", "seeds", *[f"ppl {c}" for c in columns], "Δ mean ppl vs reference",
-              "note"]
+    header = ["variant", "seeds", *[f"ppl {c}" for c in columns], "train loss, last 100 steps",
+              "Δ mean ppl vs reference", "note"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, row in cells.items():
         ref_name = references.get(name, "")
@@ -71,11 +82,31 @@ def markdown_table(results: Mapping[str, Sequence[Mapping]], references: Mapping
         elif ref_name not in cells:
             verdict = f"vs {ref_name}: not run"
         else:
-            verdict = f"vs {ref_name}: " + _verdict(row["mean"], cells[ref_name]["mean"])
+            verdict = (f"vs {ref_name}: " + _verdict(row["mean"], cells[ref_name]["mean"])
+                       + "; " + paired_verdict(results[name], results[ref_name]))
         lines.append("| " + " | ".join([
             name, str(row["mean"].n), *[row[c].text() if c in row else "-" for c in columns],
-            verdict, (notes or {}).get(name, "")]) + " |")
+            _loss_text(results[name]), verdict, (notes or {}).get(name, "")]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def paired_verdict(runs: Sequence[Mapping], ref_runs: Sequence[Mapping]) -> str:
+    """Per-seed differences of the mean perplexity (run i of both lists = the same seed,
+    hence the same data order): mean ± std, inside noise if |mean| <= 2 std / sqrt(n)."""
+    pairs = list(zip(runs, ref_runs))
+    if len(pairs) < 2:
+        return "paired: 1 seed"
+    deltas = [perplexity_cells([a])["mean"].mean - perplexity_cells([b])["mean"].mean
+              for a, b in pairs]
+    mean, std = mean_std(deltas)
+    inside = abs(mean) <= 2.0 * std / math.sqrt(len(deltas))
+    return (f"paired Δ {mean:+.2f} ± {std:.2f} "
+            f"({'inside' if inside else 'outside'} seed noise)")
+
+
+def _loss_text(runs: Sequence[Mapping]) -> str:
+    cell = final_loss_cell(runs)
+    return f"{cell.mean:.4f} ± {cell.std:.4f}"
 
 
 def _verdict(cell: Cell, ref: Cell) -> str:

@@ -76,12 +76,25 @@ def plot_bars(values: Mapping[str, Mapping[str, float]], path: str, title: str,
     return path
 
 
+def moving_average(values: Sequence[float], window: int) -> List[float]:
+    """Trailing mean over the last `window` values (shorter at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_curves(curves: Mapping[str, Sequence[Sequence[float]]], path: str, title: str,
-                ylabel: str = "training loss") -> str:
-    """Mean curve per label with a min-max band over seeds: label -> [seed][step] values."""
+                ylabel: str = "training loss", smooth: int = 1) -> str:
+    """Mean curve per label with a min-max band over seeds: label -> [seed][step] values;
+    each run is first smoothed by a trailing moving average of `smooth` steps."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for label, runs in curves.items():
+        runs = [moving_average(list(r), max(smooth, 1)) for r in runs]
         length = min(len(r) for r in runs)
         if length == 0:
             continue
@@ -92,7 +105,7 @@ def plot_curves(curves: Mapping[str, Sequence[Sequence[float]]], path: str, titl
         ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols],
                         color=line.get_color(), alpha=0.15)
     ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel(ylabel if smooth <= 1 else f"{ylabel} ({smooth}-step moving average)")
     ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()

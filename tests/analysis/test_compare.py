@@ -24,6 +24,13 @@ def test_perplexity_cells_hand_case():
     assert cells["a"].n == 2
 
 
+def test_final_loss_cell():
+    from megatron_mvmoe.analysis.compare_report import final_loss_cell
+
+    cell = final_loss_cell([{"losses": [9.0, 2.0, 4.0]}, {"losses": [9.0, 4.0, 6.0]}], last=2)
+    assert (cell.mean, cell.n) == (4.0, 2) and cell.std == pytest.approx(math.sqrt(2))
+
+
 def test_inside_noise():
     ref = Cell(10.0, 1.0, 3)
     assert inside_noise(Cell(10.5, 1.0, 3), ref) is True
@@ -32,13 +39,15 @@ def test_inside_noise():
 
 
 def test_markdown_table_marks_reference_and_noise():
-    runs = lambda *p: [{"eval": {"x": math.log(v)}} for v in p]  # noqa: E731
+    runs = lambda *p: [{"eval": {"x": math.log(v)}, "losses": [v, v]} for v in p]  # noqa: E731
     table = markdown_table({"base": runs(10, 11, 12), "new": runs(10.5, 11.5, 12.5),
                             "far": runs(30, 31, 32)},
                            {"new": "base", "far": "base", "base": ""})
     lines = table.strip().splitlines()
     assert "reference" in lines[2]
     assert "inside seed noise" in lines[3] and "outside seed noise" in lines[4]
+    # paired: 'new' is exactly +0.5 ppl on every seed -> zero spread, outside noise
+    assert "paired Δ +0.50 ± 0.00 (outside seed noise)" in lines[3]
 
 
 def test_variants_keep_the_parity_recipes():
