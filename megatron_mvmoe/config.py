@@ -156,6 +156,10 @@ class MVMoETransformerConfig(TransformerConfig):
                      "multi_view.num_views",
                      "multi_view needs one view per routing head",
                      f"set num_views = num_routers = {self.multi_view.num_routers}")
+            _require(self.moe_token_dispatcher_type == "alltoall", "moe_token_dispatcher_type",
+                     f"{self.moe_token_dispatcher_type!r} sends each token once per rank, so "
+                     "per-expert mixed rows would cost up to top-k times the baseline volume",
+                     "use moe_token_dispatcher_type='alltoall' (same bytes as the baseline)")
         if self.moe_variant == "mh_moe":
             self.multi_head.validate(self.hidden_size)
         ep = self.expert_model_parallel_size

@@ -43,8 +43,9 @@ class ParallelLayout:
         return world_size // (self.tp * self.pp)
 
     def validate(self, world_size: int, num_layers: Optional[int] = None,
-                 num_experts: Optional[int] = None) -> None:
-        """Raise ValueError naming the sizes when the layout does not divide."""
+                 num_experts: Optional[int] = None, training: bool = True) -> None:
+        """Raise ValueError naming the sizes when the layout does not divide (or, with
+        `training`, when Megatron would leave expert gradients unreduced)."""
         for name in ("tp", "pp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout.{name} must be >= 1, got {getattr(self, name)}")
@@ -57,6 +58,13 @@ class ParallelLayout:
                 f"layout: etp*ep*pp = {self.etp}*{self.ep}*{self.pp} does not divide world "
                 f"size {world_size}. Fix: choose ep with ep*etp*pp among "
                 f"{_divisors(world_size)}.")
+        if training and self.ep == 1 and self.etp < self.tp:
+            raise ValueError(
+                f"layout: ep=1 with etp={self.etp} < tp={self.tp}. Megatron-Core tags expert "
+                "weights as dense when expert parallelism is off and reduces their gradients "
+                "over the data-parallel group only, so the tensor-parallel ranks that feed "
+                "the same whole experts different tokens would never sum their expert "
+                f"gradients. Fix: use etp={self.tp}, or ep > 1 (e.g. ep=2 with etp=1).")
         if num_layers is not None and num_layers % (self.pp * (self.vpp or 1)) != 0:
             raise ValueError(
                 f"layout: num_layers {num_layers} is not divisible by pp*vpp = "
@@ -68,12 +76,16 @@ class ParallelLayout:
 
 
 def initialize_layout(layout: ParallelLayout, num_layers: Optional[int] = None,
-                      num_experts: Optional[int] = None) -> ProcessGroupCollection:
-    """Build Megatron's parallel state for `layout` on the initialised default group."""
+                      num_experts: Optional[int] = None,
+                      training: bool = True) -> ProcessGroupCollection:
+    """Build Megatron's parallel state for `layout` on the initialised default group.
+
+    `training=False` admits layouts that are only valid for forward/backward without the
+    data-parallel gradient reduction (layer-level tests)."""
     if not dist.is_initialized():
         raise RuntimeError("initialize_layout needs torch.distributed initialised first "
                            "(megatron_mvmoe.launch.init_distributed or the test spawner).")
-    layout.validate(dist.get_world_size(), num_layers, num_experts)
+    layout.validate(dist.get_world_size(), num_layers, num_experts, training=training)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,

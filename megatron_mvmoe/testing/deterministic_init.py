@@ -53,12 +53,15 @@ def _global_expert(model: torch.nn.Module, param_name: str, local_idx: int) -> i
     return parallel_state.get_expert_model_parallel_rank() * len(local_experts) + local_idx
 
 
-def _shard_info(param: torch.nn.Parameter) -> Tuple[int, int, int]:
-    """(partition_dim, rank, size) of the TP sharding of `param`; size 1 if unsharded."""
+def _shard_info(param: torch.nn.Parameter, name: str) -> Tuple[int, int, int]:
+    """(partition_dim, rank, size) of the TP sharding of `param`; size 1 if unsharded.
+
+    Experts are recognised by name: Megatron tags expert weights `allreduce=False` only
+    when expert parallelism is on, so the attribute cannot tell them apart at EP=1.
+    """
     if not getattr(param, "tensor_model_parallel", False):
         return 0, 0, 1
-    is_expert = not getattr(param, "allreduce", True)
-    if is_expert:
+    if ".local_experts." in name or ".experts." in name:
         return (param.partition_dim, parallel_state.get_expert_tensor_parallel_rank(),
                 parallel_state.get_expert_tensor_parallel_world_size())
     return (param.partition_dim, parallel_state.get_tensor_model_parallel_rank(),
@@ -78,7 +81,7 @@ def _full_values(name: str, full_shape, seed: int, std: float) -> torch.Tensor:
 def deterministic_init(model: torch.nn.Module, seed: int = 0, std: float = 0.05) -> None:
     """Overwrite every parameter with its layout-independent value."""
     for name, param in canonical_names(model).items():
-        dim, rank, size = _shard_info(param)
+        dim, rank, size = _shard_info(param, name)
         full_shape = list(param.shape)
         full_shape[dim] *= size
         full = _full_values(name, full_shape, seed, std)
@@ -93,7 +96,7 @@ def local_grads(model: torch.nn.Module) -> Dict[str, Tuple[torch.Tensor, int, in
         if grad is None:
             grad = param.grad
         if grad is not None:
-            grads[name] = (grad.detach().clone().float(),) + _shard_info(param)
+            grads[name] = (grad.detach().clone().float(),) + _shard_info(param, name)
     return grads
 
 

@@ -1,10 +1,6 @@
 """Layout parity of the Multi-View layer inside a GPTModel built from our decoder-block spec
-and run through Megatron's schedule: EP=2, TP=2 (ETP=1, sequence parallel; run with EP=2 on
-4 ranks) and PP=2 (1F1B) give the single-rank loss and gradients within 1e-5.
-
-TP=2 is paired with EP=2 because at EP=1 Megatron tags expert weights `allreduce=True`, and
-testing.deterministic_init then slices them as TP shards (different global weights per
-layout); with EP > 1 they are tagged as experts and initialised whole."""
+and run through Megatron's schedule: EP=2, TP=2 x EP=2 (ETP=1, sequence parallel, 4 ranks) and
+PP=2 (1F1B) give the single-rank loss and gradients within 1e-5."""
 
 import pytest
 import torch

@@ -20,7 +20,9 @@ def _global_input(hidden: int) -> torch.Tensor:
 
 def _run_layer(rank, world_size, tp, ep):
     layout = ParallelLayout(tp=tp, ep=ep, etp=1)
-    pgs = initialize_layout(layout)
+    # training=False: TP=2 with EP=1, ETP=1 is fine for a layer's forward/backward (compared
+    # here before any data-parallel reduction) but refused for training, see ParallelLayout.
+    pgs = initialize_layout(layout, training=False)
     config = sigmoid_moe_config(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                 expert_tensor_parallel_size=1, sequence_parallel=tp > 1)
     layer = build_stock_moe_layer(config, pgs)
