@@ -13,9 +13,9 @@ Design choices:
     D = 2048, 16 heads with 4 KV groups (GQA), SwiGLU, RMSNorm, RoPE, vocab 50304
     (GPT-2 BPE padded to a multiple of 128), untied embeddings, seq 4096;
     every layer MoE, latent L = 1024 (D/2); E = 160 routed experts of width 768 in the
-    latent space; top-8; one shared expert of width 2048 on the full hidden state.
-  This gives 9.94 B total and 1.21 B active parameters (embeddings + LM head included in
-  both; 1.00 B active without them). Fine-grained (8 x 768 of latent width per token ~
+    latent space; top-8; one shared expert of width 1024 on the full hidden state.
+  This gives 9.83 B total and 1.23 B active parameters (embeddings + LM head included in
+  both; 1.02 B active without them). A 2048-wide shared expert would push active to 1.38 B. Fine-grained (8 x 768 of latent width per token ~
   one 6144-wide FFN) follows the DeepSeek-V3 / latent-MoE recipe; E = 160 keeps E
   divisible by EP = 8, 16, 32 (and 160 = 5 x 32) for the 8 to 64+ GPU layouts below.
 """
@@ -42,7 +42,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "mvmoe_10b_a1b": dict(
         moe_variant="multi_view", num_layers=24, hidden_size=2048, num_attention_heads=16,
         num_query_groups=4, ffn_hidden_size=8192, num_experts=160, moe_ffn_hidden_size=768,
-        moe_router_topk=8, moe_shared_expert_intermediate_size=2048, latent_size=1024,
+        moe_router_topk=8, moe_shared_expert_intermediate_size=1024, latent_size=1024,
         num_routers=2, num_views=2, gamma_ramp_steps=2000, vocab_size=50304,
         seq_length=4096),
 }

@@ -40,7 +40,7 @@ from megatron_mvmoe.training.build import Trainer
 LATEST = "latest"
 RUN_STATE = "run_state.json"
 FORMAT = "megatron_mvmoe.checkpoint/1"
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
 _NOT_STRUCTURAL = ("gamma_ramp_steps", "seq_length")
 
 
@@ -62,11 +62,45 @@ def fingerprint(trainer: Trainer) -> Dict:
     return {k: v for k, v in shape.items() if k not in _NOT_STRUCTURAL}
 
 
-def _sharded_state_dict(trainer: Trainer, is_loading: bool) -> Dict:
+def _ensure_optimizer_state(optimizer) -> None:
+    """Without apex/TE, DistributedOptimizer.state_dict() asserts on a fresh optimizer (no
+    'step' yet), which a load must build first; give it placeholder states as Megatron's
+    own FSDP path does. They are overwritten by the load together with the weights."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and len(inner.optimizer.state) == 0:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Megatron 0.16.1's torch-AdamW path (no apex/TE) restores the per-parameter 'step'
+    wrongly: from the load placeholders (1, not the saved step) and as ONE tensor shared by
+    every parameter, which AdamW then increments once per parameter. The saved step is in
+    each param group (Megatron writes it there); give every state its own copy of it."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        for group in getattr(torch_optimizer, "param_groups", []):
+            if group.get("step") is None:
+                continue
+            for param in group["params"]:
+                state = torch_optimizer.state.get(param)
+                if state and torch.is_tensor(state.get("step")):
+                    state["step"] = torch.tensor(float(group["step"]),
+                                                 dtype=state["step"].dtype)
+
+
+def _sharded_state_dict(trainer: Trainer, is_loading: bool, optimizer_format: Optional[str]
+                        ) -> Dict:
     state = {f"model{i}": chunk.sharded_state_dict()
              for i, chunk in enumerate(trainer.unwrapped())}
+    if optimizer_format is None:
+        return state
+    if is_loading:
+        _ensure_optimizer_state(trainer.optimizer)
     state["optimizer"] = trainer.optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+        state, is_loading=is_loading,
+        metadata={"distrib_optim_sharding_type": optimizer_format})
     return state
 
 
@@ -96,13 +130,15 @@ def save_checkpoint(trainer: Trainer, root: str, state: ResumeState) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(trainer, is_loading=False), tmp)
+    optimizer_format = trainer.run.training.ckpt_optimizer_format
+    dist_checkpointing.save(_sharded_state_dict(trainer, False, optimizer_format), tmp)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     dist.barrier()
     if rank == 0:
         _write_json_atomic(os.path.join(tmp, RUN_STATE), {
             "format": FORMAT, "step": state.step, "consumed_samples": state.consumed_samples,
             "gamma": state.gamma, "world_size": dist.get_world_size(),
+            "layout": _layout(trainer), "optimizer_format": optimizer_format,
             "scheduler": trainer.scheduler.state_dict(), "fingerprint": fingerprint(trainer),
             "config": trainer.run.to_dict()})
         if os.path.exists(final):  # re-saving a step: keep the old one until the swap
@@ -173,9 +209,8 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True) ->
     directory = resolve_checkpoint(path)
     meta = read_run_state(directory)
     check_fingerprint(meta["fingerprint"], fingerprint(trainer), directory)
-    sharded = _sharded_state_dict(trainer, is_loading=True)
-    if not load_optimizer:
-        sharded.pop("optimizer")
+    optimizer_format = _loadable_optimizer_format(trainer, meta, load_optimizer)
+    sharded = _sharded_state_dict(trainer, True, optimizer_format)
     try:
         with torch.no_grad():  # the distributed optimizer's fp32 params need it (notes)
             loaded = dist_checkpointing.load(sharded, directory)
@@ -187,11 +222,50 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True) ->
         chunk.load_state_dict(loaded[f"model{i}"], strict=True)
     if not load_optimizer:
         return ResumeState()
-    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    if optimizer_format is not None:
+        with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(meta["scheduler"])
     _restore_rng(directory, dist.get_world_size(), meta["world_size"])
     return ResumeState(step=meta["step"], consumed_samples=meta["consumed_samples"],
                        gamma=meta.get("gamma"))
+
+
+def close_writer_processes() -> None:
+    """Shut down the results-queue manager process Megatron's async file writer starts on
+    the first save (module-level in 0.16.1). Left running, it outlives a rank that exits
+    without atexit handlers (killed by a launcher or test spawner) and holds its stdout."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+    filesystem_async._results_queue = None
+
+
+def _layout(trainer: Trainer) -> Dict[str, Optional[int]]:
+    p = trainer.run.parallel
+    return {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.etp, "vpp": p.vpp}
+
+
+def _loadable_optimizer_format(trainer: Trainer, meta: Dict, load_optimizer: bool
+                               ) -> Optional[str]:
+    """The saved optimizer format, or None when the optimizer state cannot (or should not)
+    be restored: dp_reshardable states reshard over data-parallel ranks only."""
+    if not load_optimizer:
+        return None
+    saved = meta.get("optimizer_format", "dp_reshardable")
+    if saved == "dp_reshardable" and meta.get("layout") != _layout(trainer):
+        if dist.get_rank() == 0:
+            print(f"warning: checkpoint optimizer states are dp_reshardable (saved at layout "
+                  f"{meta.get('layout')}, now {_layout(trainer)}): restoring weights, step, "
+                  "scheduler and data position; Adam moments restart from zero. Save with "
+                  "ckpt_optimizer_format=fully_reshardable to carry them across layouts",
+                  flush=True)
+        return None
+    return saved
 
 
 def list_checkpoints(root: str) -> List[str]:

@@ -140,6 +140,10 @@ class TrainingSection:
     """Checkpoint root to resume from (its `latest` pointer), or None."""
     load_optimizer: bool = True
     """Also restore optimizer, scheduler, step and data position (False = weights only)."""
+    ckpt_optimizer_format: str = "dp_reshardable"
+    """Distributed-optimizer checkpoint format: dp_reshardable (each DP shard saved as is;
+    loads at another DP size, but a TP/PP/EP change restarts the Adam moments) or
+    fully_reshardable (gathered on save; loads at any layout)."""
     save_interval: int = 0
     """Save every this many steps (0 = only at the end when save is set)."""
     seed: int = 1234
@@ -190,6 +194,9 @@ class RunConfig:
                  "lower --lr-warmup-iters or raise --lr-decay-iters/--train-iters")
         _require(t.precision in ("auto", "bf16", "fp32"), "training.precision",
                  f"unknown {t.precision!r}", "use auto, bf16 or fp32")
+        _require(t.ckpt_optimizer_format in ("dp_reshardable", "fully_reshardable"),
+                 "training.ckpt_optimizer_format", f"unknown {t.ckpt_optimizer_format!r}",
+                 "use dp_reshardable or fully_reshardable")
         _require(self.data.kind in ("indexed", "tokens"), "data.kind",
                  f"unknown {self.data.kind!r}", "use indexed or tokens")
         _require(self.parallel.distributed_timeout_seconds > 0,

@@ -76,6 +76,8 @@ FLAGS: List[Flag] = [
     Flag("--save", "training", "save", str, "checkpoint root"),
     Flag("--load", "training", "load", str, "checkpoint root to resume from"),
     Flag("--load-optimizer", "training", "load_optimizer", _bool, "true/false"),
+    Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str,
+         "dp_reshardable|fully_reshardable"),
     Flag("--save-interval", "training", "save_interval", int, "steps between saves"),
     Flag("--seed", "training", "seed", int, "random seed"),
     Flag("--precision", "training", "precision", str, "auto|bf16|fp32"),

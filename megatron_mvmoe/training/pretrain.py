@@ -144,6 +144,7 @@ class _Loop:
         self.log.line(f"saved checkpoint {path}")
 
     def close(self) -> None:
+        ckpt.close_writer_processes()
         self.watch.close()
         if self.routing is not None:
             self.routing.close()

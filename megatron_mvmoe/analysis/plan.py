@@ -1,0 +1,178 @@
+"""Planner: parameters, FLOPs, per-GPU memory and all-to-all bytes of a model on a layout.
+
+Legend: D hidden, L latent, E experts, F expert width, k top-k, R routing heads (= K views),
+H MH-MoE heads, V vocab, S sequence length, G query groups.
+
+Design choices:
+- Parameter counts are analytic, per module, mirroring what models/provider.py builds
+  (Megatron's local spec: RMSNorm weight only, no biases, SwiGLU fc1 of 2F rows, untied
+  embedding and LM head, RoPE). tests/training/test_plan.py checks them against the built
+  tiny models exactly, so the 10B-A1B numbers are the ones the provider would build.
+- "Active" = every non-expert parameter + k routed experts per MoE layer (embedding and
+  LM head included; `active_without_embeddings` is given too).
+- FLOPs per token: 2 x active matmul parameters (the embedding lookup excluded) + attention
+  scores/values 4 x S x D per layer (non-causal count); training = 3 x forward.
+- Memory per GPU (bf16 weights, fp32 grad buffer, distributed optimizer: fp32 main params
+  + two Adam moments = 12 bytes per parameter divided over the data-parallel ranks of that
+  parameter, expert parameters over the expert-data-parallel ranks). Activations are an
+  estimate (bf16, flash attention, no recompute, 1F1B keeps up to pp microbatches in
+  flight on the first stage), stated as such.
+- All-to-all bytes use `analysis.a2a_analytic` (alltoall dispatcher): the bytes one rank
+  hands to the dispatch and combine collectives per optimizer step, forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional
+
+from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
+from megatron_mvmoe.models.presets import ModelShape
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    world_size: Optional[int] = None
+    """GPUs; None = the smallest world the layout needs (tp*pp*max(1, ep*etp/tp))."""
+    micro_batch_size: int = 1
+    global_batch_size: int = 256
+
+    def world(self) -> int:
+        if self.world_size is not None:
+            return self.world_size
+        base = self.tp * self.pp
+        need = self.ep * self.etp * self.pp
+        return base * max(1, -(-need // base))
+
+    def dp(self) -> int:
+        return self.world() // (self.tp * self.pp)
+
+    def expert_dp(self) -> int:
+        return self.world() // (self.ep * self.etp * self.pp)
+
+
+# ------------------------------------------------------------------------- parameters
+def attention_params(m: ModelShape) -> int:
+    kv_channels = m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    qkv = (m.num_attention_heads + 2 * groups) * kv_channels * m.hidden_size
+    proj = m.hidden_size * m.num_attention_heads * kv_channels
+    return qkv + proj + 2 * m.hidden_size  # + input and pre-MLP RMSNorm weights
+
+
+def swiglu(d_in: int, width: int) -> int:
+    return 3 * d_in * width  # fc1 [2F, d_in] + fc2 [d_in, F]
+
+
+def moe_params(m: ModelShape) -> Dict[str, int]:
+    """One MoE layer's parameters split into expert and non-expert (per variant)."""
+    D, E, F, k = m.hidden_size, m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk
+    shared = swiglu(D, m.moe_shared_expert_intermediate_size or 0)
+    if m.moe_variant == "mh_moe":
+        sub = D // m.num_heads_mh
+        return {"expert_one": swiglu(sub, F), "router": E * sub,
+                "projections": 2 * D * D, "shared": shared}
+    if m.is_latent:
+        L = m.latent_size
+        views = (m.num_views - 1) * L * D if m.moe_variant == "multi_view" else 0
+        return {"expert_one": swiglu(L, F), "router": m.num_routers * E * D,
+                "projections": 2 * L * D + views, "shared": shared}
+    return {"expert_one": swiglu(D, F), "router": E * D, "projections": 0, "shared": shared}
+
+
+def parameter_counts(m: ModelShape) -> Dict[str, int]:
+    D, V = m.hidden_size, m.vocab_size
+    embedding, head, final_norm = V * D, V * D, D
+    attention = attention_params(m) * m.num_layers
+    if not m.is_moe:
+        dense = swiglu(D, m.ffn_hidden_size) * m.num_layers
+        total = embedding + head + final_norm + attention + dense
+        return {"total": total, "active": total, "active_without_embeddings": total - 2 * V * D,
+                "embedding": embedding, "lm_head": head, "attention": attention,
+                "experts": 0, "expert_one": 0, "non_expert_moe": 0, "dense_mlp": dense}
+    per = moe_params(m)
+    non_expert_moe = (per["router"] + per["projections"] + per["shared"]) * m.num_layers
+    experts = per["expert_one"] * m.num_experts * m.num_layers
+    active_experts = per["expert_one"] * m.moe_router_topk * m.num_layers
+    if m.moe_variant == "mh_moe":  # each of H sub-tokens selects k experts
+        active_experts *= m.num_heads_mh
+    base = embedding + head + final_norm + attention + non_expert_moe
+    return {"total": base + experts, "active": base + active_experts,
+            "active_without_embeddings": base + active_experts - embedding - head,
+            "embedding": embedding, "lm_head": head, "attention": attention,
+            "experts": experts, "expert_one": per["expert_one"],
+            "non_expert_moe": non_expert_moe, "dense_mlp": 0}
+
+
+def flops_per_token(m: ModelShape) -> Dict[str, float]:
+    counts = parameter_counts(m)
+    matmul = counts["active"] - counts["embedding"]
+    attention_scores = 4 * m.seq_length * m.hidden_size * m.num_layers
+    forward = 2 * matmul + attention_scores
+    return {"forward": float(forward), "train": float(3 * forward)}
+
+
+# -------------------------------------------------------------------------- memory
+def _per_rank_params(m: ModelShape, lay: Layout) -> Dict[str, float]:
+    """Parameters on the busiest pipeline stage (first or last), split by sharding."""
+    c = parameter_counts(m)
+    per_layer_dense = (c["attention"] + c["non_expert_moe"] + c["dense_mlp"]) / m.num_layers
+    layers = m.num_layers / lay.pp
+    edge = max(c["embedding"], c["lm_head"] + m.hidden_size) if lay.pp > 1 else (
+        c["embedding"] + c["lm_head"] + m.hidden_size)
+    dense = (per_layer_dense * layers + edge) / lay.tp
+    experts = c["experts"] / m.num_layers * layers / (lay.ep * lay.etp) if m.is_moe else 0.0
+    return {"dense": dense, "experts": experts}
+
+
+def _activation_bytes(m: ModelShape, lay: Layout) -> float:
+    s, b, D = m.seq_length, lay.micro_batch_size, m.hidden_size
+    attention = 11 * s * b * D * 2 / lay.tp  # norms, qkv, attn out, proj in/out (bf16)
+    if m.is_moe:
+        width = m.latent_size if m.is_latent else D // max(1, m.num_heads_mh)
+        slots = m.moe_router_topk * max(1, m.num_heads_mh)
+        ffn = s * b * (2 * D + 3 * (m.moe_shared_expert_intermediate_size or 0)
+                       + slots * (2 * width + 3 * m.moe_ffn_hidden_size)) * 2 / lay.tp
+    else:
+        ffn = s * b * (2 * D + 3 * m.ffn_hidden_size) * 2 / lay.tp
+    in_flight = min(lay.pp, max(1, lay.global_batch_size // (b * lay.dp())))
+    return (attention + ffn) * (m.num_layers / lay.pp) * in_flight
+
+
+def memory_per_gpu(m: ModelShape, lay: Layout, weight_bytes: int = 2) -> Dict[str, float]:
+    p = _per_rank_params(m, lay)
+    params = p["dense"] + p["experts"]
+    optimizer = 12 * (p["dense"] / lay.dp() + p["experts"] / lay.expert_dp())
+    out = {"weights": params * weight_bytes, "grads": params * 4, "optimizer": optimizer,
+           "activations_estimate": _activation_bytes(m, lay)}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ------------------------------------------------------------------------ all-to-all
+def a2a_bytes_per_step(m: ModelShape, lay: Layout, dtype_bytes: int = 2) -> Dict[str, float]:
+    if not m.is_moe or lay.ep == 1:
+        return {"per_layer_dispatch": 0.0, "per_rank_per_step": 0.0}
+    tokens = m.seq_length * lay.micro_batch_size // lay.tp  # sequence-parallel slice
+    variant = "smoe" if m.moe_variant == "dense" else m.moe_variant
+    shape = CommShape(tokens=tokens, hidden=m.hidden_size, topk=m.moe_router_topk,
+                      latent=m.latent_size, heads=m.num_heads_mh, dtype_bytes=dtype_bytes,
+                      ep=lay.ep, tp=lay.tp)
+    one = dispatch_bytes(variant, "alltoall", shape).tokens_in
+    microbatches = lay.global_batch_size // (lay.micro_batch_size * lay.dp())
+    layers = m.num_layers / lay.pp
+    # dispatch + combine, forward + backward: four transfers of `one` bytes on average.
+    return {"per_layer_dispatch": float(one),
+            "per_rank_per_step": float(4 * one * layers * microbatches)}
+
+
+def plan(m: ModelShape, lay: Layout) -> Dict:
+    return {"model": asdict(m), "layout": dict(asdict(lay), world_size=lay.world(),
+                                               dp=lay.dp(), expert_dp=lay.expert_dp()),
+            "parameters": parameter_counts(m), "flops_per_token": flops_per_token(m),
+            "memory_bytes_per_gpu": memory_per_gpu(m, lay),
+            "a2a_bytes": a2a_bytes_per_step(m, lay)}
