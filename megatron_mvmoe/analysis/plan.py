@@ -176,3 +176,44 @@ def plan(m: ModelShape, lay: Layout) -> Dict:
             "parameters": parameter_counts(m), "flops_per_token": flops_per_token(m),
             "memory_bytes_per_gpu": memory_per_gpu(m, lay),
             "a2a_bytes": a2a_bytes_per_step(m, lay)}
+
+
+# --------------------------------------------------------------------------- dry run
+def dry_run_build(m: ModelShape, lay: Layout) -> Dict[str, int]:
+    """Build rank 0's model chunk of `lay` on the meta device (no memory, no real peers).
+
+    Uses torch's in-process "fake" process group with the layout's world size, Megatron's
+    own initialize_model_parallel (without gloo side groups, which the fake backend cannot
+    create) and the real provider, so every shape and the layout's divisibility are checked
+    exactly as a launch would. Returns rank 0's parameter count. Call in a fresh process.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_mvmoe.models.provider import (build_model_chunks, count_parameters,
+                                                transformer_config)
+    from megatron_mvmoe.parallel import ParallelLayout
+    from megatron_mvmoe.platform import apply_cpu_patches
+
+    apply_cpu_patches()
+    world = lay.world()
+    ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp).validate(
+        world, m.num_layers, m.num_experts)
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+            expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp,
+            create_gloo_process_groups=False)
+        config = transformer_config(m, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp,
+                                    use_bf16=True, on_cpu=True)
+        config.perform_initialization = False
+        with torch.device("meta"):
+            chunks = build_model_chunks(config, m, ProcessGroupCollection.use_mpu_process_groups())
+        return {"rank0_parameters": count_parameters(chunks), "world_size": world}
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -1,0 +1,85 @@
+"""Plan a model on a layout: parameters (total/active), FLOPs per token, per-GPU memory,
+all-to-all bytes per step; --dry-run builds rank 0 on the meta device to check shapes.
+
+  python tools/plan.py --config mvmoe_10b_a1b --tp 1 --pp 1 --ep 8 --json
+  python tools/plan.py --config examples/tiny_cpu.yaml --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from megatron_mvmoe.analysis.plan import Layout, dry_run_build, plan
+from megatron_mvmoe.models.presets import PRESETS, preset_names, resolve_model
+from megatron_mvmoe.training.config import ModelSection, load_yaml
+
+
+def _model(name: str):
+    if name in PRESETS:
+        return resolve_model(ModelSection(preset=name)), None
+    if os.path.isfile(name):
+        run = load_yaml(name)
+        return resolve_model(run.model), run
+    raise ValueError(f"--config: {name!r} is neither a preset ({preset_names()}) nor a YAML "
+                     "file. Fix: pass one of those")
+
+
+def _layout(args, run) -> Layout:
+    par = run.parallel if run is not None else None
+    pick = lambda flag, field, default: (flag if flag is not None else
+                                          (getattr(par, field) if par else default))
+    train = run.training if run is not None else None
+    return Layout(tp=pick(args.tp, "tp", 1), pp=pick(args.pp, "pp", 1),
+                  ep=pick(args.ep, "ep", 1), etp=pick(args.etp, "etp", 1),
+                  world_size=args.world_size,
+                  micro_batch_size=args.micro_batch_size or (train.micro_batch_size if train else 1),
+                  global_batch_size=args.global_batch_size or (
+                      train.global_batch_size if train else 256))
+
+
+def _human(report) -> str:
+    p, f = report["parameters"], report["flops_per_token"]
+    mem, a2a, lay = report["memory_bytes_per_gpu"], report["a2a_bytes"], report["layout"]
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    lines = [f"layout: tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} etp={lay['etp']} "
+             f"world={lay['world_size']} dp={lay['dp']}",
+             f"parameters: total {p['total'] / 1e9:.3f} B, active {p['active'] / 1e9:.3f} B "
+             f"(without embeddings {p['active_without_embeddings'] / 1e9:.3f} B)",
+             f"FLOPs/token: forward {f['forward'] / 1e9:.2f} G, train {f['train'] / 1e9:.2f} G",
+             "memory/GPU: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()),
+             f"all-to-all: {a2a['per_layer_dispatch'] / 2**20:.1f} MiB per layer dispatch, "
+             f"{a2a['per_rank_per_step'] / 2**30:.2f} GiB per rank per step"]
+    if "dry_run" in report:
+        lines.append(f"dry run: rank 0 built with {report['dry_run']['rank0_parameters']:,} "
+                     "parameters on the meta device")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="preset name or run YAML")
+    for flag in ("--tp", "--pp", "--ep", "--etp", "--world-size", "--micro-batch-size",
+                 "--global-batch-size"):
+        parser.add_argument(flag, type=int, default=None)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build rank 0 on the meta device to validate shapes")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        model, run = _model(args.config)
+        layout = _layout(args, run)
+        report = plan(model, layout)
+        if args.dry_run:
+            report["dry_run"] = dry_run_build(model, layout)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1, default=str) if args.json else _human(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
