@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 MoEVariant = Literal["dense", "smoe", "latent", "multi_router", "multi_view", "mh_moe"]
 MOE_VARIANTS = ("dense", "smoe", "latent", "multi_router", "multi_view", "mh_moe")
+KERNEL_BACKENDS = ("auto", "triton", "reference")
 
 
 def _require(ok: bool, field_name: str, problem: str, fix: str) -> None:
@@ -59,6 +60,12 @@ class MultiViewConfig:
     """Floor on the selected-score sum in Eq. 3. Megatron uses 1e-20, which lets a
     sigmoid router shrink all scores to game the aux loss (Megatron-LM issue 1545)."""
 
+    kernels: str = "auto"
+    """Mix-and-permute implementation of the Multi-View layer (package mvmoe_kernels):
+    "auto" defers to the MVMOE_KERNELS environment variable, whose default picks the fused
+    Triton kernel for CUDA tensors and the torch path elsewhere; "triton" forces the kernel
+    (on CPU only under TRITON_INTERPRET=1, for tests); "reference" forces the torch path."""
+
     def validate(self, num_experts: Optional[int] = None) -> None:
         _require(self.num_routers >= 1, "multi_view.num_routers",
                  f"must be >= 1, got {self.num_routers}", "use 1 for the baseline router")
@@ -73,6 +80,9 @@ class MultiViewConfig:
                  f"must be > 0, got {self.gate_scale}", "use 1.0 for plain normalised gates")
         _require(self.normalizer_eps > 0, "multi_view.normalizer_eps",
                  f"must be > 0, got {self.normalizer_eps}", "use 1e-6")
+        _require(self.kernels in KERNEL_BACKENDS, "multi_view.kernels",
+                 f"unknown kernel backend {self.kernels!r}",
+                 f"use one of {KERNEL_BACKENDS}")
 
 
 @dataclass

@@ -12,6 +12,9 @@ Phases (LatentMoELayer's, two of them overridden):
   `PerRowAlltoAllTokenDispatcher` gathers those rows in Megatron's expert-major order.
   The expert computes E_i(sum_m a_{m,i} v_m), never sum_m a_{m,i} E_i(v_m), and the bytes
   through the all-to-all equal the latent baseline's (T*S rows of L either way).
+  With the Triton backend (`multi_view.kernels`, see below) the blend and the permute are
+  one kernel, `mvmoe_kernels.mix_and_permute`: each blend is written once, straight into
+  its dispatch row in Megatron's order (`expert_major_rows`), and rows_TSL never exists.
 
 Design choices:
 - Only the alltoall dispatcher: the allgather and flex dispatchers send unique tokens and
@@ -21,6 +24,10 @@ Design choices:
   `gamma_ramp_state` = [ramp_steps, step] (int64), so checkpoints carry it and a resume
   continues the ramp (a checkpoint with another ramp length is refused on load). The
   training loop advances it once per optimizer step (`advance_gamma_ramps(model)`).
+- Kernel choice: `multi_view.kernels` "auto" defers to MVMOE_KERNELS (default: Triton on
+  CUDA, the torch path elsewhere); "triton" / "reference" force one. Both paths compute
+  v_0 + sum_{m>0} a_m (v_m - v_0) (the kernel as mix weights [1, a_1, ..] over views
+  [v_0, v_1 - v_0, ..]), so at gamma = 0 every row is P h bit for bit on either path.
 - pg_collection is passed explicitly: Megatron's TransformerLayer forwards it only to the
   exact MoELayer class, so the spec hands it over through its params.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import mvmoe_kernels
 import torch
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
@@ -73,7 +81,8 @@ class MultiViewMoELayer(LatentMoELayer):
         self.gamma_ramp = GammaRamp(config.multi_view.gamma_ramp_steps)
         self.register_buffer("gamma_ramp_state", torch.tensor(
             [self.gamma_ramp.ramp_steps, 0], dtype=torch.int64))
-        self._pending_mix_TSR = None
+        self.kernels = config.multi_view.kernels
+        self._pending = None  # (mix_TSR, topk_idx_TS) from route, taken by preprocess
 
     def build_down_projection(self, config) -> torch.nn.Module:
         """K views: view 0 is the backbone P (`fc1_latent_proj.weight`), others P + gamma dP_m."""
@@ -101,21 +110,37 @@ class MultiViewMoELayer(LatentMoELayer):
 
     # ---- named phases -----------------------------------------------------------------
     def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """MultiRouter routing; keeps the mixing weights for preprocess."""
+        """MultiRouter routing; keeps the mixing weights and slots for preprocess."""
         routing = self.router.route(hidden_states, padding_mask)
-        self._pending_mix_TSR = routing.mix_TSR
+        self._pending = (routing.mix_TSR, routing.topk_idx_TS)
         return routing.probs_TE, routing.routing_map_TE
 
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor,
                    routing_map: torch.Tensor):
         """Views -> per-(token, slot) blends -> per-row permute (same metadata as baseline)."""
-        mix_TSR, self._pending_mix_TSR = self._pending_mix_TSR, None
+        (mix_TSR, topk_idx_TS), self._pending = self._pending, None
+        if mix_TSR is not None and self.stop_grad_mixing:
+            mix_TSR = mix_TSR.detach()
         hidden_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
         views_TRL = self.fc1_latent_proj(hidden_TD, self.gamma())
-        rows_TSL = self.expert_rows(views_TRL, mix_TSR)
         token_shape = (*hidden_states.shape[:-1], self.latent_size)
+        if self.kernel_backend(views_TRL.device) == "triton":
+            rows_NL, row_token_N = self.permuted_expert_rows(views_TRL, mix_TSR, topk_idx_TS)
+            return self.token_dispatcher.dispatch_preprocess_permuted(
+                rows_NL, row_token_N, routing_map, probs, token_shape)
+        rows_TSL = self.expert_rows(views_TRL, mix_TSR)
         return self.token_dispatcher.dispatch_preprocess_rows(
             rows_TSL, routing_map, probs, token_shape)
+
+    def kernel_backend(self, device: torch.device) -> str:
+        """"triton" or "reference" for this call (multi_view.kernels, else MVMOE_KERNELS).
+
+        An `expert_rows` replaced on the instance (analysis.interventions hooks it to swap
+        the mixing weights) is honoured by taking the torch path, which calls it."""
+        if "expert_rows" in self.__dict__:
+            return "reference"
+        return mvmoe_kernels.resolve_backend(
+            None if self.kernels == "auto" else self.kernels, device)
 
     def expert_rows(self, views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor]):
         """rows_TSL: what the expert of slot s sees for token t (Eq. 5's inner sum).
@@ -129,8 +154,30 @@ class MultiViewMoELayer(LatentMoELayer):
         backbone_T1L = views_TRL[:, :1, :]
         if mix_TSR is None:  # one view: every slot sees the backbone view, as the baseline
             return backbone_T1L.expand(num_tokens, self.config.moe_router_topk, latent)
-        return backbone_T1L + mix_views(views_TRL - backbone_T1L, mix_TSR,
-                                        self.stop_grad_mixing)
+        return backbone_T1L + mix_views(views_TRL - backbone_T1L, mix_TSR)
+
+    def permuted_expert_rows(self, views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor],
+                             topk_idx_TS: torch.Tensor):
+        """(rows_NL, row_token_N): `expert_rows` written straight into Megatron's permute
+        order by the fused kernel. The same v_0 + sum_m a_m (v_m - v_0) as weights
+        [1, a_1, ..] over views [v_0, v_1 - v_0, ..]: the m = 0 difference is zero, so its
+        weight is free and set to 1 (exact at gamma = 0, same gradients)."""
+        order = mvmoe_kernels.expert_major_rows(topk_idx_TS, self.config.num_moe_experts)
+        offsets_TRL, weights_TSR = _backbone_offsets(views_TRL, mix_TSR, topk_idx_TS.shape[1])
+        rows_NL = mvmoe_kernels.mix_and_permute(offsets_TRL, weights_TSR, order.row_token_N,
+                                                order.row_slot_N, backend="triton")
+        return rows_NL, order.row_token_N
+
+
+def _backbone_offsets(views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor],
+                      num_slots: int):
+    """Views [v_0, v_1 - v_0, ..] and weights [1, a_1, ..] (one view: [v_0] and [1])."""
+    backbone_T1L = views_TRL[:, :1, :]
+    ones_TS1 = views_TRL.new_ones(views_TRL.shape[0], num_slots, 1, dtype=torch.float32)
+    if mix_TSR is None:
+        return backbone_T1L, ones_TS1
+    offsets_TRL = torch.cat([backbone_T1L, views_TRL[:, 1:] - backbone_T1L], dim=1)
+    return offsets_TRL, torch.cat([ones_TS1, mix_TSR[..., 1:].float()], dim=-1)
 
 
 def advance_gamma_ramps(model: torch.nn.Module, num_steps: int = 1) -> Optional[float]:

@@ -67,9 +67,31 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         `token_shape` is the shape the combined output takes ([S, B, L] or [T, L]).
         """
         num_tokens, num_slots, latent = rows_TSL.shape
-        assert routing_map_TE.shape[0] == num_tokens and probs_TE.dim() == 2
-        assert routing_map_TE.dtype == torch.bool
         assert num_slots == self.config.moe_router_topk, "one row per selected slot"
+        self._set_routing_state(routing_map_TE, probs_TE, token_shape, latent)
+        permuted_NL, permuted_probs_N, self.reversed_local_input_permutation_mapping = (
+            permute_rows(rows_TSL, routing_map_TE, probs_TE))
+        return permuted_NL, permuted_probs_N
+
+    def dispatch_preprocess_permuted(
+        self, permuted_NL: torch.Tensor, row_token_N: torch.Tensor,
+        routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, token_shape: torch.Size,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Like `dispatch_preprocess_rows`, for rows the caller already wrote in Megatron's
+        permute order (e.g. the fused mix-and-permute kernel); `row_token_N` is each row's
+        token, the combine's scatter-add index."""
+        assert permuted_NL.shape[0] == row_token_N.shape[0]  # no routing-map sum: no sync
+        self._set_routing_state(routing_map_TE, probs_TE, token_shape, permuted_NL.shape[1])
+        self.reversed_local_input_permutation_mapping = row_token_N
+        permuted_probs_N = probs_TE.T.contiguous().masked_select(routing_map_TE.T.contiguous())
+        return permuted_NL, permuted_probs_N
+
+    def _set_routing_state(self, routing_map_TE, probs_TE, token_shape, latent: int) -> None:
+        """The metadata the parent's dispatch / combine phases read (split sizes from the
+        routing map alone, so both entry points send identical bytes)."""
+        num_tokens = routing_map_TE.shape[0]
+        assert probs_TE.dim() == 2 and probs_TE.shape[0] == num_tokens
+        assert routing_map_TE.dtype == torch.bool
         self.hidden_shape = torch.Size(token_shape)
         self.probs = probs_TE
         self.routing_map = routing_map_TE
@@ -77,9 +99,6 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
             "before_permutation_1", self.tokens_per_expert)
         self.hidden_shape_before_permute = torch.Size((num_tokens, latent))
-        permuted_NL, permuted_probs_N, self.reversed_local_input_permutation_mapping = (
-            permute_rows(rows_TSL, routing_map_TE, probs_TE))
-        return permuted_NL, permuted_probs_N
 
 
 def _validate(config) -> None:

@@ -80,9 +80,13 @@ def test_bad_config_names_the_field(overrides, field):
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "flex"])
 def test_multi_view_refuses_unique_token_dispatchers(dispatcher):
-    config = mv_config("multi_view", moe_token_dispatcher_type=dispatcher)
+    # refused by the config at start-up (and again by the layer's own check)
     with pytest.raises(ValueError, match="moe_token_dispatcher_type") as info:
-        build_decoder_block_spec(config)
+        mv_config("multi_view", moe_token_dispatcher_type=dispatcher)
     assert "alltoall" in str(info.value) and "top-k" in str(info.value)
+    config = mv_config("multi_view")
+    config.moe_token_dispatcher_type = dispatcher  # bypassing __post_init__
+    with pytest.raises(ValueError, match="moe_token_dispatcher_type"):
+        build_decoder_block_spec(config)
     validate_variant(mv_config("multi_router", num_routers=2,
                                moe_token_dispatcher_type=dispatcher))  # fine without views
