@@ -93,8 +93,8 @@ class OptimizerSection:
     """Peak learning rate, reached after warmup_iters."""
     min_lr: float = 1e-4
     """Floor of the cosine decay."""
-    warmup_iters: int = 10
-    """Linear warmup steps from 0 to lr."""
+    warmup_iters: int = 0
+    """Linear warmup steps from 0 to lr (must be below the decay length)."""
     decay_iters: Optional[int] = None
     """Cosine decay length in steps (None = training.train_iters)."""
     weight_decay: float = 0.1
@@ -181,14 +181,14 @@ class RunConfig:
                  num_layers: Optional[int] = None, num_experts: Optional[int] = None) -> None:
         """Field checks; with world_size also the layout and batch divisibility."""
         t, o = self.training, self.optimizer
-        _require(t.train_iters >= 1, "training.train_iters", f"got {t.train_iters}",
-                 "use --train-iters >= 1")
+        _require(t.train_iters >= 0, "training.train_iters", f"got {t.train_iters}",
+                 "use --train-iters >= 0 (0 only evaluates/saves the initial model)")
         _require(t.micro_batch_size >= 1, "training.micro_batch_size",
                  f"got {t.micro_batch_size}", "use --micro-batch-size >= 1")
         _require(o.lr > 0 and 0 <= o.min_lr <= o.lr, "optimizer.min_lr",
                  f"need 0 <= min_lr ({o.min_lr}) <= lr ({o.lr}) and lr > 0",
                  "set --min-lr below --lr")
-        decay = o.decay_iters or t.train_iters
+        decay = o.decay_iters or max(1, t.train_iters)
         _require(0 <= o.warmup_iters < decay, "optimizer.warmup_iters",
                  f"{o.warmup_iters} warmup steps must be < decay steps {decay}",
                  "lower --lr-warmup-iters or raise --lr-decay-iters/--train-iters")
