@@ -45,7 +45,7 @@ class ParallelLayout:
     def validate(self, world_size: int, num_layers: Optional[int] = None,
                  num_experts: Optional[int] = None, training: bool = True) -> None:
         """Raise ValueError naming the sizes when the layout does not divide (or, with
-        `training`, when Megatron would leave expert gradients unreduced)."""
+        `training` and experts, when Megatron would leave expert gradients unreduced)."""
         for name in ("tp", "pp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout.{name} must be >= 1, got {getattr(self, name)}")
@@ -58,7 +58,7 @@ class ParallelLayout:
                 f"layout: etp*ep*pp = {self.etp}*{self.ep}*{self.pp} does not divide world "
                 f"size {world_size}. Fix: choose ep with ep*etp*pp among "
                 f"{_divisors(world_size)}.")
-        if training and self.ep == 1 and self.etp < self.tp:
+        if training and num_experts and self.ep == 1 and self.etp < self.tp:
             raise ValueError(
                 f"layout: ep=1 with etp={self.etp} < tp={self.tp}. Megatron-Core tags expert "
                 "weights as dense when expert parallelism is off and reduces their gradients "

@@ -74,6 +74,8 @@ def test_layout_errors_name_the_sizes():
     with pytest.raises(ValueError, match="num_moe_experts 6 is not divisible by ep 4"):
         ParallelLayout(ep=4).validate(4, num_experts=6)
     with pytest.raises(ValueError, match="ep=1 with etp=1 < tp=2"):
-        ParallelLayout(tp=2, etp=1).validate(2)
+        ParallelLayout(tp=2, etp=1).validate(2, num_experts=4)
+    ParallelLayout(tp=2, etp=1).validate(2)  # no experts: nothing to reduce
+    ParallelLayout(tp=2, etp=1).validate(2, num_experts=4, training=False)
     with pytest.raises(ValueError, match="num_layers 3"):
         ParallelLayout(pp=2).validate(4, num_layers=3)
