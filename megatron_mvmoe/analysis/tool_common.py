@@ -69,25 +69,12 @@ def open_spec(spec: ModelSpec, pg, overrides: Optional[Dict[str, Any]] = None):
 def single_rank(fn: Callable, *args, timeout_s: float = 1800.0):
     """Run fn(rank, world_size, *args) on one gloo rank (Megatron needs a process group).
 
-    The rank is a NON-daemonic forked process: Megatron's async dist-checkpoint writer starts
-    a multiprocessing Manager, which a daemonic process may not do. Reuses the test
-    spawner's worker and collector (testing/spawn.py; its run_distributed is daemonic).
+    The rank is NON-daemonic: Megatron's async dist-checkpoint writer starts a
+    multiprocessing Manager, which a daemonic process may not do.
     """
-    import multiprocessing as mp
+    from megatron_mvmoe.testing.spawn import run_distributed
 
-    from megatron_mvmoe.testing import spawn
-
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    proc = ctx.Process(target=spawn._worker, daemon=False,
-                       args=(fn, 0, 1, spawn.free_port(), args, results, timeout_s))
-    proc.start()
-    try:
-        return spawn._collect([proc], results, 1, timeout_s)[0]
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=5)
+    return run_distributed(fn, 1, timeout_s=timeout_s, args=args, daemon=False)[0]
 
 
 def in_rank_setup():

@@ -88,16 +88,19 @@ def _default_start_method() -> str:
 
 
 def run_distributed(fn: Callable, world_size: int, timeout_s: float = 180.0,
-                    args: Sequence[Any] = (), start_method: Optional[str] = None) -> List[Any]:
+                    args: Sequence[Any] = (), start_method: Optional[str] = None,
+                    daemon: bool = True) -> List[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
-    `fn` must be a module-level function (picklable under `spawn`). Raises
+    `fn` must be a module-level function (picklable under `spawn`). `daemon=False` lets a
+    rank start processes of its own (Megatron's async dist-checkpoint writer starts a
+    multiprocessing Manager, which a daemonic process may not do). Raises
     DistributedTestError on an exception in any rank, a dead rank, or a timeout.
     """
     ctx = mp.get_context(start_method or _default_start_method())
     results: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True,
+    procs = [ctx.Process(target=_worker, daemon=daemon,
                          args=(fn, rank, world_size, port, args, results, timeout_s))
              for rank in range(world_size)]
     for proc in procs:
