@@ -87,7 +87,8 @@ def _optimizer(run: RunConfig, config, model) -> object:
 
 def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
     o, t = run.optimizer, run.training
-    decay = o.decay_iters or max(1, t.train_iters)
+    # train_iters = 0 (save/evaluate the initial model) still needs a valid schedule.
+    decay = max(o.decay_iters or t.train_iters, o.warmup_iters + 1)
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
         lr_decay_steps=decay, lr_decay_style="cosine", start_wd=o.weight_decay,

@@ -130,7 +130,9 @@ def save_checkpoint(trainer: Trainer, root: str, state: ResumeState) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    optimizer_format = trainer.run.training.ckpt_optimizer_format
+    # Before the first step the optimizer holds no state (Megatron cannot serialise it):
+    # such a checkpoint carries the weights only.
+    optimizer_format = trainer.run.training.ckpt_optimizer_format if state.step > 0 else None
     dist_checkpointing.save(_sharded_state_dict(trainer, False, optimizer_format), tmp)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     dist.barrier()
@@ -256,7 +258,9 @@ def _loadable_optimizer_format(trainer: Trainer, meta: Dict, load_optimizer: boo
     be restored: dp_reshardable states reshard over data-parallel ranks only."""
     if not load_optimizer:
         return None
-    saved = meta.get("optimizer_format", "dp_reshardable")
+    saved = meta.get("optimizer_format")
+    if saved is None:  # saved before the first step: weights only
+        return None
     if saved == "dp_reshardable" and meta.get("layout") != _layout(trainer):
         if dist.get_rank() == 0:
             print(f"warning: checkpoint optimizer states are dp_reshardable (saved at layout "

@@ -133,7 +133,7 @@ class TrainingSection:
     eval_interval: int = 50
     """Evaluate every this many steps (0 = only at the end)."""
     eval_iters: int = 4
-    """Microbatch rounds per domain per evaluation."""
+    """Global batches per domain per evaluation (the same held-out samples on any layout)."""
     save: Optional[str] = None
     """Checkpoint root directory (None = no saving)."""
     load: Optional[str] = None
@@ -188,8 +188,8 @@ class RunConfig:
         _require(o.lr > 0 and 0 <= o.min_lr <= o.lr, "optimizer.min_lr",
                  f"need 0 <= min_lr ({o.min_lr}) <= lr ({o.lr}) and lr > 0",
                  "set --min-lr below --lr")
-        decay = o.decay_iters or max(1, t.train_iters)
-        _require(0 <= o.warmup_iters < decay, "optimizer.warmup_iters",
+        decay = o.decay_iters or t.train_iters
+        _require(o.warmup_iters >= 0 and (t.train_iters == 0 or o.warmup_iters < decay), "optimizer.warmup_iters",
                  f"{o.warmup_iters} warmup steps must be < decay steps {decay}",
                  "lower --lr-warmup-iters or raise --lr-decay-iters/--train-iters")
         _require(t.precision in ("auto", "bf16", "fp32"), "training.precision",

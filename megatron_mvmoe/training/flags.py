@@ -72,7 +72,7 @@ FLAGS: List[Flag] = [
     Flag("--global-batch-size", "training", "global_batch_size", int, "sequences per step"),
     Flag("--micro-batch-size", "training", "micro_batch_size", int, "sequences per microbatch"),
     Flag("--eval-interval", "training", "eval_interval", int, "steps between evaluations"),
-    Flag("--eval-iters", "training", "eval_iters", int, "microbatches per domain per eval"),
+    Flag("--eval-iters", "training", "eval_iters", int, "global batches per domain per evaluation"),
     Flag("--save", "training", "save", str, "checkpoint root"),
     Flag("--load", "training", "load", str, "checkpoint root to resume from"),
     Flag("--load-optimizer", "training", "load_optimizer", _bool, "true/false"),

@@ -129,7 +129,9 @@ class _Loop:
                       f"{metrics['tokens_per_s']:.0f} tok/s{gamma}")
 
     def evaluate(self) -> Dict[str, float]:
-        losses = evaluate(self.trainer, self.data, self.run.training.eval_iters)
+        # eval_iters global batches: the same samples whatever the layout.
+        losses = evaluate(self.trainer, self.data,
+                          self.run.training.eval_iters * self.num_microbatches)
         values = {d: {"loss": v, "ppl": _ppl(v)} for d, v in losses.items()}
         self.log.record("eval", self.state.step, values)
         self.log.line(f"eval step {self.state.step}: " + ", ".join(
@@ -164,6 +166,10 @@ def _due(step: int, interval: int) -> bool:
 def pretrain(run: RunConfig, pg_collection,
              on_step: Optional[Callable[[int, Trainer], None]] = None) -> RunResult:
     """Train `run` on the initialised layout; returns losses and final evaluation."""
+    from megatron_mvmoe.models.presets import resolve_model
+
+    shape = resolve_model(run.model)
+    run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
     loop = _Loop(run, pg_collection, on_step)
     t = run.training
     try:
@@ -199,7 +205,8 @@ def pretrain(run: RunConfig, pg_collection,
 
 
 # ------------------------------------------------------------------------------ launcher
-def run_from_args(argv: Optional[Sequence[str]] = None) -> RunResult:
+def run_from_args(argv: Optional[Sequence[str]] = None,
+                  on_step: Optional[Callable[[int, Trainer], None]] = None) -> RunResult:
     from megatron_mvmoe.launch import init_distributed
     from megatron_mvmoe.parallel import destroy_layout, initialize_layout
     from megatron_mvmoe.training.flags import config_from_args
@@ -213,7 +220,7 @@ def run_from_args(argv: Optional[Sequence[str]] = None) -> RunResult:
         shape = resolve_model(run.model)
         run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
         pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts)
-        result = pretrain(run, pgs)
+        result = pretrain(run, pgs, on_step=on_step)
         destroy_layout()
         return result
     finally:

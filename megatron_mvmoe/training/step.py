@@ -86,15 +86,16 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int) -> Dict[str, 
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, data, eval_iters: int) -> Dict[str, float]:
-    """Mean held-out loss per domain (same microbatches every time)."""
+def evaluate(trainer: Trainer, data, num_microbatches: int) -> Dict[str, float]:
+    """Mean held-out loss per domain over `num_microbatches` microbatches per DP rank
+    (the same ones every time)."""
     for chunk in trainer.model:
         chunk.eval()
     results = {}
     try:
         for domain in data.domains:
             iterators = _iterators(trainer, partial(data.eval_iterator, domain))
-            losses = _run_schedule(trainer, iterators, eval_iters, forward_only=True)
+            losses = _run_schedule(trainer, iterators, num_microbatches, forward_only=True)
             results[domain] = _mean_loss(trainer, losses)
     finally:
         for chunk in trainer.model:
