@@ -131,6 +131,10 @@ class MVMoETransformerConfig(TransformerConfig):
     moe_variant: str = "smoe"
     """One of dense, smoe, latent, multi_router, multi_view, mh_moe."""
 
+    moe_token_dispatcher_type: str = "alltoall"
+    """Overrides Megatron's default ('allgather'): the alltoall dispatcher is the one whose
+    volume Multi-View keeps equal to the baseline (allgather/flex are refused for it)."""
+
     latent_size: Optional[int] = None
     """L: latent size of the latent MoE (down-projection D -> L before dispatch, up after
     combine). Required for latent, multi_router and multi_view."""
