@@ -20,6 +20,7 @@ Design choices:
   parallelism each TP rank sees different tokens, so the weights carry Megatron's
   `sequence_parallel` attribute and finalize_model_grads all-reduces their grads over TP.
   Names follow Megatron's (`fc1_latent_proj.weight` [L, D], `fc2_latent_proj.weight` [D, L]).
+  With `config.bitnet.enabled` they quantize (ternary weights, int activations, STE).
 - The router is whatever the spec gives (`MoESubmodules.router`): Megatron's TopKRouter
   with sigmoid + expert bias for the baseline, `MultiRouter` for the Multi-Router variant.
 """
@@ -34,6 +35,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron_mvmoe.layers.bitnet import quantize_activation_ste, quantize_weight_ste
 from megatron_mvmoe.layers.errors import require
 
 
@@ -58,7 +60,9 @@ class ExpertsInLatentSpace:
 
 
 class LatentProjection(torch.nn.Module):
-    """Bias-free linear map replicated across TP ranks: weight [out, in]."""
+    """Bias-free linear map replicated across TP ranks: weight [out, in]. With
+    `config.bitnet.enabled` it is a BitNet b1.58 linear (ternary weight, int activations,
+    STE), like every Column/RowParallelLinear of the block."""
 
     def __init__(self, in_size: int, out_size: int, config, init_method) -> None:
         super().__init__()
@@ -68,9 +72,19 @@ class LatentProjection(torch.nn.Module):
         self.weight.data = self.weight.data.to(config.params_dtype)
         # replicated over TP: with SP the grads must be all-reduced across TP ranks
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.bitnet_bits = bitnet_activation_bits(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
+        if self.bitnet_bits is None:
+            return torch.nn.functional.linear(x, self.weight)
+        x = quantize_activation_ste(x, self.bitnet_bits)
+        return torch.nn.functional.linear(x, quantize_weight_ste(self.weight))
+
+
+def bitnet_activation_bits(config) -> Optional[int]:
+    """The activation bits when `config.bitnet.enabled`, else None (full precision)."""
+    bitnet = getattr(config, "bitnet", None)
+    return bitnet.activation_bits if bitnet is not None and bitnet.enabled else None
 
 
 def validate_latent_config(config) -> None:

@@ -13,6 +13,11 @@ Design choices:
   (it checks the exact class), so the spec carries it in `params`.
 - Without TransformerEngine the local backend is used; its torch norm refuses sequence
   parallelism, so with SP on every `WrappedTorchNorm` slot becomes `SequenceParallelTorchNorm`.
+- BitNet (`config.bitnet.enabled`): the finished block goes through `maybe_bitnet_spec`, so
+  attention, dense MLPs, experts and shared experts use the Bit linears; our latent, view and
+  MH-MoE head/merge projections quantize themselves from the config. Routers, embeddings and
+  the output layer stay full precision (BitNet b1.58's recipe; the latter two are built by
+  GPTModel, outside the block). Always the local backend (the Bit classes extend it).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
 from megatron_mvmoe.layers.errors import require
 from megatron_mvmoe.layers.latent_moe import LatentMoELayer, validate_latent_config
 from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer, validate_multi_view_config
@@ -43,15 +49,31 @@ def use_transformer_engine() -> bool:
 def build_decoder_block_spec(config, vp_stage: Optional[int] = None, pg_collection=None,
                              use_te: Optional[bool] = None) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder block spec for `config.moe_variant`."""
-    use_te = use_transformer_engine() if use_te is None else use_te
     validate_variant(config)
+    use_te = _choose_te(config, use_te)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, vp_stage=vp_stage)
     layer_specs = [_swap_moe_slot(spec, config, pg_collection) for spec in block.layer_specs]
     block = replace(block, layer_specs=layer_specs)
     if config.sequence_parallel and not use_te:
         block = _sequence_parallel_norms(block)
-    return block
+    return maybe_bitnet_spec(block, config)
+
+
+def _choose_te(config, use_te: Optional[bool]) -> bool:
+    """TE when available, except under BitNet: the Bit linears extend Megatron's local
+    Column/RowParallelLinear, so TE's fused linears would silently stay full precision."""
+    if not _bitnet_enabled(config):
+        return use_transformer_engine() if use_te is None else use_te
+    require(not use_te, "bitnet.enabled",
+            "BitNet quantizes Megatron's local linears; TransformerEngine layers would stay "
+            "full precision", "build the block with use_te=False (or leave it None)")
+    return False
+
+
+def _bitnet_enabled(config) -> bool:
+    bitnet = getattr(config, "bitnet", None)
+    return bitnet is not None and bitnet.enabled
 
 
 def validate_variant(config) -> None:
@@ -61,6 +83,10 @@ def validate_variant(config) -> None:
         validate_latent_config(config)
     if variant == "multi_view":
         validate_multi_view_config(config)
+    if _bitnet_enabled(config):
+        require(not config.moe_grouped_gemm, "moe_grouped_gemm",
+                "GroupedMLP's expert weights are not linear layers, so BitNet would leave "
+                "the experts full precision", "set moe_grouped_gemm=False under BitNet")
     if variant == "dense":
         require(not config.num_moe_experts, "num_moe_experts",
                 f"moe_variant='dense' but {config.num_moe_experts} experts are set",

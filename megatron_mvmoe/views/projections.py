@@ -10,6 +10,8 @@ Design choices:
 - dP_m is initialised N(0, multi_view.view_init_std) and scaled by gamma, which the caller
   ramps 0 -> 1 (views.schedule.GammaRamp); at gamma = 0 every view is exactly P h.
 - Two GEMMs: P h once, all perturbations in one [(K-1)*L, D] GEMM.
+- BitNet (`config.bitnet.enabled`): view m is Q(P + gamma dP_m) h with one ternary matrix per
+  view and int-quantized h, so every view is a BitNet linear (one [K*L, D] GEMM).
 - The weights are replicated on every TP rank. Under sequence parallelism each rank sees a
   different slice of tokens, so the parameters carry `sequence_parallel = True` and Megatron's
   finalize_model_grads all-reduces their gradients over TP (untagged, replicas drift apart).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.layers.bitnet import quantize_activation_ste, quantize_weight_ste
 
 
 class MultiViewProjection(torch.nn.Module):
@@ -39,6 +42,9 @@ class MultiViewProjection(torch.nn.Module):
         self.view_perturbations = torch.nn.Parameter(
             torch.empty((self.num_views - 1, *shape_LD), dtype=torch.float32))
         self._reset_parameters(config)
+        bitnet = config.bitnet
+        self.bitnet_bits = bitnet.activation_bits if bitnet.enabled else None
+        """Activation bits of the BitNet views, None when full precision."""
 
     def _reset_parameters(self, config: MVMoETransformerConfig) -> None:
         if config.perform_initialization:
@@ -51,6 +57,8 @@ class MultiViewProjection(torch.nn.Module):
 
     def forward(self, hidden_TD: torch.Tensor, gamma: float) -> torch.Tensor:
         """views_TRL [..., K, L]: views[..., 0, :] = P h, views[..., m, :] = P h + gamma dP_m h."""
+        if self.bitnet_bits is not None:
+            return self._bitnet_views(hidden_TD, gamma)
         backbone_TL = torch.nn.functional.linear(hidden_TD, self.weight)
         if self.num_views == 1:
             return backbone_TL.unsqueeze(-2)
@@ -59,3 +67,15 @@ class MultiViewProjection(torch.nn.Module):
         perturb_TML = perturb_TX.unflatten(-1, (self.num_views - 1, self.latent_size))
         backbone_T1L = backbone_TL.unsqueeze(-2)
         return torch.cat([backbone_T1L, backbone_T1L + gamma * perturb_TML], dim=-2)
+
+    def _bitnet_views(self, hidden_TD: torch.Tensor, gamma: float) -> torch.Tensor:
+        """BitNet b1.58: view m applies ONE ternary matrix, Q(P + gamma dP_m) (absmean scale,
+        STE), to the int-quantized token, so every view is a BitNet linear; at gamma = 0
+        each Q(P + 0) is Q(P) exactly and every view equals the backbone view."""
+        hidden_TD = quantize_activation_ste(hidden_TD, self.bitnet_bits)
+        weight_KLD = torch.cat([self.weight.unsqueeze(0),
+                                self.weight.unsqueeze(0) + gamma * self.view_perturbations])
+        quantized_KLD = torch.stack([quantize_weight_ste(w_LD) for w_LD in weight_KLD])
+        quantized_XD = quantized_KLD.reshape(-1, self.hidden_size)  # X = K*L
+        views_TX = torch.nn.functional.linear(hidden_TD, quantized_XD)
+        return views_TX.unflatten(-1, (self.num_views, self.latent_size))
