@@ -10,6 +10,13 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+if not torch.cuda.is_available():
+    # Triton's standard-library functions (tl.sigmoid, ...) are jit-decorated when
+    # triton.language is first imported, in the mode the environment says then. Megatron
+    # may import Triton before any kernel test module runs, so without a GPU the whole
+    # session uses the interpreter (compiled Triton cannot run here anyway).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
