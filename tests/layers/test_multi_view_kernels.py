@@ -53,20 +53,22 @@ def test_expert_major_rows_is_the_dispatchers_permute_order():
     assert torch.equal(order.tokens_per_expert_E, routing_map_TE.sum(0))
 
 
-def _run(pgs, kernels, **config_kwargs):
+def _run(pgs, kernels, device=None, **config_kwargs):
     config = mv_config("multi_view", **config_kwargs)
     config.multi_view.kernels = kernels
     layer = build_layer(config, pgs)
     load_global_weights(layer, global_weights(config))
+    layer.to(device)
     seen = []
     original = layer.token_dispatcher.dispatch_preprocess_permuted
     layer.token_dispatcher.dispatch_preprocess_permuted = lambda *a: (
         seen.append(True), original(*a))[1]
-    x = global_input(config.hidden_size).requires_grad_(True)
+    x = global_input(config.hidden_size).to(device).requires_grad_(True)
     out, _ = layer(x)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    (out * weight).sum().backward()
-    return {"out": out.detach(), "x_grad": x.grad.detach(), "grads": named_grads(layer),
+    (out * weight.to(out.device)).sum().backward()
+    grads = {name: grad.cpu() for name, grad in named_grads(layer).items()}
+    return {"out": out.detach().cpu(), "x_grad": x.grad.detach().cpu(), "grads": grads,
             "fused": bool(seen), "backend": layer.kernel_backend(x.device)}
 
 
@@ -86,16 +88,39 @@ def _parity_worker(rank, world_size):
 
 
 def test_triton_layer_equals_reference_layer(monkeypatch):
-    results = _interpreted(_parity_worker, monkeypatch)
+    _check_parity(_interpreted(_parity_worker, monkeypatch), atol=1e-5)
+
+
+def _gpu_worker(rank, world_size):
+    from megatron_mvmoe.platform import device, set_local_device
+
+    set_local_device(rank)
+    pgs = initialize_layout(ParallelLayout())
+    results = {name: {k: _run(pgs, k, device=device(), **kw) for k in ("auto", "reference")}
+               for name, kw in CASES.items()}
+    for runs in results.values():
+        runs["triton"] = runs.pop("auto")  # auto on CUDA must pick the compiled kernel
+    return results
+
+
+@pytest.mark.gpu
+def test_compiled_triton_layer_equals_reference_layer_on_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MVMOE_KERNELS", raising=False)
+    results = run_distributed(_gpu_worker, 1, timeout_s=300, start_method="spawn")[0]
+    _check_parity(results, atol=1e-4)  # GPU GEMMs may reorder sums
+
+
+def _check_parity(results, atol):
     for name, runs in results.items():
         fused, ref = runs["triton"], runs["reference"]
         assert fused["fused"] and not ref["fused"], name  # each took its own path
-        torch.testing.assert_close(fused["out"], ref["out"], atol=1e-5, rtol=1e-5, msg=name)
-        torch.testing.assert_close(fused["x_grad"], ref["x_grad"], atol=1e-5, rtol=1e-5,
+        torch.testing.assert_close(fused["out"], ref["out"], atol=atol, rtol=atol, msg=name)
+        torch.testing.assert_close(fused["x_grad"], ref["x_grad"], atol=atol, rtol=atol,
                                    msg=name)
         assert fused["grads"].keys() == ref["grads"].keys(), name
         for param, grad in ref["grads"].items():
-            torch.testing.assert_close(fused["grads"][param], grad, atol=1e-5, rtol=1e-5,
+            torch.testing.assert_close(fused["grads"][param], grad, atol=atol, rtol=atol,
                                        msg=f"{name} {param}")
     # gamma = 0: every row is P h exactly on both paths
     assert torch.equal(results["r2_gamma0"]["triton"]["out"],
