@@ -98,9 +98,6 @@ def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
 
 def build_trainer(run: RunConfig, pg_collection) -> Trainer:
     """Build this rank's model chunks, DDP wrappers, optimizer and scheduler."""
-    from megatron_mvmoe.training import _platform_gaps
-
-    _platform_gaps.apply()
     shape = resolve_model(run.model)
     config = model_config(run, shape)
     platform.seed_all(run.training.seed)

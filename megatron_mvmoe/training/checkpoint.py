@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import random
 import shutil
 from dataclasses import dataclass
@@ -121,8 +122,20 @@ def _write_json_atomic(path: str, payload) -> None:
     os.replace(tmp, path)
 
 
+def _in_process_write_results() -> None:
+    """Megatron 0.16.1's file writer collects write results through a module-level queue
+    that it creates as `Manager().Queue()`: a helper *process* that outlives a rank killed
+    by its launcher (holding the job's stdout open forever). Our saves are synchronous, so
+    the queue is only used inside this process: hand it a plain in-process queue first."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(trainer: Trainer, root: str, state: ResumeState) -> str:
     """Collective: save to root/iter_<step>, then point `latest` at it. Returns the dir."""
+    _in_process_write_results()
     name = f"iter_{state.step:07d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp_{name}")
     rank = dist.get_rank()

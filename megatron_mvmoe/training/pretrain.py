@@ -212,6 +212,7 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
     from megatron_mvmoe.training.flags import config_from_args
 
     run = config_from_args(argv)
+    _exit_cleanly_on_sigterm()
     platform.apply_cpu_patches()
     init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)
     try:
@@ -224,8 +225,22 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
         destroy_layout()
         return result
     finally:
+        ckpt.close_writer_processes()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """torchrun (and Slurm) stop surviving ranks with SIGTERM when one rank dies. Turning
+    it into SystemExit runs the `finally` blocks, which stop the checkpoint writer's helper
+    process; killed outright, that helper outlives the rank and holds its stdout open."""
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(f"rank stopped by signal {signum} (another rank failed or the "
+                         "launcher is shutting the job down)")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

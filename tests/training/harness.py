@@ -4,7 +4,6 @@ on the real-text token set of textdata.py."""
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
 from typing import Dict, Optional
 
 from megatron_mvmoe.testing.spawn import run_distributed
@@ -25,10 +24,6 @@ def tiny_run(data_dir: str, preset: str = "tiny_multi_view", parallel: Optional[
 
 
 def _train(rank, world_size, raw, corrupt_at_step):
-    # Megatron's checkpoint writer starts helper processes; the spawner's ranks are
-    # daemonic, which multiprocessing forbids to have children. The spawner still kills
-    # every rank on failure, and pretrain() stops the helpers before returning.
-    mp.current_process()._config["daemon"] = False
     from megatron_mvmoe.parallel import initialize_layout
     from megatron_mvmoe.training.pretrain import pretrain
 
@@ -48,5 +43,7 @@ def _train(rank, world_size, raw, corrupt_at_step):
 def train(raw: Dict, world_size: int, corrupt_at_step: Optional[int] = None,
           timeout_s: float = 240) -> Dict:
     """Rank 0's RunResult fields (every rank sees the same losses)."""
+    # daemon=False: Megatron's checkpoint writer starts helper processes of its own
+    # (pretrain() stops them before returning).
     return run_distributed(_train, world_size, timeout_s=timeout_s,
-                           args=(raw, corrupt_at_step))[0]
+                           args=(raw, corrupt_at_step), daemon=False)[0]
