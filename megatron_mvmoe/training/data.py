@@ -54,8 +54,8 @@ def _cycle(dataset, mbs: int, dp_rank: int, dp_size: int, consumed: int) -> Iter
     index = consumed
     while True:
         ids = [(index + dp_rank * mbs + i) % total for i in range(mbs)]
-        samples = [dataset[i] for i in ids]
-        yield {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        # default_collate: GPTDataset/BlendedDataset samples mix tensors and numpy scalars.
+        yield torch.utils.data.default_collate([dataset[i] for i in ids])
         index += block
 
 

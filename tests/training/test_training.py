@@ -33,6 +33,13 @@ def test_loss_falls_at_ep2(data_dir):
     assert set(out["eval"]) == {"tech", "reference"}
 
 
+def test_loss_falls_at_tp2_pp2(data_dir):
+    # EP=2 rides along: with TP > 1, experts need ep > 1 or etp = tp (parallel.py guard).
+    out = train(tiny_run(data_dir, parallel={"tp": 2, "pp": 2, "ep": 2}, train_iters=12,
+                         eval_iters=1), 4)
+    assert sum(out["losses"][-3:]) / 3 < out["losses"][0] - 0.3, out["losses"]
+
+
 @pytest.mark.parametrize("parallel,world", [({"ep": 2}, 2), ({"pp": 2}, 2)])
 def test_layout_parity_first_10_steps(data_dir, init_ckpt, parallel, world):
     kwargs = dict(train_iters=10, eval_iters=0, load=init_ckpt, load_optimizer=False)
