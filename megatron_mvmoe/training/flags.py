@@ -96,11 +96,12 @@ def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.Ar
 
 
 def apply_flags(config: RunConfig, args: argparse.Namespace) -> RunConfig:
-    """Set every flag given on the command line on its RunConfig field (in place)."""
+    """Set every flag given on the command line on its RunConfig field (in place).
+    An empty string clears an optional field (e.g. --save "" turns saving off)."""
     for flag in FLAGS:
         value = getattr(args, flag.name.lstrip("-").replace("-", "_"))
         if value is not None:
-            setattr(getattr(config, flag.section), flag.field, value)
+            setattr(getattr(config, flag.section), flag.field, None if value == "" else value)
     return config
 
 
