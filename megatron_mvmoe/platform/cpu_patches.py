@@ -287,6 +287,36 @@ def _rng_tracker_breaks() -> bool:
     return not restored
 
 
+# ------------------------------------------------- optimizer state on the torch-Adam path
+def _keep_states_missing_from_checkpoint() -> None:
+    """Without apex/TE the optimizer is torch's Adam, whose per-parameter state also holds
+    `step`; the fully_reshardable checkpoint carries only param/exp_avg/exp_avg_sq, and
+    `_set_main_param_and_optimizer_states` copies every destination key (KeyError 'step').
+    Keys the checkpoint lacks keep their current value (the trainer restores the step)."""
+    module = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    cls = module.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            current = self._get_main_param_and_optimizer_states(model_param)
+            tensors = {**{k: v for k, v in current.items() if k not in tensors}, **tensors}
+        return original(self, model_param, tensors)
+
+    set_states._mvmoe_wrapped = True
+    cls._set_main_param_and_optimizer_states = set_states
+
+
+def _optimizer_states_break() -> bool:
+    import inspect
+
+    module = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    fn = module.DistributedOptimizer._set_main_param_and_optimizer_states
+    return (not getattr(fn, "_mvmoe_wrapped", False)
+            and "for key in dst_tensors" in inspect.getsource(fn))
+
+
 # ------------------------------------------------------------ MoE-specific patches
 def _router_gemm_without_te() -> None:
     """`router_gating_linear` names `te_general_gemm`, imported only with TE."""
@@ -369,6 +399,10 @@ PATCHES: List[Patch] = [
           "model_parallel_cuda_manual_seed / get_cuda_rng_tracker().fork() read and set "
           "CUDA generator states (dot_product_attention forks it on every forward).",
           _cpu_rng_tracker, _rng_tracker_breaks),
+    Patch("optimizer states missing from a checkpoint",
+          "loading a fully_reshardable optimizer checkpoint into torch's Adam (no apex/TE) "
+          "fails with KeyError 'step' in _set_main_param_and_optimizer_states.",
+          _keep_states_missing_from_checkpoint, _optimizer_states_break),
     Patch("te_general_gemm",
           "moe_utils.router_gating_linear references te_general_gemm, undefined without "
           "TransformerEngine (NameError).",

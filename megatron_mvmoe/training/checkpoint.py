@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megatron_mvmoe.platform import is_cuda
 from megatron_mvmoe.training.build import Trainer
 
 LATEST = "latest"
@@ -99,9 +100,13 @@ def _sharded_state_dict(trainer: Trainer, is_loading: bool, optimizer_format: Op
         return state
     if is_loading:
         _ensure_optimizer_state(trainer.optimizer)
+    metadata = {"distrib_optim_sharding_type": optimizer_format}
+    if not is_cuda():
+        # fully_reshardable gathers over NCCL with `.cuda()` unless asked to use the gloo
+        # data-parallel group (Megatron's memory-efficient variant): the CPU route.
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
     state["optimizer"] = trainer.optimizer.sharded_state_dict(
-        state, is_loading=is_loading,
-        metadata={"distrib_optim_sharding_type": optimizer_format})
+        state, is_loading=is_loading, metadata=metadata)
     return state
 
 
@@ -281,6 +286,17 @@ def _loadable_optimizer_format(trainer: Trainer, meta: Dict, load_optimizer: boo
                   "scheduler and data position; Adam moments restart from zero. Save with "
                   "ckpt_optimizer_format=fully_reshardable to carry them across layouts",
                   flush=True)
+        return None
+    saved_ep = (meta.get("layout") or {}).get("ep", 1) or 1
+    if saved == "fully_reshardable" and (saved_ep > 1) != (trainer.run.parallel.ep > 1):
+        # With EP > 1 Megatron keeps expert parameters in a second (chained) optimizer;
+        # with EP = 1 they share the dense one, so the saved state has another structure.
+        if dist.get_rank() == 0:
+            print(f"warning: optimizer states saved with ep={saved_ep} cannot load at "
+                  f"ep={trainer.run.parallel.ep} (expert parameters move between Megatron's "
+                  "dense and expert optimizers when EP switches between 1 and > 1): "
+                  "restoring weights, step, scheduler and data position; Adam moments "
+                  "restart from zero", flush=True)
         return None
     return saved
 
