@@ -12,6 +12,7 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import List, Optional
@@ -55,8 +56,24 @@ def use_bf16(run: RunConfig) -> bool:
 def model_config(run: RunConfig, shape: Optional[ModelShape] = None) -> MVMoETransformerConfig:
     shape = shape or resolve_model(run.model)
     p = run.parallel
-    return transformer_config(shape, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                              use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+    config = transformer_config(shape, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                                use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+    return apply_model_switches(config, run.model)
+
+
+def apply_model_switches(config: MVMoETransformerConfig, model) -> MVMoETransformerConfig:
+    """The run's Multi-View / BitNet switches (ModelSection fields that are not part of the
+    ModelShape) on the nested configs; None keeps the layer default. Revalidated after."""
+    view_fields = {"stop_grad_mixing": model.stop_grad_mixing, "gate_scale": model.gate_scale,
+                   "learned_gate_scale": model.learned_gate_scale,
+                   "kernels": model.multi_view_kernels}
+    chosen = {k: v for k, v in view_fields.items() if v is not None}
+    if chosen:
+        config.multi_view = dataclasses.replace(config.multi_view, **chosen)
+    if model.bitnet is not None:
+        config.bitnet = dataclasses.replace(config.bitnet, enabled=bool(model.bitnet))
+    config.validate_mvmoe()
+    return config
 
 
 def _wrap_ddp(config, chunks, run: RunConfig, pg_collection) -> List[DistributedDataParallel]:

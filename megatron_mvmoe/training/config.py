@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
+from megatron_mvmoe.config import KERNEL_BACKENDS
+from megatron_mvmoe.models.warm_start import NEW_HEADS as WARM_START_NEW_HEADS
 from megatron_mvmoe.parallel import ParallelLayout
 
 
@@ -58,6 +60,17 @@ class ModelSection:
     """Steps over which the view perturbation gamma ramps 0 -> 1."""
     num_heads_mh: Optional[int] = None
     """H sub-tokens per token (mh_moe)."""
+    stop_grad_mixing: Optional[bool] = None
+    """Detach the Multi-View mixing weights (the paper's ablation; None = False)."""
+    gate_scale: Optional[float] = None
+    """alpha, the scale on the normalised gates (Eq. 3; None = 1.0)."""
+    learned_gate_scale: Optional[bool] = None
+    """Learn alpha per expert, initialised to gate_scale (None = False)."""
+    multi_view_kernels: Optional[str] = None
+    """Mix-and-permute backend of the Multi-View layer: auto, triton or reference
+    (None = auto: the fused Triton kernel on CUDA tensors, the torch path elsewhere)."""
+    bitnet: Optional[bool] = None
+    """BitNet b1.58 quantization-aware training of the linear layers (None = False)."""
     vocab_size: Optional[int] = None
     seq_length: Optional[int] = None
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -151,6 +164,14 @@ class TrainingSection:
     """auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
     exit_on_nonfinite: bool = True
     """Stop with an error naming the step when the loss is NaN/inf."""
+    warm_start_from: Optional[str] = None
+    """A latent-MoE baseline checkpoint (root or iter_* directory written by this trainer)
+    whose weights initialise this multi_view / multi_router model before step 1; the
+    baseline's optimizer, step and data position are not loaded, the gamma ramp restarts.
+    Skipped when `load` holds a checkpoint (a restarted warm-started run resumes)."""
+    warm_start_new_heads: str = "fresh"
+    """Routing heads 1..R-1 of a warm start: fresh (own initialisation, the paper) or copy
+    (copies of the baseline head: the first forward equals the baseline's)."""
 
 
 @dataclass
@@ -197,12 +218,24 @@ class RunConfig:
         _require(t.ckpt_optimizer_format in ("dp_reshardable", "fully_reshardable"),
                  "training.ckpt_optimizer_format", f"unknown {t.ckpt_optimizer_format!r}",
                  "use dp_reshardable or fully_reshardable")
+        _require(t.warm_start_new_heads in WARM_START_NEW_HEADS, "training.warm_start_new_heads",
+                 f"unknown {t.warm_start_new_heads!r}",
+                 f"use one of {WARM_START_NEW_HEADS} (--warm-start-new-heads)")
+        self._validate_model_switches()
         _require(self.data.kind in ("indexed", "tokens"), "data.kind",
                  f"unknown {self.data.kind!r}", "use indexed or tokens")
         _require(self.parallel.distributed_timeout_seconds > 0,
                  "parallel.distributed_timeout_seconds", "must be > 0", "use e.g. 120")
         if world_size is not None:
             self._validate_layout(world_size, num_layers, num_experts)
+
+    def _validate_model_switches(self) -> None:
+        m = self.model
+        _require(m.multi_view_kernels in (None,) + KERNEL_BACKENDS, "model.multi_view_kernels",
+                 f"unknown {m.multi_view_kernels!r}",
+                 f"use one of {KERNEL_BACKENDS} (--multi-view-kernels)")
+        _require(m.gate_scale is None or m.gate_scale > 0, "model.gate_scale",
+                 f"must be > 0, got {m.gate_scale}", "use 1.0 for plain normalised gates")
 
     def _validate_layout(self, world_size: int, num_layers, num_experts) -> None:
         layout = self.parallel.layout()

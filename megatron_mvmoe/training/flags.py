@@ -33,66 +33,125 @@ def _bool(text: str) -> bool:
 
 
 FLAGS: List[Flag] = [
-    Flag("--tensor-model-parallel-size", "parallel", "tp", int, "TP size"),
-    Flag("--pipeline-model-parallel-size", "parallel", "pp", int, "PP stages"),
-    Flag("--expert-model-parallel-size", "parallel", "ep", int, "EP size"),
-    Flag("--expert-tensor-parallel-size", "parallel", "etp", int, "expert TP size"),
-    Flag("--virtual-pipeline-model-parallel-size", "parallel", "vpp", int, "VPP chunks"),
+    # --- parallel layout
+    Flag("--tensor-model-parallel-size", "parallel", "tp", int,
+         "TP size (MoE with TP > 1 turns sequence parallelism on; needs EP > 1 or ETP = TP)"),
+    Flag("--pipeline-model-parallel-size", "parallel", "pp", int, "pipeline stages"),
+    Flag("--expert-model-parallel-size", "parallel", "ep", int, "expert-parallel size"),
+    Flag("--expert-tensor-parallel-size", "parallel", "etp", int,
+         "expert tensor-parallel size (gloo needs 1 with TP > 1)"),
+    Flag("--virtual-pipeline-model-parallel-size", "parallel", "vpp", int,
+         "virtual pipeline chunks per rank (interleaved 1F1B)"),
     Flag("--distributed-timeout-seconds", "parallel", "distributed_timeout_seconds", float,
          "collective timeout (a dead rank fails the job after this)"),
-    Flag("--model-preset", "model", "preset", str, "preset name (models/presets.py)"),
-    Flag("--moe-variant", "model", "moe_variant", str, "dense|smoe|latent|multi_router|"
-         "multi_view|mh_moe"),
+    # --- model shape (None keeps the preset's value)
+    Flag("--model-preset", "model", "preset", str,
+         "preset name in megatron_mvmoe/models/presets.py, e.g. tiny_multi_view"),
+    Flag("--moe-variant", "model", "moe_variant", str,
+         "dense|smoe|latent|multi_router|multi_view|mh_moe"),
     Flag("--num-layers", "model", "num_layers", int, "transformer layers"),
-    Flag("--hidden-size", "model", "hidden_size", int, "D"),
+    Flag("--hidden-size", "model", "hidden_size", int, "D, the hidden size"),
     Flag("--num-attention-heads", "model", "num_attention_heads", int, "attention heads"),
+    Flag("--num-query-groups", "model", "num_query_groups", int,
+         "grouped-query attention KV groups"),
     Flag("--ffn-hidden-size", "model", "ffn_hidden_size", int, "dense MLP width"),
-    Flag("--num-experts", "model", "num_experts", int, "E"),
-    Flag("--moe-ffn-hidden-size", "model", "moe_ffn_hidden_size", int, "expert width"),
-    Flag("--moe-router-topk", "model", "moe_router_topk", int, "top-k"),
+    Flag("--num-experts", "model", "num_experts", int, "E, routed experts per MoE layer"),
+    Flag("--moe-ffn-hidden-size", "model", "moe_ffn_hidden_size", int, "routed expert width"),
+    Flag("--moe-router-topk", "model", "moe_router_topk", int, "experts per token (top-k)"),
     Flag("--moe-shared-expert-intermediate-size", "model",
          "moe_shared_expert_intermediate_size", int, "shared expert width"),
-    Flag("--latent-size", "model", "latent_size", int, "L"),
+    Flag("--latent-size", "model", "latent_size", int,
+         "L, latent size of latent / multi_router / multi_view"),
     Flag("--num-routers", "model", "num_routers", int, "R routing heads"),
-    Flag("--num-views", "model", "num_views", int, "K views"),
-    Flag("--gamma-ramp-steps", "model", "gamma_ramp_steps", int, "gamma 0->1 ramp length"),
+    Flag("--num-views", "model", "num_views", int, "K latent views (multi_view: = R)"),
+    Flag("--gamma-ramp-steps", "model", "gamma_ramp_steps", int,
+         "steps over which the view perturbation gamma ramps 0 -> 1 (0 = gamma 1 at once)"),
+    Flag("--num-heads-mh", "model", "num_heads_mh", int, "H sub-tokens per token (mh_moe)"),
     Flag("--vocab-size", "model", "vocab_size", int, "padded vocabulary size"),
     Flag("--seq-length", "model", "seq_length", int, "sequence length"),
+    # --- Multi-View / BitNet switches
+    Flag("--stop-grad-mixing", "model", "stop_grad_mixing", _bool,
+         "detach the Multi-View mixing weights (the paper's ablation); bare flag = true"),
+    Flag("--gate-scale", "model", "gate_scale", float,
+         "alpha, the scale on the normalised gates (Eq. 3; default 1.0)"),
+    Flag("--learned-gate-scale", "model", "learned_gate_scale", _bool,
+         "learn alpha per expert, initialised to --gate-scale; bare flag = true"),
+    Flag("--multi-view-kernels", "model", "multi_view_kernels", str,
+         "auto|triton|reference: Multi-View mix-and-permute backend (auto = Triton on "
+         "CUDA, torch elsewhere; triton on CPU only under TRITON_INTERPRET=1)"),
+    Flag("--bitnet", "model", "bitnet", _bool,
+         "BitNet b1.58 quantization-aware training (ternary weights, int8 activations); "
+         "bare flag = true"),
+    # --- optimizer
     Flag("--lr", "optimizer", "lr", float, "peak learning rate"),
-    Flag("--min-lr", "optimizer", "min_lr", float, "cosine floor"),
-    Flag("--lr-warmup-iters", "optimizer", "warmup_iters", int, "warmup steps"),
-    Flag("--lr-decay-iters", "optimizer", "decay_iters", int, "cosine decay steps"),
+    Flag("--min-lr", "optimizer", "min_lr", float, "floor of the cosine decay"),
+    Flag("--lr-warmup-iters", "optimizer", "warmup_iters", int, "linear warmup steps"),
+    Flag("--lr-decay-iters", "optimizer", "decay_iters", int,
+         "cosine decay steps (default --train-iters)"),
     Flag("--weight-decay", "optimizer", "weight_decay", float, "weight decay"),
-    Flag("--clip-grad", "optimizer", "clip_grad", float, "grad-norm clip"),
+    Flag("--clip-grad", "optimizer", "clip_grad", float, "global grad-norm clip (0 = off)"),
+    Flag("--adam-beta1", "optimizer", "adam_beta1", float, "Adam beta1"),
+    Flag("--adam-beta2", "optimizer", "adam_beta2", float, "Adam beta2"),
+    Flag("--adam-eps", "optimizer", "adam_eps", float, "Adam epsilon"),
     Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", _bool,
-         "true/false"),
-    Flag("--data-kind", "data", "kind", str, "indexed|tokens"),
+         "shard optimizer states over data-parallel ranks (ZeRO-1); true/false"),
+    # --- data
+    Flag("--data-kind", "data", "kind", str,
+         "indexed (Megatron .bin/.idx) | tokens (<domain>_<split>.npy)"),
     Flag("--data-path", "data", "path", str, "preprocessed data directory"),
-    Flag("--train-iters", "training", "train_iters", int, "optimizer steps"),
+    # --- training
+    Flag("--train-iters", "training", "train_iters", int,
+         "optimizer steps (0 = only evaluate/save the initial model)"),
     Flag("--global-batch-size", "training", "global_batch_size", int, "sequences per step"),
     Flag("--micro-batch-size", "training", "micro_batch_size", int, "sequences per microbatch"),
-    Flag("--eval-interval", "training", "eval_interval", int, "steps between evaluations"),
+    Flag("--eval-interval", "training", "eval_interval", int,
+         "steps between evaluations (0 = only at the end)"),
     Flag("--eval-iters", "training", "eval_iters", int, "global batches per domain per evaluation"),
-    Flag("--save", "training", "save", str, "checkpoint root"),
-    Flag("--load", "training", "load", str, "checkpoint root to resume from"),
-    Flag("--load-optimizer", "training", "load_optimizer", _bool, "true/false"),
+    Flag("--save", "training", "save", str, "checkpoint root (\"\" = no saving)"),
+    Flag("--load", "training", "load", str, "checkpoint root (or iter_* dir) to resume from"),
+    Flag("--load-optimizer", "training", "load_optimizer", _bool,
+         "with --load also restore optimizer, scheduler, step and data position; true/false"),
     Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str,
          "dp_reshardable|fully_reshardable"),
-    Flag("--save-interval", "training", "save_interval", int, "steps between saves"),
+    Flag("--save-interval", "training", "save_interval", int,
+         "steps between saves (0 = only at the end)"),
+    Flag("--warm-start-from", "training", "warm_start_from", str,
+         "latent-MoE baseline checkpoint (root or iter_* dir) whose weights initialise this "
+         "multi_view/multi_router model; optimizer and step start fresh, gamma ramp restarts; "
+         "skipped when --load holds a checkpoint"),
+    Flag("--warm-start-new-heads", "training", "warm_start_new_heads", str,
+         "fresh|copy: routing heads 1..R-1 of a warm start keep their own init (fresh) or "
+         "copy the baseline head (copy: the first forward equals the baseline's)"),
     Flag("--seed", "training", "seed", int, "random seed"),
-    Flag("--precision", "training", "precision", str, "auto|bf16|fp32"),
+    Flag("--precision", "training", "precision", str, "auto (bf16 on GPU, fp32 on CPU)|bf16|fp32"),
+    Flag("--exit-on-nonfinite", "training", "exit_on_nonfinite", _bool,
+         "stop with an error naming the step on a NaN/inf loss; true/false"),
+    # --- logging
     Flag("--log-interval", "logging", "log_interval", int, "steps between progress lines"),
-    Flag("--run-dir", "logging", "run_dir", str, "directory for logs and config"),
-    Flag("--tensorboard", "logging", "tensorboard", _bool, "true/false"),
+    Flag("--run-dir", "logging", "run_dir", str,
+         "directory for config.yaml, metrics.jsonl and TensorBoard events"),
+    Flag("--tensorboard", "logging", "tensorboard", _bool, "write TensorBoard events; true/false"),
+    Flag("--routing-metrics", "logging", "routing_metrics", _bool,
+         "per-layer expert load and aux loss in the logs; true/false"),
 ]
 
 
 def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(
+        description=description, epilog="Every flag overrides one field of the run config "
+        "(shown as [section.field]); unset flags keep the YAML / preset value, an empty "
+        "string clears an optional field.")
     parser.add_argument("--config", help="run config YAML (examples/*.yaml); flags override it")
     for flag in FLAGS:
-        parser.add_argument(flag.name, type=flag.type, default=None, help=flag.help)
+        # Booleans also work as bare switches (`--bitnet` = `--bitnet true`).
+        switch = dict(nargs="?", const=True) if flag.type is _bool else {}
+        parser.add_argument(flag.name, type=flag.type, default=None, metavar=_metavar(flag),
+                            help=f"{flag.help} [{flag.section}.{flag.field}]", **switch)
     return parser
+
+
+def _metavar(flag: Flag) -> str:
+    return {int: "N", float: "X", _bool: "BOOL"}.get(flag.type, "STR")
 
 
 def apply_flags(config: RunConfig, args: argparse.Namespace) -> RunConfig:

@@ -1,6 +1,7 @@
 """Pretraining entry point: `python -m megatron_mvmoe.training.pretrain --config x.yaml [flags]`.
 
 The loop, in order, each step:
+  (once: resume from --load, or warm start from --warm-start-from) ->
   gamma ramp position -> forward/backward over the global batch (Megatron schedule,
   finalize_model_grads: DP sync + expert-bias update) -> optimizer + LR scheduler ->
   gamma ramp advance -> NaN/inf check (all ranks, same step) -> progress line, JSONL,
@@ -35,6 +36,7 @@ from megatron_mvmoe.training.data import RunData
 from megatron_mvmoe.training.metrics import RoutingMonitor, RunLog, aux_losses, routing_summary
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, check_loss
 from megatron_mvmoe.training.step import evaluate, train_step
+from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
 
 
 @dataclass
@@ -89,12 +91,31 @@ class _Loop:
         self.result = RunResult()
 
     def resume(self) -> None:
-        load = self.run.training.load
-        if load is None:
+        """--load (when it holds a checkpoint, or without a warm start), else the warm start."""
+        t = self.run.training
+        load = t.load
+        if load is None or (t.warm_start_from is not None and not has_checkpoint(load)):
+            if t.warm_start_from is not None:
+                self.warm_start()
             return
         self.state = ckpt.load_checkpoint(self.trainer, load, self.run.training.load_optimizer)
         self.log.line(f"resumed from {ckpt.resolve_checkpoint(load)} at step "
                       f"{self.state.step} (consumed samples {self.state.consumed_samples})")
+
+    def warm_start(self) -> None:
+        t = self.run.training
+        reports = warm_start(self.trainer, t.warm_start_from, t.warm_start_new_heads)
+        heads = sum(len(r.router_head0) for r in reports)
+        self.log.line(f"warm start from {t.warm_start_from} (new heads: "
+                      f"{t.warm_start_new_heads}): {sum(len(r.copied) for r in reports)} "
+                      f"tensors copied, {heads} routers extended, "
+                      f"{sum(len(r.kept) for r in reports)} kept at init; step 0, fresh "
+                      "optimizer")
+        if self.trainer.shape.moe_variant == "multi_view" and \
+                self.trainer.shape.gamma_ramp_steps == 0:
+            self.log.line("warning: gamma_ramp_steps = 0, so gamma is 1 from the first step "
+                          "and the views are not inert at the warm start (set "
+                          "--gamma-ramp-steps > 0 to start from the baseline's function)")
 
     def iterators(self):
         return [self.data.train_iterator(self.state.consumed_samples)
@@ -170,6 +191,8 @@ def pretrain(run: RunConfig, pg_collection,
 
     shape = resolve_model(run.model)
     run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
+    if run.training.warm_start_from is not None:
+        check_target(shape)  # before any weight is built
     loop = _Loop(run, pg_collection, on_step)
     t = run.training
     try:

@@ -58,3 +58,40 @@ def test_warmup_longer_than_decay():
     run = config_from_dict({"optimizer": {"warmup_iters": 50}, "training": {"train_iters": 10}})
     with pytest.raises(ValueError, match="optimizer.warmup_iters"):
         run.validate()
+
+
+def test_multi_view_and_bitnet_switches_reach_the_layer_config():
+    from megatron_mvmoe.training.build import model_config
+
+    run = config_from_args(["--model-preset", "tiny_multi_view", "--stop-grad-mixing",
+                            "--learned-gate-scale", "--gate-scale", "2.5",
+                            "--multi-view-kernels", "reference", "--bitnet",
+                            "--warm-start-from", "/ckpt", "--warm-start-new-heads", "copy"])
+    config = model_config(run)
+    mv = config.multi_view
+    assert (mv.stop_grad_mixing, mv.learned_gate_scale, mv.gate_scale, mv.kernels) == (
+        True, True, 2.5, "reference")
+    assert config.bitnet.enabled
+    assert (run.training.warm_start_from, run.training.warm_start_new_heads) == ("/ckpt", "copy")
+    defaults = model_config(config_from_args(["--model-preset", "tiny_multi_view",
+                                              "--stop-grad-mixing", "false"]))
+    assert not defaults.multi_view.stop_grad_mixing and not defaults.bitnet.enabled
+    assert defaults.multi_view.kernels == "auto" and defaults.multi_view.gate_scale == 1.0
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--multi-view-kernels", "cuda"], r"model.multi_view_kernels: unknown 'cuda'"),
+    (["--gate-scale", "0"], r"model.gate_scale: must be > 0"),
+    (["--warm-start-new-heads", "clone"], r"training.warm_start_new_heads: unknown 'clone'"),
+])
+def test_switch_errors_name_the_field(argv, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_args(argv)
+
+
+def test_help_documents_every_flag():
+    from megatron_mvmoe.training.flags import FLAGS, build_parser
+
+    text = build_parser().format_help()
+    for flag in FLAGS:
+        assert flag.name in text and f"[{flag.section}.{flag.field}]" in text, flag.name

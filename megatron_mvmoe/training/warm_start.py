@@ -1,0 +1,143 @@
+"""Warm start (`--warm-start-from`): a latent-MoE baseline checkpoint written by this trainer
+initialises a multi_view / multi_router model before its first step.
+
+Order: check the target variant (before anything is built) -> read the baseline's
+run_state.json -> compare the baseline's model with this run's, naming every differing
+field -> build the baseline's model chunks at THIS run's layout, uninitialised -> load its
+weights through dist-checkpointing (so a baseline saved at any TP/PP/EP layout reshards)
+-> map each baseline chunk into the matching target chunk with
+`models.warm_start.warm_start_multi_view` (router head 0 + new heads fresh|copy, gamma
+ramps restart at step 0) -> refresh the optimizer's main parameters from the model.
+
+Design choices:
+- Both models live at the same layout on the same process groups, so every local shard of
+  the baseline has the local shape of its target counterpart: the mapping is per rank,
+  no communication. The baseline chunks are dropped afterwards.
+- The baseline's optimizer state, step, scheduler and data position are not loaded: the run
+  starts at step 0 with fresh Adam moments.
+- Building the baseline runs under a forked RNG, so a warm-started run draws the same
+  random numbers afterwards as an ordinary one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Dict, List
+
+import torch
+from megatron.core import dist_checkpointing
+
+from megatron_mvmoe import platform
+from megatron_mvmoe.models.presets import ModelShape, resolve_model
+from megatron_mvmoe.models.provider import build_model_chunks
+from megatron_mvmoe.models.warm_start import WarmStartReport, warm_start_multi_view
+from megatron_mvmoe.training import checkpoint as ckpt
+from megatron_mvmoe.training.build import Trainer, model_config
+from megatron_mvmoe.training.config import ModelSection, RunConfig
+
+TARGET_VARIANTS = ("multi_view", "multi_router")
+# ModelShape fields that must agree between baseline and target (everything the latent
+# backbone's parameters are made of); routers and views are what the warm start adds.
+_SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+                  "moe_shared_expert_intermediate_size", "latent_size", "vocab_size")
+
+
+def check_target(shape: ModelShape) -> None:
+    """The run's own model must have routers to warm start (checked before building)."""
+    if shape.moe_variant not in TARGET_VARIANTS:
+        raise ValueError(f"training.warm_start_from: this run's model.moe_variant is "
+                         f"{shape.moe_variant!r}; the warm start maps a latent baseline into "
+                         f"one of {TARGET_VARIANTS}. Fix: use --moe-variant multi_view (or "
+                         "multi_router), or drop --warm-start-from")
+
+
+def has_checkpoint(path: str) -> bool:
+    """Whether `path` is a checkpoint root with a `latest` pointer or a checkpoint dir."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in (ckpt.LATEST,
+                                                                     ckpt.RUN_STATE))
+
+
+def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartReport]:
+    """Collective: load the baseline at `path` into the trainer's model (see module doc)."""
+    check_target(trainer.shape)
+    directory = _baseline_directory(path)
+    meta = ckpt.read_run_state(directory)
+    baseline_run = _baseline_run(meta, trainer.run)
+    baseline_shape = resolve_model(baseline_run.model)
+    check_baseline(baseline_shape, baseline_run.model, trainer.shape, trainer.run.model,
+                   directory)
+    with torch.random.fork_rng(devices=[]):
+        baseline_chunks = _load_baseline(baseline_run, baseline_shape, trainer.pg_collection,
+                                         directory)
+    reports = []
+    with torch.no_grad():
+        for source, target in zip(baseline_chunks, trainer.unwrapped()):
+            reports.append(warm_start_multi_view(target, source.state_dict(), new_heads))
+        # bf16 runs keep fp32 main copies inside the optimizer: refresh them from the model
+        # (fp32 runs share the storage; the call is then a no-op copy).
+        trainer.optimizer.reload_model_params()
+    return reports
+
+
+def check_baseline(baseline: ModelShape, baseline_model: ModelSection, target: ModelShape,
+                   target_model: ModelSection, directory: str) -> None:
+    """ValueError naming every field in which the baseline cannot initialise the target."""
+    problems = []
+    if not baseline.is_latent or baseline.num_routers != 1:
+        problems.append(f"moe_variant: checkpoint {baseline.moe_variant!r} with "
+                        f"{baseline.num_routers} router(s), need 'latent' (one router)")
+    for name in _SHARED_FIELDS:
+        if getattr(baseline, name) != getattr(target, name):
+            problems.append(f"{name}: checkpoint {getattr(baseline, name)!r} vs this run "
+                            f"{getattr(target, name)!r}")
+    if bool(baseline_model.bitnet) != bool(target_model.bitnet):
+        problems.append(f"bitnet: checkpoint {bool(baseline_model.bitnet)} vs this run "
+                        f"{bool(target_model.bitnet)}")
+    if problems:
+        raise ValueError(f"training.warm_start_from {directory}: the baseline does not fit "
+                         "this model; " + "; ".join(problems) + ". Fix: set these model "
+                         "fields to the baseline's (its run_state.json 'config'), or warm "
+                         "start from a latent baseline of this architecture")
+
+
+# ------------------------------------------------------------------------------ steps
+def _baseline_directory(path: str) -> str:
+    if not has_checkpoint(path):
+        raise ckpt.CheckpointError(
+            f"--warm-start-from {path}: no checkpoint here (no '{ckpt.LATEST}' file and no "
+            f"{ckpt.RUN_STATE}). Fix: pass the --save directory of a latent baseline run "
+            "(or one of its iter_* directories)")
+    return ckpt.resolve_checkpoint(path)
+
+
+def _baseline_run(meta: Dict, run: RunConfig) -> RunConfig:
+    """This run's config with the baseline's model section (layout and precision: ours)."""
+    saved = (meta.get("config") or {}).get("model") or {}
+    known = {f.name for f in dataclasses.fields(ModelSection)}
+    baseline = copy.deepcopy(run)
+    baseline.model = ModelSection(**{k: v for k, v in saved.items() if k in known})
+    return baseline
+
+
+def _load_baseline(run: RunConfig, shape: ModelShape, pg_collection,
+                   directory: str) -> List[torch.nn.Module]:
+    config = model_config(run, shape)
+    config.perform_initialization = False  # every weight is overwritten by the load
+    chunks = build_model_chunks(config, shape, pg_collection)
+    device = platform.device()
+    for chunk in chunks:
+        chunk.to(device)
+    sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    try:
+        loaded = dist_checkpointing.load(sharded, directory)
+    except Exception as err:
+        raise ckpt.CheckpointError(
+            f"--warm-start-from {directory}: reading the baseline's tensors failed "
+            f"({type(err).__name__}: {err}). Fix: pass an intact checkpoint of a latent "
+            "baseline written by megatron_mvmoe") from err
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    return chunks

@@ -1,0 +1,59 @@
+"""Warm start (--warm-start-from): a trained tiny latent baseline initialises a tiny
+Multi-View R = 2 model; with new_heads=copy and gamma = 0 at step 0 its first-step loss is
+the baseline's loss on the same batch. Incompatible baselines fail naming the field."""
+
+import pytest
+
+from megatron_mvmoe.testing.spawn import DistributedTestError
+from harness import tiny_run, train
+from textdata import build_token_dir
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def run(data_dir, preset, **training):
+    """A tiny run without LR warmup (runs of one step), no final evaluation."""
+    raw = tiny_run(data_dir, preset=preset, eval_iters=0, **training)
+    raw["optimizer"]["warmup_iters"] = 0
+    return raw
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
+
+
+@pytest.fixture(scope="module")
+def baseline(data_dir, tmp_path_factory):
+    """A tiny latent baseline trained 3 steps and saved (its Adam state included)."""
+    root = str(tmp_path_factory.mktemp("baseline"))
+    train(run(data_dir, "tiny_latent", train_iters=3, save=root), 1)
+    return root
+
+
+def test_copy_heads_first_step_equals_baseline(data_dir, baseline):
+    # The baseline's own loss on batch 1 at its saved weights (weights-only load, step 0).
+    reference = train(run(data_dir, "tiny_latent", train_iters=1, load=baseline,
+                          load_optimizer=False), 1)["losses"][0]
+    warm = train(run(data_dir, "tiny_multi_view", train_iters=2, warm_start_from=baseline,
+                     warm_start_new_heads="copy"), 1)
+    assert warm["first_step"] == 1
+    assert abs(warm["losses"][0] - reference) < 1e-5, (warm["losses"], reference)
+    # A fresh Multi-View model is far from the trained baseline: the check can fail.
+    fresh = train(run(data_dir, "tiny_multi_view", train_iters=1), 1)["losses"][0]
+    assert abs(fresh - reference) > 0.1, (fresh, reference)
+
+
+def test_incompatible_baseline_names_field(data_dir, baseline):
+    raw = run(data_dir, "tiny_multi_view", train_iters=1, warm_start_from=baseline)
+    raw["model"]["latent_size"] = 16
+    with pytest.raises(DistributedTestError, match=r"baseline does not fit this model; "
+                                                   r"latent_size: checkpoint 32 vs this run 16"):
+        train(raw, 1)
+
+
+def test_non_router_target_refused(data_dir, baseline):
+    raw = run(data_dir, "tiny_smoe", train_iters=1, warm_start_from=baseline)
+    with pytest.raises(DistributedTestError, match=r"model.moe_variant is 'smoe'.*Fix: use "
+                                                   r"--moe-variant multi_view"):
+        train(raw, 1)
