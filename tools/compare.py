@@ -8,9 +8,11 @@ Suites (analysis/compare_variants.py):
   a  latent baseline vs Multi-Router vs Multi-View (+ stop-gradient ablation)     (seed 000)
   b  dense, SMoE, fine-grained, MH-MoE h=2/h=3, shared expert, head/merge ablations (seed 001)
 
-Example (data from tools/build_corpus.py + tools/preprocess_data.py):
-  python tools/compare.py --suite a --seeds 3 --data-path data/tok_small \
-      --train-iters 150 --out-dir examples/results
+Data: the trainer's `indexed` kind (Megatron GPTDataset over .bin/.idx). If --data-path holds
+no dataset, it is built first with tools/build_corpus.py (corpus in DATA_PATH/corpus) and
+tools/preprocess_data.py (BPE), so one command goes from nothing to the table:
+  python tools/compare.py --suite a --seeds 3 --data-path data/compare_tok \
+      --train-iters 400 --out-dir examples/results
 """
 
 from __future__ import annotations
@@ -34,14 +36,23 @@ def parse_args(argv=None):
     p.add_argument("--suite", choices=["a", "b"], required=True)
     p.add_argument("--variants", nargs="+", default=None, help="subset of the suite")
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (>= 3 for noise)")
-    p.add_argument("--data-path", default=None, help="preprocessed three-domain data dir")
-    p.add_argument("--data-kind", default="indexed", choices=["indexed", "tokens"])
+    p.add_argument("--data-path", default="data/compare_tok",
+                   help="preprocessed three-domain dataset dir; built here if it has none")
+    p.add_argument("--data-kind", default="indexed", choices=["indexed", "tokens"],
+                   help="tokens: <domain>_<split>.npy arrays (tests only; never built)")
+    p.add_argument("--corpus-mb", type=float, default=3.0,
+                   help="when building: text MB per domain (build_corpus --max-mb-per-domain)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="when building: BPE vocab")
+    p.add_argument("--bpe-train-mb", type=float, default=2.0,
+                   help="when building: train MB per domain for the BPE")
     p.add_argument("--train-iters", type=int, default=150)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-iters", type=int, default=8, help="held-out microbatches per domain")
+    p.add_argument("--eval-iters", type=int, default=0,
+                   help="held-out microbatches per domain; 0 = the whole valid split of the "
+                        "smallest domain (indexed data only)")
     p.add_argument("--out-dir", default="examples/results")
     p.add_argument("--save-dir", default=None,
                    help="also save each run's final checkpoint to SAVE_DIR/<variant>_seed<n> "
@@ -100,11 +111,23 @@ def _write(out_dir, suite, payload, results, variants, smooth=25):
     with open(base + ".md", "w") as fh:
         fh.write(f"# Comparison suite {suite}\n\nCommand: `{payload['command']}`\n\n"
                  f"Wall time: {payload['wall_s']} s for {payload['runs_done']} runs "
-                 f"(1 gloo rank each, 2 shared CPU cores). Setup: {payload['setup']}\n\n"
+                 f"(1 gloo rank each, 2 shared CPU cores){_data_line(payload)}. "
+                 f"Setup: {payload['setup']}\n\n"
                  f"Held-out perplexity, mean ± std over seeds. 'inside seed noise' = the "
                  f"difference to the reference is within 2 standard errors.\n\n{table}\n"
                  f"Loss curves: `{os.path.basename(plot)}`\n")
     return base
+
+
+def _data_line(payload) -> str:
+    data = payload.get("data")
+    if not data:
+        return ""
+    line = f"; data: `{data['kind']}` at `{data['path']}`"
+    if data.get("built_with"):
+        line += (f", built by this command in {data['build_wall_s']} s (included) with `"
+                 + "` and `".join(data["built_with"]) + "`")
+    return line
 
 
 def _render_only(args, chosen) -> int:
@@ -120,6 +143,27 @@ def _render_only(args, chosen) -> int:
     return 0
 
 
+def prepare_data(args):
+    """Check (tokens) or build if missing (indexed) the data; fixes args.eval_iters = 0."""
+    from megatron_mvmoe.analysis.compare_data import (
+        DataBuild, DataRecipe, ensure_dataset, full_eval_iters)
+
+    if args.data_kind == "tokens":
+        if not os.path.isdir(args.data_path):
+            raise ValueError(f"--data-path {args.data_path!r} is not a directory. Fix: "
+                             "--data-kind tokens needs existing <domain>_<split>.npy files")
+        if args.eval_iters <= 0:
+            raise ValueError("--eval-iters 0 (whole valid split) needs --data-kind indexed. "
+                             "Fix: pass --eval-iters N")
+        return DataBuild(path=args.data_path)
+    recipe = DataRecipe(max_mb_per_domain=args.corpus_mb, vocab_size=args.vocab_size,
+                        bpe_train_mb=args.bpe_train_mb)
+    data = ensure_dataset(args.data_path, recipe)
+    if args.eval_iters <= 0:
+        args.eval_iters = full_eval_iters(args.data_path, args.seq_length, args.micro_batch)
+    return data
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_mvmoe.analysis.compare_variants import variants as build_variants
@@ -128,17 +172,17 @@ def main(argv=None) -> int:
         chosen = build_variants(args.suite, args.variants, args.seq_length)
         if args.render_only:
             return _render_only(args, chosen)
-        if args.data_path is None or not os.path.isdir(args.data_path):
-            raise ValueError(f"--data-path {args.data_path!r} is not a directory. Fix: run "
-                             "tools/build_corpus.py and tools/preprocess_data.py first")
+        start = time.time()
+        data = prepare_data(args)
     except ValueError as err:
         return tool_common.fail(str(err))[0]
     import megatron_mvmoe.training.pretrain  # noqa: F401  (import once, before forking ranks)
 
-    start = time.time()
     results = {v.name: [] for v in chosen}
     payload = {"suite": args.suite, "reference": REFERENCES[args.suite],
-               "command": " ".join(["python", "tools/compare.py", *sys.argv[1:]]),
+               "command": " ".join(["python", "tools/compare.py", *(argv or sys.argv[1:])]),
+               "data": {"kind": args.data_kind, "path": args.data_path,
+                        "built_with": data.commands, "build_wall_s": data.wall_s},
                "setup": (f"{args.train_iters} steps x {args.global_batch} seqs x "
                          f"{args.seq_length} tokens, lr {args.lr}, eval {args.eval_iters} x "
                          f"{args.micro_batch} seqs per domain"),

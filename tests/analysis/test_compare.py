@@ -84,3 +84,50 @@ def test_compare_tool_tiny(tmp_path, capsys):
     table = (out / "compare_a.md").read_text()
     assert "| latent | 2 |" in table and "vs latent" in table
     assert (out / "compare_a_loss.png").stat().st_size > 0
+
+
+def test_data_commands_and_full_eval_iters(tmp_path):
+    from megatron_mvmoe.analysis.compare_data import (
+        DataRecipe, build_commands, ensure_dataset, full_eval_iters)
+
+    corpus_cmd, tok_cmd = build_commands(str(tmp_path / "d"), DataRecipe(3.0, 4096, 2.0))
+    assert corpus_cmd[1].endswith("tools/build_corpus.py") and corpus_cmd[-1] == "3"
+    assert corpus_cmd[corpus_cmd.index("--out") + 1] == str(tmp_path / "d" / "corpus")
+    assert tok_cmd[tok_cmd.index("--vocab-size") + 1] == "4096"
+    assert tok_cmd[tok_cmd.index("--out") + 1] == str(tmp_path / "d")
+    # an existing dataset is used as is (no commands run)
+    meta = {"prefixes": {"a.train": {"tokens": 10 ** 6}, "a.valid": {"tokens": 1000},
+                         "b.valid": {"tokens": 641}}}
+    (tmp_path / "dataset_meta.json").write_text(json.dumps(meta))
+    assert ensure_dataset(str(tmp_path), DataRecipe()).commands == []
+    # smallest valid split: (641 - 1) // 16 = 40 samples -> 40 // 4 = 10 microbatches
+    assert full_eval_iters(str(tmp_path), seq_length=16, micro_batch=4) == 10
+    # .bin files without the meta file: refused, not overwritten
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "x.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match="dataset_meta.json"):
+        ensure_dataset(str(stray), DataRecipe())
+
+
+def test_compare_tool_builds_indexed_data(tmp_path, capsys):
+    """One command from nothing: the data tools run, then training on the indexed kind."""
+    import compare
+
+    data, out = tmp_path / "tok", tmp_path / "out"
+    code = compare.main(["--suite", "a", "--variants", "latent", "--seeds", "1",
+                         "--data-path", str(data), "--corpus-mb", "0.03", "--vocab-size",
+                         "300", "--bpe-train-mb", "0.03", "--train-iters", "3",
+                         "--global-batch", "4", "--micro-batch", "4", "--seq-length", "16",
+                         "--out-dir", str(out), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    payload = json.loads(captured.out)
+    assert not payload["errors"], payload["errors"]
+    assert (data / "dataset_meta.json").is_file() and (data / "corpus").is_dir()
+    assert [c.split()[1] for c in payload["data"]["built_with"]] == [
+        "tools/build_corpus.py", "tools/preprocess_data.py"]
+    assert payload["data"]["kind"] == "indexed"
+    assert set(payload["runs"]["latent/seed1"]["eval"]) == {"books", "reference", "tech"}
+    table = (out / "compare_a.md").read_text()
+    assert "built by this command" in table and "tools/preprocess_data.py" in table
