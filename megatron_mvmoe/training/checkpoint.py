@@ -61,7 +61,14 @@ class ResumeState:
 
 def fingerprint(trainer: Trainer) -> Dict:
     shape = dataclasses.asdict(trainer.shape)
-    return {k: v for k, v in shape.items() if k not in _NOT_STRUCTURAL}
+    fields = {k: v for k, v in shape.items() if k not in _NOT_STRUCTURAL}
+    # Switches that add parameters (learned alpha) or change what weights mean (BitNet);
+    # recorded only when on, so checkpoints written before these switches still match.
+    model = trainer.run.model
+    for name in ("learned_gate_scale", "bitnet"):
+        if getattr(model, name, None):
+            fields[name] = True
+    return fields
 
 
 def _ensure_optimizer_state(optimizer) -> None:
@@ -240,6 +247,11 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True) ->
                               "earlier iter_* directory") from err
     for i, chunk in enumerate(trainer.unwrapped()):
         chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    if optimizer_format is None:
+        # bf16 runs keep fp32 main copies in the optimizer, made from the initial weights:
+        # refresh them, or the first step would write the initial weights back.
+        with torch.no_grad():
+            trainer.optimizer.reload_model_params()
     if not load_optimizer:
         return ResumeState()
     if optimizer_format is not None:
