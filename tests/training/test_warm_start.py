@@ -44,6 +44,15 @@ def test_copy_heads_first_step_equals_baseline(data_dir, baseline):
     assert abs(fresh - reference) > 0.1, (fresh, reference)
 
 
+def test_bf16_warm_start_keeps_the_weights_after_the_first_step(data_dir, baseline):
+    """bf16 keeps fp32 main copies in the optimizer; unless the warm start refreshes them,
+    the first optimizer step writes the initial weights back (step 2 loss ~ init's)."""
+    kwargs = dict(train_iters=2, warm_start_from=baseline, warm_start_new_heads="copy")
+    fp32 = train(run(data_dir, "tiny_multi_view", **kwargs), 1)["losses"]
+    bf16 = train(run(data_dir, "tiny_multi_view", precision="bf16", **kwargs), 1)["losses"]
+    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.05, (fp32, bf16)
+
+
 def test_incompatible_baseline_names_field(data_dir, baseline):
     raw = run(data_dir, "tiny_multi_view", train_iters=1, warm_start_from=baseline)
     raw["model"]["latent_size"] = 16
