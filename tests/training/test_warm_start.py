@@ -31,14 +31,19 @@ def baseline(data_dir, tmp_path_factory):
     return root
 
 
-def test_copy_heads_first_step_equals_baseline(data_dir, baseline):
+def test_copy_heads_first_step_equals_baseline(data_dir, baseline, tmp_path):
     # The baseline's own loss on batch 1 at its saved weights (weights-only load, step 0).
     reference = train(run(data_dir, "tiny_latent", train_iters=1, load=baseline,
                           load_optimizer=False), 1)["losses"][0]
-    warm = train(run(data_dir, "tiny_multi_view", train_iters=2, warm_start_from=baseline,
-                     warm_start_new_heads="copy"), 1)
+    # One command line for launch and relaunch: --load without a checkpoint yet -> warm
+    # start; once the run has saved, the same command resumes it instead.
+    command = dict(warm_start_from=baseline, warm_start_new_heads="copy",
+                   save=str(tmp_path / "mv"), load=str(tmp_path / "mv"))
+    warm = train(run(data_dir, "tiny_multi_view", train_iters=2, **command), 1)
     assert warm["first_step"] == 1
     assert abs(warm["losses"][0] - reference) < 1e-5, (warm["losses"], reference)
+    relaunch = train(run(data_dir, "tiny_multi_view", train_iters=3, **command), 1)
+    assert relaunch["first_step"] == 3
     # A fresh Multi-View model is far from the trained baseline: the check can fail.
     fresh = train(run(data_dir, "tiny_multi_view", train_iters=1), 1)["losses"][0]
     assert abs(fresh - reference) > 0.1, (fresh, reference)
