@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import warnings
@@ -101,7 +102,10 @@ def main(argv: List[str]) -> int:
         dist.destroy_process_group()
     ok = report["allreduce_ok"] and report.get("layout_ok", True)
     if args.json:
-        print(json.dumps(report), flush=True)
+        # One write() per line: ranks share the launcher's pipe, and a write below PIPE_BUF
+        # is atomic, so two ranks' JSON lines never interleave (print may write twice).
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), (json.dumps(report) + "\n").encode())
     else:
         print(f"rank {rdzv.rank}/{rdzv.world_size} via {rdzv.launcher} on {report['host']}: "
               f"allreduce {'ok' if report['allreduce_ok'] else 'WRONG'}, "
