@@ -133,3 +133,28 @@ def test_slurm_local_start_is_idempotent(slurm_cluster):
     again = slurm_local("start")
     assert again["already_running"] and again["pids"] == slurm_cluster["pids"]
     assert again["node_state"] in ("idle", "mixed", "allocated")
+
+
+def test_sbatch_two_tasks_train_and_checkpoint(slurm_cluster, tmp_path):
+    """sbatch examples/slurm/train_cpu_smoke.sbatch: the trainer itself on 2 srun tasks
+    (EP=2, rendezvous from SLURM_*) trains 4 steps on real text and checkpoints."""
+    sys.path.insert(0, str(REPO / "tests" / "training"))
+    from textdata import build_token_dir
+
+    tokens = build_token_dir(str(tmp_path / "tokens"))
+    ckpt, run_dir, log = tmp_path / "ckpt", tmp_path / "run", tmp_path / "train.out"
+    env = clean_env(**slurm_cluster["env"])
+    job_id = run(["sbatch", "--parsable", f"--output={log}", "examples/slurm/train_cpu_smoke.sbatch",
+                  "--data-kind", "tokens", "--data-path", tokens, "--vocab-size", "512",
+                  "--seq-length", "32", "--train-iters", "4", "--global-batch-size", "8",
+                  "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "0",
+                  "--save", str(ckpt), "--save-interval", "2", "--run-dir", str(run_dir),
+                  "--tensorboard", "false", "--lr-warmup-iters", "1"],
+                 env, timeout_s=60).strip().split(";")[0]
+    state = wait_for_job(job_id, env, LAUNCH_TIMEOUT_S)
+    text = log.read_text() if log.exists() else "(no output file)"
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{text[-3000:]}"
+    assert (ckpt / "latest").read_text().strip() == "iter_0000004", text[-2000:]
+    assert (ckpt / "iter_0000002").is_dir()
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(s.get("step") == 4 for s in steps), steps[-3:]
