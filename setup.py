@@ -35,7 +35,8 @@ setup(
         "mpi": ["mpi4py"],
         "gpu": ["transformer-engine[pytorch]", "nvidia-dali-cuda120"],
         "dali": ["nvidia-dali-cuda120"],
-        "dev": ["pytest", "pytest-timeout", "triton", "mpi4py"],
+        # DALI runs its CPU pipelines here, so the test suite exercises the real loader.
+        "dev": ["pytest", "pytest-timeout", "triton", "mpi4py", "nvidia-dali-cuda120"],
     },
     entry_points={
         "console_scripts": [
