@@ -28,15 +28,8 @@ def parse_args(argv=None):
     p.add_argument("--layer", type=int, default=None,
                    help="MoE layer number (default: the last MoE layer, as the paper)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
-    p.add_argument("--data-path", default=None)
-    p.add_argument("--data-kind", default=None, choices=["indexed", "tokens"])
-    p.add_argument("--batches", type=int, default=4, help="held-out batches per domain")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="run-config override, e.g. model.gamma_ramp_steps=0 (repeatable)")
+    tool_common.add_heldout_args(p)
     p.add_argument("--plot", default=None, help="PNG of ΔNLL per policy and domain")
-    p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
 
@@ -44,11 +37,7 @@ def _rank(rank, world_size, spec, args):
     from megatron_mvmoe.analysis import model_access, moe_probe
     from megatron_mvmoe.analysis.interventions import run_interventions
 
-    pg = tool_common.in_rank_setup()
-    overrides = {k: v for k, v in (("data.path", args.data_path),
-                                   ("data.kind", args.data_kind)) if v}
-    overrides.update(tool_common.parse_overrides(args.set))
-    opened = tool_common.open_spec(spec, pg, overrides)
+    opened = tool_common.open_for_rank(spec, args)
     layers = moe_probe.moe_layers(opened.model)
     number = max(layers) if args.layer is None else args.layer
     if number not in layers:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,14 +25,7 @@ def parse_args(argv=None):
                    help="[label=]preset | run.yaml | checkpoint dir (repeatable)")
     p.add_argument("--ep-size", type=int, default=1,
                    help="EP size whose per-rank load to report (contiguous expert blocks)")
-    p.add_argument("--data-path", default=None)
-    p.add_argument("--data-kind", default=None, choices=["indexed", "tokens"])
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="run-config override, e.g. model.gamma_ramp_steps=0 (repeatable)")
-    p.add_argument("--json", action="store_true")
+    tool_common.add_heldout_args(p)
     return p.parse_args(argv)
 
 
@@ -44,11 +36,7 @@ def _rank(rank, world_size, spec, args):
     from megatron_mvmoe.analysis.diversity import diversity_report
     from megatron_mvmoe.analysis.load import load_report
 
-    pg = tool_common.in_rank_setup()
-    overrides = {k: v for k, v in (("data.path", args.data_path),
-                                   ("data.kind", args.data_kind)) if v}
-    overrides.update(tool_common.parse_overrides(args.set))
-    opened = tool_common.open_spec(spec, pg, overrides)
+    opened = tool_common.open_for_rank(spec, args)
     layers = moe_probe.moe_layers(opened.model)
     by_domain = model_access.heldout_batches(opened.run, args.batches, args.batch_size,
                                              args.seed)
@@ -93,14 +81,9 @@ def _summary(results) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        specs = [tool_common.parse_model_spec(text) for text in args.model]
-    except ValueError as err:
-        return tool_common.fail(str(err))[0]
-    start = time.time()
-    results = [tool_common.single_rank(_rank, spec, args) for spec in specs]
-    payload = {"results": results, "wall_s": round(time.time() - start, 1),
-               "command": " ".join(["python", "tools/router_report.py", *sys.argv[1:]])}
+    results, payload = tool_common.run_per_model("tools/router_report.py", args, _rank)
+    if results is None:
+        return tool_common.fail(payload["error"])[0]
     tool_common.emit(payload, args.json, _summary(results))
     return 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,38 +28,19 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True,
                    help="[label=]preset | run.yaml | checkpoint dir (repeatable)")
-    p.add_argument("--data-path", default=None,
-                   help="held-out data dir (overrides the run's data.path); none = random tokens")
-    p.add_argument("--data-kind", default=None, choices=["indexed", "tokens"])
-    p.add_argument("--batches", type=int, default=4, help="held-out batches per domain")
-    p.add_argument("--batch-size", type=int, default=2)
+    tool_common.add_heldout_args(p)
     p.add_argument("--loss-utility", action="store_true",
                    help="also the loss-change utility (E extra forwards per layer and batch)")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--level", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="run-config override, e.g. model.gamma_ramp_steps=0 (repeatable)")
     p.add_argument("--plot", default=None, help="PNG path for the per-layer figure")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return p.parse_args(argv)
-
-
-def _overrides(args):
-    out = {}
-    if args.data_path:
-        out["data.path"] = args.data_path
-    if args.data_kind:
-        out["data.kind"] = args.data_kind
-    out.update(tool_common.parse_overrides(args.set))
-    return out
 
 
 def _analyse(rank, world_size, spec, args):
     from megatron_mvmoe.analysis import alignment_run, model_access
 
-    pg = tool_common.in_rank_setup()
-    opened = tool_common.open_spec(spec, pg, _overrides(args))
+    opened = tool_common.open_for_rank(spec, args)
     by_domain = model_access.heldout_batches(opened.run, args.batches, args.batch_size,
                                              args.seed)
     batches = [b for domain in sorted(by_domain) for b in by_domain[domain]]
@@ -98,14 +78,9 @@ def _summary(results) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        specs = [tool_common.parse_model_spec(text) for text in args.model]
-    except ValueError as err:
-        return tool_common.fail(str(err))[0]
-    start = time.time()
-    results = [tool_common.single_rank(_analyse, spec, args) for spec in specs]
-    payload = {"results": results, "wall_s": round(time.time() - start, 1),
-               "command": " ".join(["python", "tools/routing_alignment.py", *sys.argv[1:]])}
+    results, payload = tool_common.run_per_model("tools/routing_alignment.py", args, _analyse)
+    if results is None:
+        return tool_common.fail(payload["error"])[0]
     if args.plot:
         from megatron_mvmoe.analysis.plots import plot_alignment
 

@@ -98,3 +98,40 @@ def emit(payload: Dict, as_json: bool, text: str) -> None:
 def fail(message: str) -> Tuple[int, None]:
     print(f"error: {message}", file=sys.stderr)
     return 2, None
+
+
+def add_heldout_args(parser) -> None:
+    """The held-out data, override and output flags every model-reading tool shares."""
+    parser.add_argument("--data-path", default=None,
+                        help="held-out data dir (overrides the run's data.path); "
+                             "none = random tokens")
+    parser.add_argument("--data-kind", default=None, choices=["indexed", "tokens"])
+    parser.add_argument("--batches", type=int, default=4, help="held-out batches per domain")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="run-config override, e.g. model.gamma_ramp_steps=0 (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def open_for_rank(spec: ModelSpec, args):
+    """Inside a rank: CPU patches + layout, then the model with the tool's data overrides."""
+    overrides = {key: value for key, value in (("data.path", args.data_path),
+                                               ("data.kind", args.data_kind)) if value}
+    overrides.update(parse_overrides(args.set))
+    return open_spec(spec, in_rank_setup(), overrides)
+
+
+def run_per_model(tool: str, args, rank_fn: Callable) -> Tuple[Optional[list], Dict]:
+    """Run `rank_fn(rank, world, spec, args)` on one rank per `--model`; returns (results,
+    payload with wall time and the command), or (None, {"error": ...}) on a bad spec."""
+    import time
+
+    try:
+        specs = [parse_model_spec(text) for text in args.model]
+    except ValueError as err:
+        return None, {"error": str(err)}
+    start = time.time()
+    results = [single_rank(rank_fn, spec, args) for spec in specs]
+    return results, {"results": results, "wall_s": round(time.time() - start, 1),
+                     "command": " ".join(["python", tool, *sys.argv[1:]])}
