@@ -34,7 +34,7 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -c "import torch, megatron.core, triton, mpi4py" 
+  .venv/bin/python -W ignore -c "import torch, megatron.core, triton, mpi4py"
   touch "$stamp"
 fi
-echo "[setup] ready: $(.venv/bin/python -c 'import torch, megatron.core; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)' 2>/dev/null)"
+echo "[setup] ready: $(.venv/bin/python -W ignore -c 'import torch, megatron.core; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)' 2>/dev/null)"
