@@ -9,7 +9,7 @@ Design choices:
   returns Megatron's `(probs_TE, routing_map_TE)`. `route()` returns everything else the
   Multi-View layer needs (slots, gates, mixing weights) in a `RoutingOutput`.
 - Not a TopKRouter subclass: that class places weights and buffers with
-  `torch.cuda.current_device()`. We subclass MegatronModule (an nn.Module) for its
+  the current CUDA device. We subclass MegatronModule (an nn.Module) for its
   dist-checkpointing support; placement follows the module (`model.to(device)`).
 - `weight` [R*E, D], head-major: with R = 1 exactly TopKRouter.weight, so weights copy over.
 - Expert bias: buffers `expert_bias` (persistent) and `local_tokens_per_expert` with the

@@ -9,7 +9,7 @@ the same tokens; the returned loss is the global-batch mean on every rank.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -104,8 +104,16 @@ def _global_mean_loss(losses: List[Dict]) -> float:
     return float(value.item())
 
 
-def block_spec_fn_local(config) -> Callable:
-    """Megatron's own decoder-block spec (local, non-TE backend) for this stage."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+def assert_matches_reference(results: List[Dict], reference: Dict, loss_atol: float = 1e-5,
+                             grad_atol: float = 1e-5) -> None:
+    """Every rank's loss equals the single-rank reference, and the gradients rebuilt from
+    all ranks' shards equal the reference's parameter by parameter."""
+    from megatron_mvmoe.testing.deterministic_init import merge_rank_grads
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    for r in results:
+        assert abs(r["loss"] - reference["loss"]) < loss_atol, (r["loss"], reference["loss"])
+    grads = merge_rank_grads([r["grads"] for r in results])
+    ref_grads = merge_rank_grads([reference["grads"]])
+    assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=grad_atol, rtol=1e-4, msg=name)
