@@ -165,17 +165,41 @@ class MultiRouter(MegatronModule):
             self.router_dtype)
         logits_TRE, z_value = self._attach_z_loss(logits_TRE, valid_T)
         scores_TRE = sigmoid_scores(logits_TRE)
-        summed_TE = sum_over_routers(scores_TRE)
-        topk_idx_TS = select_topk(summed_TE, self.expert_bias, self.topk)
-        gates_TS = gates(summed_TE, topk_idx_TS, self._alpha(),
-                         self.config.multi_view.normalizer_eps, self.num_routers)
+        summed_TE = sum_over_routers(scores_TRE)  # also feeds the aux losses (autograd)
+        if self._kernel_backend(logits_TRE.device) == "triton":
+            topk_idx_TS, gates_TS, mix_TSR = self._fused_select(logits_TRE)
+        else:
+            topk_idx_TS = select_topk(summed_TE, self.expert_bias, self.topk)
+            gates_TS = gates(summed_TE, topk_idx_TS, self._alpha(),
+                             self.config.multi_view.normalizer_eps, self.num_routers)
+            mix_TSR = (mixing_weights(scores_TRE, topk_idx_TS) if self.num_views > 1
+                       else None)
         gates_TS, aux_value = self._attach_aux_losses(
             gates_TS, summed_TE, topk_idx_TS, valid_T, seq_length, batch_size)
         probs_TE, routing_map_TE = to_megatron(gates_TS, topk_idx_TS, self.num_experts)
-        mix_TSR = mixing_weights(scores_TRE, topk_idx_TS) if self.num_views > 1 else None
         self._count_tokens(routing_map_TE, valid_T)
         return RoutingOutput(probs_TE, routing_map_TE, topk_idx_TS, gates_TS, mix_TSR,
                              scores_TRE, logits_TRE, _sum_or_none(z_value, aux_value))
+
+    def _kernel_backend(self, device: torch.device) -> str:
+        """"triton" or "reference" (multi_view.kernels; "auto" defers to MVMOE_KERNELS:
+        the fused kernel on CUDA, this module's torch code elsewhere)."""
+        import mvmoe_kernels
+
+        requested = self.config.multi_view.kernels
+        return mvmoe_kernels.resolve_backend(None if requested == "auto" else requested, device)
+
+    def _fused_select(self, logits_TRE: torch.Tensor):
+        """Selection, gates and mixing weights in one Triton pass (same math as the torch
+        path: mvmoe_kernels' tests compare the two)."""
+        import mvmoe_kernels
+
+        bias_E = self.expert_bias if self.enable_expert_bias else None
+        out = mvmoe_kernels.fused_multi_router(
+            logits_TRE, bias_E, self.topk, self._alpha(),
+            self.config.multi_view.normalizer_eps, backend="triton")
+        mix_TSR = out.mix_TSR if self.num_views > 1 else None
+        return out.topk_idx_TS, out.gates_TS.to(logits_TRE.dtype), mix_TSR
 
     def _alpha(self) -> Union[float, torch.Tensor]:
         return self.gate_scale if isinstance(self.gate_scale, torch.Tensor) else float(

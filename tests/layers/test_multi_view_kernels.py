@@ -1,9 +1,10 @@
-"""The Multi-View layer on the fused mix-and-permute kernel (mvmoe_kernels) vs the torch path.
+"""The Multi-View layer on the fused kernels (mvmoe_kernels: multi-router routing in
+MultiRouter, mix-and-permute in the layer) vs the torch path.
 
 - expert_major_rows gives exactly the per-row dispatcher's permute order (tokens and slots).
 - kernels="triton" (Triton interpreter on CPU, TRITON_INTERPRET=1) equals kernels="reference":
   outputs, input and parameter gradients within 1e-5, for R = 2 (gamma = 1), the stop-grad
-  ablation, k = 1 and R = K = 1; at gamma = 0 both give the same output bit for bit.
+  ablation, k = 1 and R = K = 1; at gamma = 0 within 1e-6 (gate rounding only).
 - the backend is chosen per call: "auto" is the torch path on CPU (MVMOE_KERNELS can force
   the kernel), a bad name is refused naming multi_view.kernels, and "triton" on CPU without
   the interpreter fails with a fix.
@@ -122,9 +123,10 @@ def _check_parity(results, atol):
         for param, grad in ref["grads"].items():
             torch.testing.assert_close(fused["grads"][param], grad, atol=atol, rtol=atol,
                                        msg=f"{name} {param}")
-    # gamma = 0: every row is P h exactly on both paths
-    assert torch.equal(results["r2_gamma0"]["triton"]["out"],
-                       results["r2_gamma0"]["reference"]["out"])
+    # gamma = 0: every row is P h on both paths; the outputs then differ only by the fused
+    # routing kernel's gate rounding (its fp32 sums run in another order than torch's)
+    torch.testing.assert_close(results["r2_gamma0"]["triton"]["out"],
+                               results["r2_gamma0"]["reference"]["out"], atol=1e-6, rtol=0)
     # the ablation really cuts the mixing gradient (router grads change)
     assert not torch.allclose(results["r2_stop_grad"]["triton"]["grads"]["router.weight"],
                               results["r2"]["triton"]["grads"]["router.weight"])

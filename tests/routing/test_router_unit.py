@@ -119,3 +119,40 @@ def test_unsupported_settings_are_refused_by_name(field_name, value):
         overrides["moe_router_enable_expert_bias"] = False
     with pytest.raises(ValueError, match=field_name):
         MultiRouter(_config(**overrides))
+
+
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_fused_routing_kernel_path_equals_torch_path(monkeypatch, num_views):
+    """multi_view.kernels='triton' routes through mvmoe_kernels.fused_multi_router (the
+    Triton interpreter on CPU) and gives the torch path's selection, gates, mixing weights
+    and router-weight gradients."""
+    mvmoe_kernels = pytest.importorskip("mvmoe_kernels")
+    pytest.importorskip("triton")
+    calls = []
+    original = mvmoe_kernels.fused_multi_router
+    monkeypatch.setattr(mvmoe_kernels, "fused_multi_router",
+                        lambda *a, **kw: calls.append(kw["backend"]) or original(*a, **kw))
+    hidden_TD = torch.randn(10, D, generator=torch.Generator().manual_seed(1))
+    outputs = {}
+    for kernels in ("triton", "reference"):
+        torch.manual_seed(0)
+        router = MultiRouter(_config(num_views=num_views,
+                                     multi_view=MultiViewConfig(num_routers=2,
+                                                                num_views=num_views,
+                                                                kernels=kernels)))
+        with torch.no_grad():
+            router.expert_bias.copy_(torch.linspace(-0.1, 0.1, E))
+        out = router.route(hidden_TD)
+        loss = out.gates_TS.square().sum() + (0 if out.mix_TSR is None else
+                                             out.mix_TSR[..., 0].sum())
+        loss.backward()
+        outputs[kernels] = (out, router.weight.grad)
+    assert calls == ["triton"]
+    fused, ref = outputs["triton"][0], outputs["reference"][0]
+    assert torch.equal(fused.topk_idx_TS, ref.topk_idx_TS)
+    assert torch.equal(fused.routing_map_TE, ref.routing_map_TE)
+    torch.testing.assert_close(fused.gates_TS, ref.gates_TS, atol=1e-6, rtol=0)
+    if num_views > 1:
+        torch.testing.assert_close(fused.mix_TSR, ref.mix_TSR, atol=1e-6, rtol=0)
+    torch.testing.assert_close(outputs["triton"][1], outputs["reference"][1], atol=1e-5,
+                               rtol=0)
