@@ -28,7 +28,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from megatron.core import parallel_state
@@ -89,6 +89,8 @@ class MultiRouter(MegatronModule):
         self.num_experts = config.num_moe_experts
         self.num_routers = mv.num_routers
         self.num_views = mv.num_views
+        self.observers: List[Callable[[RoutingOutput], None]] = []
+        """Called with every RoutingOutput (e.g. the trainer's diversity metrics)."""
         self.topk = config.moe_router_topk
         self.layer_number = None
         self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
@@ -178,8 +180,11 @@ class MultiRouter(MegatronModule):
             gates_TS, summed_TE, topk_idx_TS, valid_T, seq_length, batch_size)
         probs_TE, routing_map_TE = to_megatron(gates_TS, topk_idx_TS, self.num_experts)
         self._count_tokens(routing_map_TE, valid_T)
-        return RoutingOutput(probs_TE, routing_map_TE, topk_idx_TS, gates_TS, mix_TSR,
-                             scores_TRE, logits_TRE, _sum_or_none(z_value, aux_value))
+        output = RoutingOutput(probs_TE, routing_map_TE, topk_idx_TS, gates_TS, mix_TSR,
+                               scores_TRE, logits_TRE, _sum_or_none(z_value, aux_value))
+        for observe in self.observers:
+            observe(output)
+        return output
 
     def _kernel_backend(self, device: torch.device) -> str:
         """"triton" or "reference" (multi_view.kernels; "auto" defers to MVMOE_KERNELS:

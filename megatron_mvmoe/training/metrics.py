@@ -37,6 +37,9 @@ class RoutingMonitor:
         self.layers: Dict[int, MoELayer] = {}
         self.counts: Dict[int, torch.Tensor] = {}
         self.handles = []
+        self.heads: Dict[int, torch.Tensor] = {}
+        self.head_views: Dict[int, bool] = {}
+        self.observed_routers = []
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, MoELayer):
@@ -54,6 +57,46 @@ class RoutingMonitor:
                 self.counts[number].index_add_(0, indices, local)
 
         self.handles.append(layer.experts.register_forward_pre_hook(count))
+        router = getattr(layer, "router", None)
+        if getattr(router, "num_routers", 1) > 1 and hasattr(router, "observers"):
+            self._watch_heads(number, router)
+
+    def _watch_heads(self, number: int, router) -> None:
+        """Router diversity while training: mean inter-head Spearman over experts and the
+        normalised entropy of the view blends, accumulated per routed microbatch."""
+        from megatron_mvmoe.analysis.diversity import head_rank_correlation, mixing_entropy
+
+        self.heads[number] = torch.zeros(3, dtype=torch.float64)  # corr, entropy, batches
+        self.head_views[number] = router.num_views > 1
+
+        def observe(routing) -> None:
+            if not (router.training and torch.is_grad_enabled()):
+                return
+            if not torch.isfinite(routing.scores_TRE).all():
+                return  # a non-finite step is the NaN watch's to report, not the metrics'
+            with torch.no_grad():
+                pairs = head_rank_correlation(routing.scores_TRE.detach().float())
+                corr = sum(pairs.values()) / max(1, len(pairs))
+                entropy = (mixing_entropy(routing.mix_TSR.detach())
+                           if routing.mix_TSR is not None else 0.0)
+                self.heads[number] += torch.tensor([corr, entropy, 1.0], dtype=torch.float64)
+
+        router.observers.append(observe)
+        self.observed_routers.append((router, observe))
+
+    def reduce_diversity(self) -> Dict[int, Dict[str, float]]:
+        """Per layer: mean inter-head rank correlation and mixing entropy since the last call,
+        averaged over data-parallel ranks and gathered over the pipeline (collective)."""
+        mine = {}
+        for number, sums in sorted(self.heads.items()):
+            total = sums.clone()
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            batches = max(1.0, float(total[2]))
+            mine[number] = {"head_rank_correlation": float(total[0]) / batches}
+            if self.head_views[number]:
+                mine[number]["mixing_entropy"] = float(total[1]) / batches
+            sums.zero_()
+        return _merge_over_pipeline(mine)
 
     def reduce(self) -> Dict[int, List[float]]:
         """Global tokens per expert per layer since the last call (collective)."""
@@ -65,17 +108,24 @@ class RoutingMonitor:
             dist.all_reduce(total, group=parallel_state.get_expert_data_parallel_group())
             mine[number] = (total / etp).tolist()
             counts.zero_()
-        gathered: List[Optional[dict]] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(gathered, mine,
-                               group=parallel_state.get_pipeline_model_parallel_group())
-        merged: Dict[int, List[float]] = {}
-        for part in gathered:
-            merged.update(part or {})
-        return merged
+        return _merge_over_pipeline(mine)
 
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+        for router, observe in self.observed_routers:
+            router.observers.remove(observe)
+
+
+def _merge_over_pipeline(mine: Dict) -> Dict:
+    """Every pipeline stage's per-layer entries, merged (collective over the PP group)."""
+    gathered: List[Optional[dict]] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(gathered, mine,
+                           group=parallel_state.get_pipeline_model_parallel_group())
+    merged: Dict = {}
+    for part in gathered:
+        merged.update(part or {})
+    return merged
 
 
 def aux_losses(num_microbatch_steps: int) -> Dict[str, List[float]]:
@@ -93,14 +143,18 @@ def aux_losses(num_microbatch_steps: int) -> Dict[str, List[float]]:
     return out
 
 
-def routing_summary(counts: Dict[int, List[float]], aux: Dict[str, List[float]]) -> Dict:
-    """Per layer: tokens per expert, load max/mean, and every aux loss recorded."""
+def routing_summary(counts: Dict[int, List[float]], aux: Dict[str, List[float]],
+                    diversity: Optional[Dict[int, Dict[str, float]]] = None) -> Dict:
+    """Per layer: tokens per expert, load max/mean and coefficient of variation, every aux
+    loss recorded, and (multi-head routers) inter-head rank correlation and mixing entropy."""
     layers = {}
     for number, per_expert in sorted(counts.items()):
-        tokens = torch.tensor(per_expert)
+        tokens = torch.tensor(per_expert, dtype=torch.float64)
         mean = float(tokens.mean()) if tokens.numel() else 0.0
         entry = {"tokens_per_expert": [int(x) for x in per_expert],
-                 "load_max_over_mean": float(tokens.max()) / mean if mean > 0 else 0.0}
+                 "load_max_over_mean": float(tokens.max()) / mean if mean > 0 else 0.0,
+                 "load_cv": float(tokens.std(unbiased=False)) / mean if mean > 0 else 0.0}
+        entry.update((diversity or {}).get(number, {}))
         for name, values in aux.items():
             if number - 1 < len(values):
                 entry[name] = values[number - 1]

@@ -142,7 +142,8 @@ class _Loop:
                        consumed_samples=self.state.consumed_samples)
         if self.routing is not None:
             metrics["routing"] = routing_summary(self.routing.reduce(),
-                                                 aux_losses(steps * self.num_microbatches))
+                                                 aux_losses(steps * self.num_microbatches),
+                                                 self.routing.reduce_diversity())
         self.log.record("train", self.state.step, metrics)
         gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
         self.log.line(f"step {self.state.step:6d}/{t.train_iters} | loss {metrics['loss']:.4f} "

@@ -98,3 +98,20 @@ def test_incompatible_checkpoint_names_fields(data_dir, init_ckpt):
 def test_missing_checkpoint_is_clear(data_dir, tmp_path):
     with pytest.raises(DistributedTestError, match="no checkpoint here"):
         train(tiny_run(data_dir, train_iters=3, load=str(tmp_path)), 1)
+
+
+def test_routing_metrics_logged_per_layer(data_dir, tmp_path):
+    """metrics.jsonl carries per-layer load (max/mean, CV) and, for the two-head Multi-View
+    router, the inter-head rank correlation and the mixing entropy, every log interval."""
+    import json
+
+    raw = tiny_run(data_dir, train_iters=5, eval_iters=0)
+    raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=5)
+    train(raw, 1)
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    routing = [r["routing"] for r in records if "routing" in r]
+    assert routing, records
+    for layer in routing[-1].values():
+        assert sum(layer["tokens_per_expert"]) > 0 and layer["load_cv"] >= 0
+        assert -1.0 <= layer["head_rank_correlation"] <= 1.0
+        assert 0.0 < layer["mixing_entropy"] <= 1.0
