@@ -45,11 +45,7 @@ def plot_alignment(reports: Mapping[str, dict], path: str, title: str) -> str:
     ax.set_ylabel("mean per-token Spearman rho")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    _ensure_dir(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_bars(values: Mapping[str, Mapping[str, float]], path: str, title: str,
@@ -69,6 +65,11 @@ def plot_bars(values: Mapping[str, Mapping[str, float]], path: str, title: str,
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str) -> str:
+    """Lay out, write the PNG (creating its folder) and free the figure."""
     fig.tight_layout()
     _ensure_dir(path)
     fig.savefig(path, dpi=120)
@@ -108,11 +109,7 @@ def plot_curves(curves: Mapping[str, Sequence[Sequence[float]]], path: str, titl
     ax.set_ylabel(ylabel if smooth <= 1 else f"{ylabel} ({smooth}-step moving average)")
     ax.set_title(title)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    _ensure_dir(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_volume(rows: Sequence[Dict], path: str, title: str) -> str:
@@ -123,8 +120,4 @@ def plot_volume(rows: Sequence[Dict], path: str, title: str) -> str:
     ax.invert_yaxis()
     ax.set_xlabel("bytes per rank per step")
     ax.set_title(title)
-    fig.tight_layout()
-    _ensure_dir(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

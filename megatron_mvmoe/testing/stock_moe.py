@@ -15,34 +15,33 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+# fp32, no fusions, no dropout (the CUDA RNG tracker cannot drop out on CPU), CPU init.
+CPU_CONFIG_KWARGS = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+    use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
+    masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+    persist_layer_norm=False,
+)
+
+# Sigmoid top-k routing with the aux-loss-free expert bias, alltoall dispatcher, SequentialMLP.
+SIGMOID_MOE_KWARGS = dict(
+    num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48,
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+    moe_router_topk_scaling_factor=1.0, moe_token_dispatcher_type="alltoall",
+    moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
+    moe_router_load_balancing_type="none",
+)
+
+
 def cpu_config(**overrides) -> TransformerConfig:
     """A TransformerConfig that runs on CPU: fp32, no fusions, no dropout, CPU init."""
-    base = dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-        use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
-        persist_layer_norm=False,
-    )
-    base.update(overrides)
-    return config_class(base)(**base)
-
-
-def config_class(kwargs: Dict):
-    return TransformerConfig
+    return TransformerConfig(**{**CPU_CONFIG_KWARGS, **overrides})
 
 
 def sigmoid_moe_config(**overrides) -> TransformerConfig:
     """Sigmoid top-k routing with the aux-loss-free expert bias, alltoall dispatcher."""
-    base = dict(
-        num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=1.0, moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-    )
-    base.update(overrides)
-    return cpu_config(**base)
+    return cpu_config(**{**SIGMOID_MOE_KWARGS, **overrides})
 
 
 def build_stock_moe_layer(config: TransformerConfig, pg_collection) -> MoELayer:

@@ -10,6 +10,7 @@ from megatron.core.transformer.spec_utils import build_module
 
 from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.models.specs import moe_mlp_spec, stock_moe_spec
+from megatron_mvmoe.testing.stock_moe import CPU_CONFIG_KWARGS, SIGMOID_MOE_KWARGS
 
 SEQ, BATCH = 6, 2
 
@@ -18,18 +19,9 @@ def mv_config(variant: str = "multi_view", num_routers: int = 2, ramp_steps: int
               stop_grad_mixing: bool = False, **overrides) -> MVMoETransformerConfig:
     """A tiny fp32 CPU config for any variant (sigmoid + expert bias, alltoall)."""
     num_views = num_routers if variant == "multi_view" else 1
-    base = dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-        use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
-        persist_layer_norm=False,
-        num_moe_experts=8, moe_router_topk=3, moe_ffn_hidden_size=24,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=1.0, moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_variant=variant, latent_size=16,
+    base = {**CPU_CONFIG_KWARGS, **SIGMOID_MOE_KWARGS}
+    base.update(
+        moe_router_topk=3, moe_ffn_hidden_size=24, moe_variant=variant, latent_size=16,
         multi_view=MultiViewConfig(num_routers=num_routers, num_views=num_views,
                                    gamma_ramp_steps=ramp_steps,
                                    stop_grad_mixing=stop_grad_mixing, view_init_std=0.3),
