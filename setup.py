@@ -1,13 +1,14 @@
 """megatron_mvmoe: Multi-View / Multi-Router / MH-MoE research on Megatron-Core.
 
-megatron-core is pinned exactly: 0.16.1 is the newest release that installs on
-Python 3.11 (0.17+ needs 3.12), and our CPU patches are version-guarded against it.
+megatron-core is pinned exactly (0.19.2, which needs Python >= 3.12): our CPU patches and
+the builder-API adapter (megatron_mvmoe/layers/builders.py) are version-guarded against it.
 """
 from setuptools import find_packages, setup
 
-MEGATRON_CORE_PIN = "megatron-core==0.16.1"
-# The CPU machines install torch==2.13.0 first (scripts/setup_env.sh); GPU images bring
-# their own CUDA torch, so only a floor is declared here.
+MEGATRON_CORE_PIN = "megatron-core==0.19.2"
+# The CPU machines install torch==2.13.0 first (scripts/setup_env.sh; on Python 3.12 PyPI
+# only has its CUDA build, which runs on CPU); GPU images bring their own CUDA torch, so
+# only a floor is declared here.
 TORCH_REQ = "torch>=2.6"
 
 setup(
@@ -16,7 +17,7 @@ setup(
     description="Multi-View MoE, Multi-Router and MH-MoE on Megatron-Core",
     packages=find_packages(include=["megatron_mvmoe*"]) + ["mvmoe_kernels"],
     package_dir={"mvmoe_kernels": "kernels"},
-    python_requires=">=3.10,<3.13",
+    python_requires=">=3.12",
     install_requires=[
         TORCH_REQ,
         MEGATRON_CORE_PIN,

@@ -18,7 +18,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/assets/losses/<platform>/*.txt from this run")
+    parser.addoption("--golden-reason", default=None,
+                     help="why the golden losses change (required with --update-golden)")
+
+
 def pytest_configure(config):
+    if config.getoption("--update-golden") and not config.getoption("--golden-reason"):
+        raise pytest.UsageError("--update-golden needs --golden-reason \"what changed\"")
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
     config.addinivalue_line("markers", "slow: longer functional runs")
     config.addinivalue_line("markers", "launchers: needs mpirun / slurm installed")

@@ -2,12 +2,16 @@
 
     python tools/bench_moe_layer.py                       # D=1024, L=512, E=64, top-8, R=K=2
     python tools/bench_moe_layer.py --tokens 256 --repeats 3 --json
+    python tools/bench_moe_layer.py --preset mvmoe_10b_a1b --dtype bf16 --tokens 16384  # GPU
 
 Single process (gloo world of 1, or NCCL on a GPU). Each timed iteration runs forward +
 backward of every variant in turn (round-robin, so machine noise hits all of them alike);
 the median over --repeats after --warmup iterations is reported with the ratio to the
-baseline, next to the analytic forward FLOP ratio and the check
-`time_ratio(MV) <= 1.1 x flop_ratio(MV)`. Memory: on CUDA the allocator peak of one
+baseline, next to the analytic forward FLOP ratio, the check
+`time_ratio(MV) <= 1.1 x flop_ratio(MV)` and the achieved TFLOP/s (3 x analytic forward
+FLOPs per token x tokens / time). `--preset` takes D, L, E, k, R and F from a model preset
+(one 10B-A1B layer at real size); the layer takes the fast paths of this machine
+(models/fast_paths.py: TE grouped experts and fusions on a GPU with TE). Memory: on CUDA the allocator peak of one
 forward+backward; on CPU (no allocator statistics) the bytes of activations saved for
 backward, a deterministic proxy measured with autograd saved-tensor hooks.
 """
@@ -31,6 +35,9 @@ VARIANTS = ("latent", "multi_router", "multi_view")
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default=None,
+                   help="take --hidden/--latent/--experts/--topk/--routers/--expert-ffn from "
+                        "this model preset (e.g. mvmoe_10b_a1b); explicit flags still win")
     p.add_argument("--hidden", type=int, default=1024, help="D: model hidden size")
     p.add_argument("--latent", type=int, default=512, help="L: latent size")
     p.add_argument("--experts", type=int, default=64, help="E: routed experts")
@@ -45,6 +52,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="pass if time ratio <= tolerance x analytic FLOP ratio")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.preset:
+        _apply_preset(args, p, argv)
     for name in ("hidden", "latent", "experts", "topk", "routers", "expert_ffn", "tokens",
                  "repeats"):
         if getattr(args, name) < 1:
@@ -52,6 +61,24 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     if args.topk > args.experts:
         p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
     return args
+
+
+_PRESET_FIELDS = {"hidden": "hidden_size", "latent": "latent_size", "experts": "num_experts",
+                  "topk": "moe_router_topk", "routers": "num_routers",
+                  "expert_ffn": "moe_ffn_hidden_size"}
+
+
+def _apply_preset(args, parser, argv: List[str]) -> None:
+    from megatron_mvmoe.models.presets import PRESETS, resolve_model
+    from megatron_mvmoe.training.config import ModelSection
+
+    if args.preset not in PRESETS:
+        parser.error(f"--preset {args.preset!r}: not a preset (choose from {sorted(PRESETS)})")
+    shape = resolve_model(ModelSection(preset=args.preset))
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    for name, field in _PRESET_FIELDS.items():
+        if f"--{name.replace('_', '-')}" not in given and getattr(shape, field):
+            setattr(args, name, getattr(shape, field))
 
 
 def analytic_flops(args, variant: str) -> int:
@@ -70,19 +97,21 @@ def analytic_flops(args, variant: str) -> int:
 
 def make_config(args, variant: str):
     from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+    from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
 
     R = 1 if variant == "latent" else args.routers
+    fast = config_fields(choose_fast_paths(Target.here(), variant))
+    fast.pop("gradient_accumulation_fusion", None)  # needs DDP main_grad buffers
     return MVMoETransformerConfig(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=8,
-        ffn_hidden_size=4 * args.hidden, use_cpu_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, add_bias_linear=False, persist_layer_norm=False,
+        ffn_hidden_size=4 * args.hidden, use_cpu_initialization=not torch.cuda.is_available(),
+        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+        persist_layer_norm=False, **fast,
         bf16=args.dtype == "bf16", params_dtype=_dtype(args),
         num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_ffn_hidden_size=args.expert_ffn, moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=1.0,
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32", moe_router_load_balancing_type="none",
         moe_variant=variant, latent_size=args.latent,
         multi_view=MultiViewConfig(num_routers=R, num_views=R if variant == "multi_view" else 1))
@@ -93,16 +122,13 @@ def _dtype(args):
 
 
 def build_layers(args, pgs, device) -> Dict[str, torch.nn.Module]:
-    from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_mvmoe.models.specs import moe_mlp_spec, stock_moe_spec
+    from megatron_mvmoe.models.specs import build_moe_layer
 
     layers = {}
     for variant in VARIANTS:
         config = make_config(args, variant)
-        layer = build_module(moe_mlp_spec(config, stock_moe_spec(config), pgs), config=config)
-        layer.set_layer_number(1)
-        layers[variant] = layer.to(device)
+        layers[variant] = build_moe_layer(config, pgs, use_te=config.moe_grouped_gemm).to(device)
     return layers
 
 
@@ -161,7 +187,8 @@ def report(args, results) -> Dict:
     for v in VARIANTS:
         rows[v] = dict(results[v], time_ratio=results[v]["median_s"] / base["median_s"],
                        memory_ratio=results[v]["memory_bytes"] / base["memory_bytes"],
-                       flops_per_token=flops[v], flop_ratio=flops[v] / flops["latent"])
+                       flops_per_token=flops[v], flop_ratio=flops[v] / flops["latent"],
+                       achieved_tflops=3 * flops[v] * args.tokens / results[v]["median_s"] / 1e12)
     mv = rows["multi_view"]
     return {"config": vars(args), "memory_kind": "cuda_peak" if torch.cuda.is_available()
             else "saved_activations", "variants": rows,
@@ -207,10 +234,11 @@ def _print(out: Dict, as_json: bool) -> None:
         print(json.dumps(out, indent=1))
         return
     print(f"{'variant':14s} {'median_s':>9s} {'time_x':>7s} {'flop_x':>7s} "
-          f"{'mem_MB':>8s} {'mem_x':>6s}   ({out['memory_kind']})")
+          f"{'TFLOP/s':>8s} {'mem_MB':>8s} {'mem_x':>6s}   ({out['memory_kind']})")
     for v, r in out["variants"].items():
         print(f"{v:14s} {r['median_s']:9.4f} {r['time_ratio']:7.3f} {r['flop_ratio']:7.3f} "
-              f"{r['memory_bytes'] / 2**20:8.1f} {r['memory_ratio']:6.3f}")
+              f"{r['achieved_tflops']:8.3f} {r['memory_bytes'] / 2**20:8.1f} "
+              f"{r['memory_ratio']:6.3f}")
     print(f"Multi-View time ratio <= {out['config']['tolerance']} x FLOP ratio: "
           f"{out['mv_time_within_tolerance']}")
 

@@ -3,6 +3,7 @@ all-to-all bytes per step; --dry-run builds rank 0 on the meta device to check s
 
   python tools/plan.py --config mvmoe_10b_a1b --tp 1 --pp 1 --ep 8 --json
   python tools/plan.py --config examples/tiny_cpu.yaml --dry-run
+  python tools/plan.py --config examples/configs/mvmoe_10b_a1b_64gpu.yaml --fast-paths --json
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 
 from megatron_mvmoe.analysis.plan import Layout, dry_run_build, plan
+from megatron_mvmoe.models import fast_paths
 from megatron_mvmoe.models.presets import PRESETS, preset_names, resolve_model
 from megatron_mvmoe.training.config import ModelSection, load_yaml
 
@@ -40,6 +42,35 @@ def _layout(args, run) -> Layout:
                       train.global_batch_size if train else 256))
 
 
+FAST_PATH_TARGETS = {"gpu": fast_paths.Target(cuda=True, te=True),
+                     "cpu": fast_paths.Target(cuda=False, te=False)}
+
+
+def fast_path_report(model, run, targets) -> dict:
+    """{target: {fast path: {on, why}}} for the model's variant (and the run's BitNet and
+    optimizer settings): what models/provider.py would build there."""
+    bitnet = bool(run.model.bitnet) if run is not None else False
+    dist_opt = run.optimizer.use_distributed_optimizer if run is not None else True
+    out = {}
+    for name in targets:
+        target = fast_paths.Target.here() if name == "here" else FAST_PATH_TARGETS[name]
+        paths = fast_paths.choose_fast_paths(target, model.moe_variant, bitnet=bitnet,
+                                             distributed_optimizer=dist_opt)
+        out[name] = fast_paths.as_dict(paths)
+    return out
+
+
+def _human_fast_paths(report) -> list:
+    lines = []
+    for target, paths in report.items():
+        label = {"gpu": "GPU with TransformerEngine", "cpu": "CPU (gloo)",
+                 "here": "this machine"}[target]
+        lines.append(f"fast paths on {label}:")
+        lines += [f"  [{'on ' if p['on'] else 'off'}] {name}: {p['why']}"
+                  for name, p in paths.items()]
+    return lines
+
+
 def _human(report) -> str:
     p, f = report["parameters"], report["flops_per_token"]
     mem, a2a, lay = report["memory_bytes_per_gpu"], report["a2a_bytes"], report["layout"]
@@ -52,6 +83,8 @@ def _human(report) -> str:
              "memory/GPU: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()),
              f"all-to-all: {a2a['per_layer_dispatch'] / 2**20:.1f} MiB per layer dispatch, "
              f"{a2a['per_rank_per_step'] / 2**30:.2f} GiB per rank per step"]
+    if "fast_paths" in report:
+        lines += _human_fast_paths(report["fast_paths"])
     if "dry_run" in report:
         lines.append(f"dry run: rank 0 built with {report['dry_run']['rank0_parameters']:,} "
                      "parameters on the meta device")
@@ -66,6 +99,13 @@ def main(argv=None) -> int:
         parser.add_argument(flag, type=int, default=None)
     parser.add_argument("--dry-run", action="store_true",
                         help="build rank 0 on the meta device to validate shapes")
+    parser.add_argument("--fast-paths", action="store_true",
+                        help="list which fast path (TE specs, grouped GEMM, fusions, flash "
+                             "attention, overlapped DDP, bf16) is on for the variant, and why "
+                             "any is off")
+    parser.add_argument("--target", choices=("gpu", "cpu", "here", "both"), default="both",
+                        help="machine for --fast-paths: gpu (CUDA + TransformerEngine), cpu, "
+                             "here (this machine), or both gpu and cpu (default)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
@@ -74,6 +114,9 @@ def main(argv=None) -> int:
         report = plan(model, layout)
         if args.dry_run:
             report["dry_run"] = dry_run_build(model, layout)
+        if args.fast_paths:
+            targets = ("gpu", "cpu") if args.target == "both" else (args.target,)
+            report["fast_paths"] = fast_path_report(model, run, targets)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

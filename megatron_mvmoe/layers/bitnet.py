@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_mvmoe.layers.builders import is_builder, parts, rebuilt
+
 EPS = 1e-5
 """Floor on scales: an all-zero matrix or token quantizes to zeros instead of NaN."""
 
@@ -169,9 +171,10 @@ def _swap(value):
     spec params may hold process groups, which cannot be copied)."""
     if isinstance(value, type):
         return BIT_REPLACEMENTS.get(value, value)
-    if isinstance(value, ModuleSpec):
-        return dataclasses.replace(value, module=_swap(value.module), params=dict(value.params),
-                                   submodules=_swap(value.submodules))
+    if isinstance(value, ModuleSpec) or is_builder(value):
+        spec = parts(value)
+        return rebuilt(value, module=_swap(spec.module), params=spec.params,
+                       submodules=_swap(spec.submodules))
     if isinstance(value, (list, tuple)):
         return type(value)(_swap(v) for v in value)
     if dataclasses.is_dataclass(value):

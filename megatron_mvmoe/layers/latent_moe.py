@@ -9,12 +9,12 @@ Flow (seed 000, Eq. 1), one named phase each, everything else is Megatron's MoEL
   combine | postprocess: unpermute, up-projection (L -> D), + shared expert.
 
 Design choices:
-- The latent size is our `config.latent_size`, never Megatron's `moe_latent_size`: 0.16.1
-  asserts TransformerEngine on that path. One code path on CPU and GPU keeps layouts and
+- The latent size is our `config.latent_size`, never Megatron's `moe_latent_size`: 0.19.2
+  still asserts TransformerEngine on that path (`moe_layer.py:266`). One code path on CPU and GPU keeps layouts and
   devices comparable; TE could be delegated to later without changing the phases.
 - Experts are built from the layer's own experts spec with an L-sized config copy
-  (`hidden_size = L`) through a tiny spec seam (`ExpertsInLatentSpace`), so SequentialMLP /
-  GroupedMLP / TEGroupedMLP all run unchanged in latent space, and parameter names stay
+  (`hidden_size = L`) through a tiny builder seam (`experts_in_latent_space`), so
+  SequentialMLP / TEGroupedMLP run unchanged in latent space, and parameter names stay
   Megatron's (`experts.local_experts.<i>.linear_fc1.weight`).
 - The projections are bias-free and replicated across TP (not split): with sequence
   parallelism each TP rank sees different tokens, so the weights carry Megatron's
@@ -33,9 +33,8 @@ from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-
 from megatron_mvmoe.layers.bitnet import quantize_activation_ste, quantize_weight_ste
+from megatron_mvmoe.layers.builders import as_builder, build
 from megatron_mvmoe.layers.errors import require
 
 
@@ -46,17 +45,13 @@ def latent_expert_config(config):
     return expert_config
 
 
-class ExpertsInLatentSpace:
-    """Spec seam: builds the wrapped experts spec with the L-sized config copy.
-
-    `build_module` instantiates `module(num_local_experts, config, **params, **kwargs)`;
-    this class's `__new__` returns the real experts module (SequentialMLP, ...) built with
-    `latent_expert_config(config)`, so no wrapper module appears in the state dict.
-    """
-
-    def __new__(cls, num_local_experts, config, experts_spec=None, pg_collection=None):
-        return build_module(experts_spec, num_local_experts, latent_expert_config(config),
-                            pg_collection=pg_collection)
+def experts_in_latent_space(num_local_experts, config, experts_spec=None, pg_collection=None,
+                            name=None):
+    """Experts builder seam: MoELayer calls `experts(n, config, pg_collection=, name=)`;
+    this builds the wrapped experts builder (SequentialMLP, TEGroupedMLP, ...) with
+    `latent_expert_config(config)`, so no wrapper module appears in the state dict."""
+    return build(experts_spec, num_local_experts, latent_expert_config(config),
+                 pg_collection=pg_collection, name=name)
 
 
 class LatentProjection(torch.nn.Module):
@@ -100,10 +95,9 @@ def validate_latent_config(config) -> None:
             "set moe_shared_expert_overlap=False")
 
 
-def latent_submodules(submodules: MoESubmodules, pg_collection=None) -> MoESubmodules:
+def latent_submodules(submodules: MoESubmodules) -> MoESubmodules:
     """The same submodules with the experts built in latent space (a new object)."""
-    experts = ModuleSpec(module=ExpertsInLatentSpace,
-                         params={"experts_spec": submodules.experts})
+    experts = as_builder(experts_in_latent_space, experts_spec=submodules.experts)
     return replace(submodules, experts=experts)
 
 
@@ -111,10 +105,12 @@ class LatentMoELayer(MoELayer):
     """Megatron MoELayer whose routed experts run on latent rows z = P h."""
 
     def __init__(self, config, submodules: Optional[MoESubmodules] = None,
-                 layer_number: Optional[int] = None, pg_collection=None) -> None:
+                 layer_number: Optional[int] = None, pg_collection=None,
+                 is_mtp_layer: bool = False, name: Optional[str] = None) -> None:
         validate_latent_config(config)
         super().__init__(config=config, submodules=latent_submodules(submodules),
-                         layer_number=layer_number, pg_collection=pg_collection)
+                         layer_number=layer_number, pg_collection=pg_collection,
+                         is_mtp_layer=is_mtp_layer, name=name)
         self.latent_size = config.latent_size
         self.fc1_latent_proj = self.build_down_projection(config)
         self.fc2_latent_proj = LatentProjection(

@@ -23,26 +23,27 @@ Design choices:
   they quantize (ternary weights, int activations, STE) like every other linear.
 - The shared expert (`moe_shared_expert_intermediate_size`) runs on the full D-wide token,
   outside the sub-token MoE, and is added after the merge (Table 2).
-- Process groups are passed explicitly (TransformerLayer forwards `pg_collection` only to
-  Megatron's exact MoE classes, so `mh_moe_spec` puts it in the spec params).
+- Process groups are passed explicitly: TransformerLayer calls the MLP builder with
+  `pg_collection=` (Megatron 0.19.2 builders), and the layer hands them to its inner MoE.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mvmoe.layers.bitnet import (
     maybe_bitnet_spec,
     quantize_activation_ste,
     quantize_weight_ste,
 )
+from megatron_mvmoe.layers.builders import as_builder, build, parts
 from megatron_mvmoe.layers.errors import require
 
 
@@ -114,26 +115,30 @@ class MultiHeadMoELayer(MegatronModule):
     """MH-MoE: head projection, split into H sub-tokens, stock MoELayer on D/H, merge."""
 
     def __init__(self, config, submodules: MultiHeadMoESubmodules,
-                 layer_number: Optional[int] = None, pg_collection=None) -> None:
+                 layer_number: Optional[int] = None, pg_collection=None,
+                 is_mtp_layer: bool = False, name: Optional[str] = None) -> None:
         super().__init__(config)
         validate_multi_head_config(config)
         require(pg_collection is not None, "pg_collection",
                 "MultiHeadMoELayer needs its process groups passed explicitly",
-                "build it through mh_moe_spec(config, pg_collection)")
+                "build it from a decoder-block spec (TransformerLayer passes pg_collection)")
         mh = config.multi_head
         self.num_heads = mh.num_heads if mh.split_tokens else 1
         self.layer_number = layer_number
         self.head = ReplicatedProjection(config, config.init_method) \
             if mh.head_projection else None
-        self.moe = build_module(submodules.moe, config=sub_token_config(config),
-                                layer_number=layer_number, pg_collection=pg_collection)
+        self.moe = build(submodules.moe, config=sub_token_config(config),
+                         layer_number=layer_number, pg_collection=pg_collection,
+                         is_mtp_layer=is_mtp_layer,
+                         name=(name + ".moe") if name is not None else None)
         self.merge = ReplicatedProjection(config, config.output_layer_init_method) \
             if mh.merge_projection else None
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = build_module(submodules.shared_experts, config=config,
-                                               pg_collection=pg_collection,
-                                               gate=config.moe_shared_expert_gate)
+            self.shared_experts = build(
+                submodules.shared_experts, config=config, pg_collection=pg_collection,
+                gate=config.moe_shared_expert_gate,
+                name=(name + ".shared_experts") if name is not None else None)
 
     def set_layer_number(self, layer_number: int) -> None:
         """Called by TransformerLayer; the inner MoELayer's router logs aux losses by it."""
@@ -175,11 +180,11 @@ class MultiHeadMoELayer(MegatronModule):
         return y_SBD, None
 
 
-def mh_moe_spec(config, pg_collection, moe_spec: Optional[ModuleSpec] = None) -> ModuleSpec:
-    """ModuleSpec for an MoE slot of a decoder-block spec (replaces the MoE MLP).
+def mh_moe_spec(config, moe_spec=None):
+    """MLP builder for an MoE slot of a decoder-block spec (replaces the MoE MLP).
 
-    `moe_spec` defaults to Megatron's local (non-TE) MoE spec for the config; BitNet linears
-    are swapped in when `config.bitnet.enabled`."""
+    `moe_spec` (Megatron's MoE builder) defaults to the local (non-TE) one for the config;
+    BitNet linears are swapped in when `config.bitnet.enabled`."""
     if moe_spec is None:
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
@@ -187,8 +192,5 @@ def mh_moe_spec(config, pg_collection, moe_spec: Optional[ModuleSpec] = None) ->
                                        moe_grouped_gemm=config.moe_grouped_gemm)
     moe_spec = maybe_bitnet_spec(moe_spec, config)
     submodules = MultiHeadMoESubmodules(
-        moe=replace(moe_spec, params={k: v for k, v in moe_spec.params.items()
-                                      if k != "pg_collection"}),
-        shared_experts=moe_spec.submodules.shared_experts)
-    return ModuleSpec(module=MultiHeadMoELayer, params={"pg_collection": pg_collection},
-                      submodules=submodules)
+        moe=moe_spec, shared_experts=parts(moe_spec).submodules.shared_experts)
+    return as_builder(MultiHeadMoELayer, submodules=submodules)

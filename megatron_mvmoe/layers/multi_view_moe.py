@@ -28,8 +28,8 @@ Design choices:
   CUDA, the torch path elsewhere); "triton" / "reference" force one. Both paths compute
   v_0 + sum_{m>0} a_m (v_m - v_0) (the kernel as mix weights [1, a_1, ..] over views
   [v_0, v_1 - v_0, ..]), so at gamma = 0 every row is P h bit for bit on either path.
-- pg_collection is passed explicitly: Megatron's TransformerLayer forwards it only to the
-  exact MoELayer class, so the spec hands it over through its params.
+- Process groups arrive like Megatron's own MoELayer's: TransformerLayer calls the MLP
+  builder with `pg_collection=` (Megatron's defaults only when built standalone).
 """
 
 from __future__ import annotations
@@ -65,12 +65,13 @@ class MultiViewMoELayer(LatentMoELayer):
     """Latent MoE whose experts see router-conditioned blends of K latent views."""
 
     def __init__(self, config, submodules: Optional[MoESubmodules] = None,
-                 layer_number: Optional[int] = None, pg_collection=None) -> None:
+                 layer_number: Optional[int] = None, pg_collection=None,
+                 is_mtp_layer: bool = False, name: Optional[str] = None) -> None:
         validate_multi_view_config(config)
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         pg_collection=pg_collection)
+                         pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
         require(hasattr(self.router, "route"), "MoESubmodules.router",
                 f"{type(self.router).__name__} gives no per-head scores to mix views with",
                 "use megatron_mvmoe.routing.router.MultiRouter")

@@ -2,13 +2,15 @@
 
 Design choices:
 - The decoder block comes from our spec builder (`models/specs.py`,
-  `build_decoder_block_spec(config, vp_stage, pg_collection)`) which swaps only the MoE MLP
+  `build_decoder_block_spec(config, vp_stage)`) which swaps only the MoE MLP
   slots of Megatron's own block spec; while that module is absent, dense and smoe fall back
   to Megatron's `get_gpt_decoder_block_spec` with the local (non-TE) backend.
 - One GPTModel per virtual pipeline chunk, each knowing whether it holds the embedding
   (pre_process) or the LM head (post_process) from Megatron's own stage helpers.
-- CPU runs: fp32, CPU initialisation, fusions and dropout off (the CUDA RNG tracker cannot
-  fork on CPU); GPU runs: bf16 with the same numerics otherwise.
+- Fast paths (TE specs, grouped GEMM, fusions, flash attention, overlapped DDP) come from
+  `models/fast_paths.py` for the target machine: on a GPU with TE they are on, on CPU the
+  local equivalents run; `tools/plan.py --fast-paths` prints the same decisions. Dropout is
+  off everywhere (the CUDA RNG tracker cannot fork on CPU; the seeds' recipes use none).
 - Routing defaults per variant: smoe uses softmax top-k with a small aux loss (the classic
   SMoE); latent / multi_router / multi_view use sigmoid scores with the aux-loss-free expert
   bias (seed 000), the alltoall dispatcher everywhere.
@@ -23,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_mvmoe.config import MultiHeadConfig, MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
 from megatron_mvmoe.models.presets import ModelShape
 
 _SIGMOID_VARIANTS = ("latent", "multi_router", "multi_view")
@@ -33,10 +36,14 @@ def _numerics(use_bf16: bool, on_cpu: bool) -> Dict[str, Any]:
     return dict(
         bf16=use_bf16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=on_cpu, perform_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        persist_layer_norm=False,  # apex-only
         hidden_dropout=0.0, attention_dropout=0.0,
     )
+
+
+def target_for(on_cpu: bool) -> Target:
+    """The machine a config is built for: the CPU, or this process's GPU (and its TE)."""
+    return Target(cuda=False, te=False) if on_cpu else Target.here()
 
 
 def _routing(shape: ModelShape) -> Dict[str, Any]:
@@ -44,7 +51,7 @@ def _routing(shape: ModelShape) -> Dict[str, Any]:
         return {}
     common = dict(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
                   moe_router_topk=shape.moe_router_topk, moe_token_dispatcher_type="alltoall",
-                  moe_grouped_gemm=False, moe_router_dtype="fp32",
+                  moe_router_dtype="fp32",
                   moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size)
     if shape.moe_variant in _SIGMOID_VARIANTS:
         return dict(common, moe_router_score_function="sigmoid",
@@ -56,8 +63,9 @@ def _routing(shape: ModelShape) -> Dict[str, Any]:
 
 def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
                        vpp: Optional[int] = None, use_bf16: bool = False,
-                       on_cpu: bool = True) -> MVMoETransformerConfig:
-    """The full Megatron config of `shape` for one layout."""
+                       on_cpu: bool = True, bitnet: bool = False) -> MVMoETransformerConfig:
+    """The full Megatron config of `shape` for one layout, with the fast paths the target
+    machine (the CPU, or this process's GPU) takes."""
     kwargs: Dict[str, Any] = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
@@ -73,6 +81,8 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
         multi_head=MultiHeadConfig(num_heads=shape.num_heads_mh),
     )
     kwargs.update(_numerics(use_bf16, on_cpu))
+    kwargs.update(config_fields(choose_fast_paths(target_for(on_cpu), shape.moe_variant,
+                                                  bitnet=bitnet)))
     kwargs.update(_routing(shape))
     kwargs.update(shape.extra)
     return MVMoETransformerConfig(**kwargs)
@@ -86,7 +96,7 @@ def decoder_block_spec(config: MVMoETransformerConfig, vp_stage: Optional[int] =
     except ImportError:
         build_decoder_block_spec = None
     if build_decoder_block_spec is not None:
-        return build_decoder_block_spec(config, vp_stage=vp_stage, pg_collection=pg_collection)
+        return build_decoder_block_spec(config, vp_stage=vp_stage)
     if config.moe_variant not in ("dense", "smoe"):
         raise ValueError(f"moe_variant: {config.moe_variant!r} needs megatron_mvmoe.models.specs "
                          "(not installed yet). Fix: use dense or smoe for now")
@@ -112,7 +122,7 @@ def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelShape, pg_collec
                     post_process: bool = True) -> GPTModel:
     """One GPTModel holding this stage's layers (RoPE, untied embeddings)."""
     return GPTModel(config=config,
-                    transformer_layer_spec=decoder_block_spec(config, vp_stage, pg_collection),
+                    transformer_layer_spec=decoder_block_spec(config, vp_stage),
                     vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=False, position_embedding_type="rope",

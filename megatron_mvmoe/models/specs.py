@@ -8,9 +8,11 @@ Design choices:
 - Variants: dense (no experts; Megatron's dense spec), smoe (stock MoELayer), latent
   (LatentMoELayer + Megatron's TopKRouter), multi_router (LatentMoELayer + MultiRouter),
   multi_view (MultiViewMoELayer + MultiRouter), mh_moe (the MH-MoE engineer's
-  `megatron_mvmoe.layers.multi_head_moe.mh_moe_spec(config, pg_collection)`).
-- Our layers are MoELayer subclasses, which TransformerLayer does not hand pg_collection to
-  (it checks the exact class), so the spec carries it in `params`.
+  `megatron_mvmoe.layers.multi_head_moe.mh_moe_spec(config)`).
+- Megatron 0.19.2 describes MLP slots as builders (`functools.partial`), called by
+  TransformerLayer with `config=, pg_collection=, is_mtp_layer=, name=` whatever the class:
+  our layers receive their process groups from it like Megatron's own MoELayer does. Specs
+  of either form are read and rebuilt through `layers/builders.py` only.
 - Without TransformerEngine the local backend is used; its torch norm refuses sequence
   parallelism, so with SP on every `WrappedTorchNorm` slot becomes `SequenceParallelTorchNorm`.
 - BitNet (`config.bitnet.enabled`): the finished block goes through `maybe_bitnet_spec`, so
@@ -22,7 +24,6 @@ Design choices:
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 from typing import Optional
 
@@ -33,6 +34,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
+from megatron_mvmoe.layers.builders import build, module_of, parts, rebuilt
 from megatron_mvmoe.layers.errors import require
 from megatron_mvmoe.layers.latent_moe import LatentMoELayer, validate_latent_config
 from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer, validate_multi_view_config
@@ -46,14 +48,14 @@ def use_transformer_engine() -> bool:
     return bool(gpt_layer_specs.HAVE_TE)
 
 
-def build_decoder_block_spec(config, vp_stage: Optional[int] = None, pg_collection=None,
+def build_decoder_block_spec(config, vp_stage: Optional[int] = None,
                              use_te: Optional[bool] = None) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder block spec for `config.moe_variant`."""
     validate_variant(config)
     use_te = _choose_te(config, use_te)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, vp_stage=vp_stage)
-    layer_specs = [_swap_moe_slot(spec, config, pg_collection) for spec in block.layer_specs]
+    layer_specs = [_swap_moe_slot(spec, config) for spec in block.layer_specs]
     block = replace(block, layer_specs=layer_specs)
     if config.sequence_parallel and not use_te:
         block = _sequence_parallel_norms(block)
@@ -93,24 +95,33 @@ def validate_variant(config) -> None:
                 "set num_moe_experts=None or choose an MoE variant")
 
 
-def moe_mlp_spec(config, moe_spec: ModuleSpec, pg_collection=None) -> ModuleSpec:
-    """The MLP spec of an MoE slot for the variant, derived from Megatron's `moe_spec`."""
+def moe_mlp_spec(config, moe_spec):
+    """The MLP builder of an MoE slot for the variant, derived from Megatron's `moe_spec`
+    (a builder or a ModuleSpec; the result has the same form)."""
     variant = getattr(config, "moe_variant", "smoe")
     if variant == "smoe":
         return moe_spec
     if variant == "mh_moe":
-        return _mh_moe_spec(config, pg_collection, moe_spec)
-    router = _router_for(variant, moe_spec.submodules.router)
+        return _mh_moe_spec(config, moe_spec)
+    submodules = parts(moe_spec).submodules
+    router = _router_for(variant, submodules.router)
     layer = MultiViewMoELayer if variant == "multi_view" else LatentMoELayer
-    params = dict(moe_spec.params)
-    if pg_collection is not None:
-        params["pg_collection"] = pg_collection
-    return ModuleSpec(module=layer, params=params, metainfo=dict(moe_spec.metainfo),
-                      submodules=replace(moe_spec.submodules, router=router))
+    return rebuilt(moe_spec, module=layer, submodules=replace(submodules, router=router))
 
 
-def stock_moe_spec(config, use_te: bool = False) -> ModuleSpec:
-    """Megatron's MoE module spec for this config (no block around it)."""
+def build_moe_layer(config, pg_collection, layer_number: int = 1, use_te: bool = False):
+    """The variant's MoE layer alone, built from the same builder the decoder block uses
+    and called the way TransformerLayer calls it (tests, benchmarks; `use_te` for TE's
+    grouped experts on a GPU)."""
+    spec = moe_mlp_spec(config, stock_moe_spec(config, use_te=_choose_te(config, use_te)))
+    spec = maybe_bitnet_spec(spec, config)
+    layer = build(spec, config=config, pg_collection=pg_collection, is_mtp_layer=False)
+    layer.set_layer_number(layer_number)
+    return layer
+
+
+def stock_moe_spec(config, use_te: bool = False):
+    """Megatron's MoE builder for this config (no block around it)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     return get_moe_module_spec(use_te=use_te, num_experts=config.num_moe_experts,
@@ -125,23 +136,17 @@ def _router_for(variant: str, stock_router):
     return MultiRouter
 
 
-def _mh_moe_spec(config, pg_collection, moe_spec: ModuleSpec) -> ModuleSpec:
-    try:
-        module = importlib.import_module("megatron_mvmoe.layers.multi_head_moe")
-    except ImportError as exc:
-        raise NotImplementedError(
-            "moe_variant='mh_moe' needs megatron_mvmoe.layers.multi_head_moe.mh_moe_spec, "
-            "which is not available yet") from exc
-    if not hasattr(module, "mh_moe_spec"):
-        raise NotImplementedError("megatron_mvmoe.layers.multi_head_moe has no mh_moe_spec")
-    return module.mh_moe_spec(config, pg_collection, moe_spec=moe_spec)
+def _mh_moe_spec(config, moe_spec):
+    from megatron_mvmoe.layers.multi_head_moe import mh_moe_spec
+
+    return mh_moe_spec(config, moe_spec=moe_spec)
 
 
-def _swap_moe_slot(layer_spec: ModuleSpec, config, pg_collection) -> ModuleSpec:
+def _swap_moe_slot(layer_spec: ModuleSpec, config) -> ModuleSpec:
     mlp = getattr(layer_spec.submodules, "mlp", None)
-    if not (isinstance(mlp, ModuleSpec) and mlp.module is MoELayer):
+    if mlp is None or module_of(mlp) is not MoELayer:
         return layer_spec
-    new_mlp = moe_mlp_spec(config, mlp, pg_collection)
+    new_mlp = moe_mlp_spec(config, mlp)
     if new_mlp is mlp:
         return layer_spec
     return replace(layer_spec, submodules=replace(layer_spec.submodules, mlp=new_mlp))

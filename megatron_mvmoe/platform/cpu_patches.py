@@ -1,4 +1,4 @@
-"""Every patch that lets unmodified Megatron-Core 0.16.1 run on a CPU build of torch.
+"""Every patch that lets unmodified Megatron-Core 0.19.2 run on a CPU build of torch.
 
 Megatron-Core is CUDA-first: it places buffers with `torch.cuda.current_device()`, creates
 CUDA streams, builds small tensors with `device="cuda"`, and compares `Tensor.type()`
@@ -32,7 +32,7 @@ from typing import Callable, List
 import numpy as np
 import torch
 
-MEGATRON_VERSION_PATCHED = "0.16.1"
+MEGATRON_VERSION_PATCHED = "0.19.2"
 _APPLIED_MARK = "_mvmoe_cpu_patches_applied"
 
 
@@ -123,6 +123,8 @@ def _shim_torch_cuda() -> None:
     cuda.max_memory_reserved = lambda device=None: 0
     cuda.reset_peak_memory_stats = lambda device=None: None
     cuda.empty_cache = lambda: None
+    # the CUDA build of torch (PyPI's only cp312 wheel) raises "driver insufficient" here
+    cuda.is_current_stream_capturing = lambda: False
     cuda.nvtx.range_push = lambda msg: None
     cuda.nvtx.range_pop = lambda: None
 
@@ -131,6 +133,7 @@ def _torch_cuda_breaks() -> bool:
     try:
         torch.empty(1, device=torch.cuda.current_device())
         torch.cuda.Stream()
+        torch.cuda.is_current_stream_capturing()  # Megatron's router trace hook asks
         return False
     except (AssertionError, RuntimeError):
         return True
@@ -147,7 +150,7 @@ def _to_cpu_device(kwargs: dict) -> dict:
 class _CpuTorchProxy:
     """`torch` as seen by one Megatron module: factories map device='cuda' to the CPU."""
 
-    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "empty_like")
 
     def __getattr__(self, name: str):
         attr = getattr(torch, name)
@@ -169,6 +172,10 @@ _CUDA_FACTORY_MODULES = (
     "megatron.core.transformer.utils",
     "megatron.core.rerun_state_machine",
     "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex/TE)
+    # 0.19.2: the saver's cached-metadata reuse check (async saves with a constant
+    # structure) and the fully-parallel load's exchange buffers
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 
 
@@ -318,17 +325,6 @@ def _optimizer_states_break() -> bool:
 
 
 # ------------------------------------------------------------ MoE-specific patches
-def _router_gemm_without_te() -> None:
-    """`router_gating_linear` names `te_general_gemm`, imported only with TE."""
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    moe_utils.te_general_gemm = None
-
-
-def _router_gemm_breaks() -> bool:
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    return not hasattr(moe_utils, "te_general_gemm")
-
-
 def _numpy_split_sizes() -> None:
     """The alltoall dispatcher converts split sizes to numpy only for CUDA tensors;
     gloo's all_to_all_single needs plain sizes, so convert CPU tensors too."""
@@ -351,45 +347,101 @@ def _split_sizes_break() -> bool:
     return not isinstance(out, np.ndarray)
 
 
-def _te_version_without_te() -> None:
-    """`is_te_min_version` raises TypeError without TE; it should just be False."""
-    utils = importlib.import_module("megatron.core.utils")
-    original = utils.is_te_min_version
+# ------------------------------------------- process groups left alive on teardown
+def _destroy_model_parallel_groups() -> None:
+    """`destroy_model_parallel` only forgets most groups (it destroys the three *_GLOO
+    ones): on CPU every subgroup is a gloo group holding its own threads and sockets, so a
+    long-lived process that re-initialises parallel state (a test session, a sweep, an
+    evaluation server) gains ~30 threads per cycle until it stalls. Destroy every group
+    Megatron created (`create_group` records them in `_global_process_group_list`)."""
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+    original = parallel_state.destroy_model_parallel
 
-    def is_te_min_version(version, check_equality=True):
-        if utils.get_te_version() is None:
+    @functools.wraps(original)
+    def destroy_model_parallel():
+        created = [g for g in (parallel_state._global_process_group_list or []) if g is not None]
+        original()
+        live = torch.distributed.distributed_c10d._world.pg_map
+        for group in created:
+            if group in live:
+                torch.distributed.destroy_process_group(group)
+
+    destroy_model_parallel._mvmoe_wrapped = True
+    parallel_state.destroy_model_parallel = destroy_model_parallel
+
+
+def _groups_outlive_destroy() -> bool:
+    """Builds Megatron's groups on a one-rank gloo world of its own (only when none is
+    initialised) and checks whether destroy_model_parallel leaves any alive."""
+    import tempfile
+
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+    if getattr(parallel_state.destroy_model_parallel, "_mvmoe_wrapped", False):
+        if torch.distributed.is_initialized():
             return False
-        return original(version, check_equality)
-
-    utils.is_te_min_version = is_te_min_version
-    for module in _modules_importing("is_te_min_version"):
-        module.is_te_min_version = is_te_min_version
-
-
-def _te_version_breaks() -> bool:
-    utils = importlib.import_module("megatron.core.utils")
+    if torch.distributed.is_initialized():
+        return True  # cannot probe without disturbing the caller's groups: assume unfixed
+    store = tempfile.NamedTemporaryFile(prefix="mvmoe_pg_probe_", delete=False).name
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+                                         world_size=1)
     try:
-        utils.is_te_min_version("1.0")
+        parallel_state.initialize_model_parallel()
+        parallel_state.destroy_model_parallel()
+        return len(torch.distributed.distributed_c10d._world.pg_map) > 1
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+# ------------------------------------------------- flex dispatcher's indices converter
+def _indices_to_multihot_torch(indices_TK, probs_TK, num_local_experts: int):
+    """Pure-torch `fused_indices_to_multihot`: indices [T, k] (-1 or >= num_local_experts
+    = not local) -> (routing map [T, n] bool, probs [T, n]), differentiable in probs."""
+    valid_TK = (indices_TK >= 0) & (indices_TK < num_local_experts)
+    safe_TK = torch.where(valid_TK, indices_TK, torch.zeros_like(indices_TK)).long()
+    shape = (indices_TK.shape[0], num_local_experts)
+    hits = torch.zeros(shape, dtype=torch.int32, device=indices_TK.device)
+    hits = hits.scatter_add(1, safe_TK, valid_TK.int())
+    probs = torch.zeros(shape, dtype=probs_TK.dtype, device=probs_TK.device)
+    probs = probs.scatter_add(1, safe_TK, probs_TK * valid_TK)
+    return hits > 0, probs
+
+
+def _cpu_indices_to_multihot() -> None:
+    """The flex dispatcher's `fused_indices_to_multihot` allocates with device='cuda' and
+    launches a Triton kernel: on CPU tensors the torch equivalent runs instead."""
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = dispatcher.fused_indices_to_multihot
+
+    @functools.wraps(original)
+    def indices_to_multihot(indices, probs_indices, num_of_local_experts):
+        if indices.is_cuda:
+            return original(indices, probs_indices, num_of_local_experts)
+        return _indices_to_multihot_torch(indices, probs_indices, num_of_local_experts)
+
+    indices_to_multihot._mvmoe_wrapped = True
+    dispatcher.fused_indices_to_multihot = indices_to_multihot
+
+
+def _indices_to_multihot_breaks() -> bool:
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    try:
+        dispatcher.fused_indices_to_multihot(torch.zeros(1, 1, dtype=torch.int32),
+                                             torch.ones(1, 1), 2)
         return False
-    except TypeError:
+    except Exception:  # noqa: BLE001 - CUDA assert, Triton launch error: all mean "breaks"
         return True
-
-
-def _modules_importing(name: str):
-    import sys
-
-    return [m for k, m in list(sys.modules.items())
-            if k.startswith("megatron.core") and m is not None and hasattr(m, name)]
 
 
 PATCHES: List[Patch] = [
     Patch("torch.cuda stand-ins",
           "Megatron calls torch.cuda.current_device/Stream/current_stream/synchronize/"
-          "get_rng_state and nvtx directly (router, experts, dispatcher, p2p, random).",
+          "get_rng_state/is_current_stream_capturing and nvtx directly (router, experts, "
+          "dispatcher, p2p, random, router trace).",
           _shim_torch_cuda, _torch_cuda_breaks),
     Patch("device='cuda' factories",
-          "schedules, clip_grads, optimizer, grad_scaler and transformer.utils build "
-          "small tensors with a literal device='cuda'.",
+          "schedules, clip_grads, optimizer, grad_scaler, transformer.utils, rerun state, "
+          "the checkpoint saver's reuse check and the load exchange build tensors with a "
+          "literal device='cuda'.",
           _redirect_cuda_factories, _cuda_factories_break),
     Patch("Tensor.type() names",
           "The distributed optimizer, the fp16 optimizer and grad clipping dispatch on "
@@ -403,27 +455,35 @@ PATCHES: List[Patch] = [
           "loading a fully_reshardable optimizer checkpoint into torch's Adam (no apex/TE) "
           "fails with KeyError 'step' in _set_main_param_and_optimizer_states.",
           _keep_states_missing_from_checkpoint, _optimizer_states_break),
-    Patch("te_general_gemm",
-          "moe_utils.router_gating_linear references te_general_gemm, undefined without "
-          "TransformerEngine (NameError).",
-          _router_gemm_without_te, _router_gemm_breaks),
+    Patch("model-parallel groups destroyed",
+          "destroy_model_parallel forgets its (gloo on CPU) subgroups without destroying "
+          "them: a process that re-initialises parallel state leaks threads until it stalls.",
+          _destroy_model_parallel_groups, _groups_outlive_destroy),
+    Patch("fused_indices_to_multihot on CPU",
+          "the flex dispatcher's indices converter allocates on device='cuda' and launches "
+          "a Triton kernel.",
+          _cpu_indices_to_multihot, _indices_to_multihot_breaks),
     Patch("alltoall split sizes",
           "maybe_move_tensor_to_cpu returns numpy only for CUDA tensors; gloo "
           "all_to_all_single rejects CPU tensors as split sizes.",
           _numpy_split_sizes, _split_sizes_break),
-    Patch("is_te_min_version",
-          "raises TypeError when TransformerEngine is absent instead of returning False.",
-          _te_version_without_te, _te_version_breaks),
 ]
 
 
-def check_megatron_version() -> None:
-    import megatron.core
+def installed_megatron_version() -> str:
+    """megatron-core's release (`__shortversion__`): `__version__` gains a `+<commit>` suffix
+    whenever the package directory sits inside any git work tree (a venv in a checkout)."""
+    import megatron.core.package_info as info
 
-    if megatron.core.__version__ != MEGATRON_VERSION_PATCHED:
+    return info.__shortversion__
+
+
+def check_megatron_version() -> None:
+    found = installed_megatron_version()
+    if found != MEGATRON_VERSION_PATCHED:
         raise RuntimeError(
             f"megatron_mvmoe's CPU patches were written for megatron-core "
-            f"{MEGATRON_VERSION_PATCHED}, found {megatron.core.__version__}. Fix: install "
+            f"{MEGATRON_VERSION_PATCHED}, found {found}. Fix: install "
             f"megatron-core=={MEGATRON_VERSION_PATCHED} (pinned in setup.py), or re-verify "
             f"each patch in megatron_mvmoe/platform/cpu_patches.py against the new version.")
 

@@ -17,11 +17,18 @@ Design choices:
   excluded), so Megatron's finalize_model_grads `_update_router_expert_bias` (found by
   `hasattr(module, "expert_bias")`) updates ours too. Both are kept fp32, also under
   Float16Module (Megatron keeps only the bias fp32, so its bf16 counts round).
-- Aux losses are Megatron's family (aux_loss, seq_aux_loss, global_aux_loss, z-loss) with
-  Megatron's coefficients, scaling and logging, but computed on what this router uses: the
-  summed head scores normalised over the experts, and the counts of the dispatched routing
-  map (with the bias). They are attached with MoEAuxLossAutoScaler to gates_TS, from which
-  probs_TE is built, so the backward fires exactly once whichever of the two the layer uses.
+- Aux losses are Megatron 0.19.2's family (aux_loss, seq_aux_loss, global_aux_loss, z-loss)
+  with its coefficients, per-token-loss scaling (x local tokens x TP*CP size), MTP scaling
+  and `MoEMetricsTracker` logging, computed on what this router scores: the summed head
+  scores in fp32 normalised over the experts and, as Megatron does, the top-k of those
+  scores WITHOUT the balancing bias (the bias steers selection only). At R = 1 every loss,
+  log and gradient equals TopKRouter's (tests/routing/test_router_megatron.py). They are
+  attached with MoEAuxLossAutoScaler to gates_TS, from which probs_TE is built, so the
+  backward fires exactly once whichever of the two the layer uses.
+- Megatron's `--moe-routing-trace-path` tracer hooks TopKRouter only; `routing/trace.py`
+  feeds the tracer's own hook from an observer (the Multi-View layer calls `route()`, not
+  `forward`, so forward hooks would miss it), with `topk` and a `gating` that returns the
+  per-head logits for logit capture.
 - padding_mask follows Megatron's router code: [S, B] bool, True marks PADDING (excluded).
 """
 
@@ -33,11 +40,8 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_utils import (
-    MoEAuxLossAutoScaler,
-    get_default_pg_collection,
-    save_to_aux_losses_tracker,
-)
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
 
 from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.routing.balancing import (
@@ -75,16 +79,19 @@ class RoutingOutput:
     aux_loss: Optional[torch.Tensor]
     """Detached sum of the aux and z losses attached this step, for logging; None if none.
     Already in the backward through gates_TS / logits_TRE: never add it to the loss."""
+    hidden_TD: Optional[torch.Tensor] = None
+    """The routed hidden states [T, D] (observers such as the router trace capture them)."""
 
 
 class MultiRouter(MegatronModule):
     """R sigmoid routing heads summed after the sigmoid; top-k on sum + expert bias."""
 
     def __init__(
-        self, config: MVMoETransformerConfig, pg_collection=None
+        self, config: MVMoETransformerConfig, pg_collection=None, is_mtp_layer: bool = False
     ) -> None:
         super().__init__(config)
         _validate(config)
+        self.is_mtp_layer = is_mtp_layer  # Megatron's router attribute (aux-loss logging)
         mv = config.multi_view
         self.num_experts = config.num_moe_experts
         self.num_routers = mv.num_routers
@@ -177,11 +184,13 @@ class MultiRouter(MegatronModule):
             mix_TSR = (mixing_weights(scores_TRE, topk_idx_TS) if self.num_views > 1
                        else None)
         gates_TS, aux_value = self._attach_aux_losses(
-            gates_TS, summed_TE, topk_idx_TS, valid_T, seq_length, batch_size)
+            gates_TS, self._aux_loss_scores(logits_TRE, summed_TE), valid_T, seq_length,
+            batch_size)
         probs_TE, routing_map_TE = to_megatron(gates_TS, topk_idx_TS, self.num_experts)
         self._count_tokens(routing_map_TE, valid_T)
         output = RoutingOutput(probs_TE, routing_map_TE, topk_idx_TS, gates_TS, mix_TSR,
-                               scores_TRE, logits_TRE, _sum_or_none(z_value, aux_value))
+                               scores_TRE, logits_TRE, _sum_or_none(z_value, aux_value),
+                               hidden_TD)
         for observe in self.observers:
             observe(output)
         return output
@@ -262,16 +271,27 @@ class MultiRouter(MegatronModule):
         loss = z_loss(logits_TRE, coeff, valid_T)
         num_tokens = logits_TRE.shape[0] if valid_T is None else valid_T.sum()
         logits_TRE = self._attach(logits_TRE, loss, num_tokens)
-        save_to_aux_losses_tracker("z_loss", loss / coeff, self.layer_number, self._num_layers())
+        loss = self._per_mtp_repeat(loss)
+        get_moe_metrics_tracker().record("z_loss", loss / coeff, self._log_layer_number(),
+                                         self._num_layers(), avg_group=self.tp_dp_cp_group)
         return logits_TRE, loss.detach()
 
-    def _attach_aux_losses(self, gates_TS, summed_TE, topk_idx_TS, valid_T, seq_length,
-                           batch_size):
+    @staticmethod
+    def _aux_loss_scores(logits_TRE, summed_TE):
+        """Summed head scores for the aux losses, sigmoid in fp32 whatever the router dtype
+        (Megatron 0.19.2 scores its aux loss in fp32)."""
+        if logits_TRE.dtype == torch.float32:
+            return summed_TE
+        return sum_over_routers(sigmoid_scores(logits_TRE.float()))
+
+    def _attach_aux_losses(self, gates_TS, summed_TE, valid_T, seq_length, batch_size):
         if not self._losses_active() or not any(
                 self.aux_loss_coeff(t) > 0 for t in _AUX_TYPES):
             return gates_TS, None
         probs_TE = normalized_summed_scores(summed_TE)
-        map_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter(1, topk_idx_TS, True)
+        # Megatron's aux-loss map: top-k of the unbiased scores, not the dispatched selection
+        aux_idx_TS = torch.topk(probs_TE, k=self.topk, dim=1).indices
+        map_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter(1, aux_idx_TS, True)
         if valid_T is not None:
             probs_TE = probs_TE * valid_T.unsqueeze(-1)
             map_TE = map_TE & valid_T.unsqueeze(-1)
@@ -284,10 +304,11 @@ class MultiRouter(MegatronModule):
                 continue
             loss, group, has_dp, num_local = loss_fn(probs_TE, map_TE, coeff, valid_T is not None,
                                                      seq_length, batch_size)
+            loss = self._per_mtp_repeat(loss)
             gates_TS = self._attach(gates_TS, loss, num_local)
-            save_to_aux_losses_tracker(
-                _LOG_NAMES[aux_type], loss / coeff, self.layer_number, self._num_layers(),
-                reduce_group=group, reduce_group_has_dp=has_dp)
+            get_moe_metrics_tracker().record(
+                _LOG_NAMES[aux_type], loss / coeff, self._log_layer_number(),
+                self._num_layers(), reduce_group=group, needs_dp_avg=not has_dp)
             total = loss.detach() if total is None else total + loss.detach()
         return gates_TS, total
 
@@ -303,7 +324,9 @@ class MultiRouter(MegatronModule):
         counts_BE = counts_X.view(batch_size, self.num_experts)
         loss = sequence_load_balancing_loss(probs_TE, counts_BE, total, batch_size, self.topk,
                                             coeff)
-        return loss, self.tp_cp_group, False, local
+        # `local` counts tokens per sequence (B folded into the columns): x B is the
+        # micro-batch's, which per-token-loss scaling needs (Megatron 0.19.2's fix)
+        return loss, self.tp_cp_group, False, local * batch_size
 
     def _global_loss(self, probs_TE, map_TE, coeff, padded, seq_length, batch_size):
         counts_E, local, total = _token_counts(map_TE, self.tp_dp_cp_group, self.topk, padded)
@@ -314,13 +337,38 @@ class MultiRouter(MegatronModule):
         return loss, self.tp_dp_cp_group, True, local
 
     def _attach(self, activation, loss, num_local_tokens):
-        """MoEAuxLossAutoScaler, scaled by local tokens under calculate_per_token_loss."""
+        """MoEAuxLossAutoScaler. Under calculate_per_token_loss every gradient is later divided
+        by the global token count = micro-batches x DP x (local tokens x TP*CP size) (the
+        router sees its SP shard), so the loss is pre-multiplied by the last factor, leaving
+        the 1 / (micro-batches x DP) scaling of the mean-loss path (Megatron 0.19.2)."""
         if self.config.calculate_per_token_loss:
-            loss = loss * num_local_tokens
+            loss = loss * num_local_tokens * _group_size(self.tp_cp_group)
         return MoEAuxLossAutoScaler.apply(activation, loss)
+
+    def _per_mtp_repeat(self, loss):
+        """A repeated MTP layer runs mtp_num_layers times: count its losses once in total."""
+        config = self.config
+        if self.is_mtp_layer and config.mtp_use_repeated_layer and config.mtp_num_layers:
+            return loss / config.mtp_num_layers
+        return loss
+
+    def _log_layer_number(self) -> Optional[int]:
+        """Megatron's logging slot: MTP layers come after the decoder layers."""
+        if self.layer_number is None or not self.is_mtp_layer:
+            return self.layer_number
+        return self.layer_number + self.config.num_layers
 
     def _num_layers(self) -> int:
         return self.config.num_layers + (self.config.mtp_num_layers or 0)
+
+    # ---- Megatron router-trace compatibility ---------------------------------------------
+    def gating(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Per-head logits [T, R*E] (head-major), what Megatron's tracer captures as logits."""
+        hidden_TD, _, _ = _flatten_tokens(hidden)
+        logits_TRE = multi_router_logits(
+            hidden_TD, self.weight.view(self.num_routers, self.num_experts, -1),
+            self.router_dtype)
+        return logits_TRE.reshape(hidden_TD.shape[0], -1)
 
 
 _LOG_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -343,11 +391,16 @@ def _validate(config: MVMoETransformerConfig) -> None:
     refuse(not config.moe_router_force_load_balancing, "moe_router_force_load_balancing",
            "leave it False")
     refuse(not config.moe_enable_routing_replay, "moe_enable_routing_replay", "leave it False")
-    refuse(not config.moe_router_fusion, "moe_router_fusion", "leave it False (TE kernels)")
+    refuse(not config.moe_router_fusion, "moe_router_fusion",
+           "leave it False (TE's fused router kernels score one head; with "
+           "multi_view.kernels='triton' the Multi-Router has its own fused kernel)")
+    refuse(getattr(config, "moe_router_force_biased", None) is None, "moe_router_force_biased",
+           "leave it None (it biases TopKRouter's single-head logits for benchmarks)")
     types = config.moe_router_load_balancing_type
     for aux_type in [types] if isinstance(types, str) else types:
         refuse(aux_type in _AUX_TYPES + ("none",), "moe_router_load_balancing_type",
-               f"use one of {_AUX_TYPES + ('none',)} (got {aux_type!r})")
+               f"use one of {_AUX_TYPES + ('none',)} (got {aux_type!r}; sinkhorn and "
+               "quantile_balancing replace top-k selection, which the Multi-Router defines)")
     scaling = config.moe_router_topk_scaling_factor
     refuse(scaling is None or scaling == config.multi_view.gate_scale,
            "moe_router_topk_scaling_factor",

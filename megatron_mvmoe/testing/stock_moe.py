@@ -14,6 +14,8 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mvmoe.layers.builders import parts
+
 
 # fp32, no fusions, no dropout (the CUDA RNG tracker cannot drop out on CPU), CPU init.
 CPU_CONFIG_KWARGS = dict(
@@ -47,7 +49,7 @@ def sigmoid_moe_config(**overrides) -> TransformerConfig:
 def build_stock_moe_layer(config: TransformerConfig, pg_collection) -> MoELayer:
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
                                moe_grouped_gemm=False)
-    return MoELayer(config=config, submodules=spec.submodules, pg_collection=pg_collection)
+    return MoELayer(config=config, submodules=parts(spec).submodules, pg_collection=pg_collection)
 
 
 def global_moe_weights(config: TransformerConfig, seed: int = 1234) -> Dict[str, torch.Tensor]:

@@ -26,7 +26,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_mvmoe import platform
 from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.models.presets import ModelShape, resolve_model
-from megatron_mvmoe.models.provider import build_model_chunks, transformer_config
+from megatron_mvmoe.models.fast_paths import FastPath, choose_fast_paths, ddp_fields
+from megatron_mvmoe.models.provider import build_model_chunks, target_for, transformer_config
 from megatron_mvmoe.training.config import RunConfig
 
 
@@ -57,7 +58,8 @@ def model_config(run: RunConfig, shape: Optional[ModelShape] = None) -> MVMoETra
     shape = shape or resolve_model(run.model)
     p = run.parallel
     config = transformer_config(shape, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                                use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+                                use_bf16=use_bf16(run), on_cpu=not platform.is_cuda(),
+                                bitnet=bool(run.model.bitnet))
     return apply_model_switches(config, run.model)
 
 
@@ -76,11 +78,18 @@ def apply_model_switches(config: MVMoETransformerConfig, model) -> MVMoETransfor
     return config
 
 
-def _wrap_ddp(config, chunks, run: RunConfig, pg_collection) -> List[DistributedDataParallel]:
+def run_fast_paths(run: RunConfig, shape: ModelShape) -> List[FastPath]:
+    """The fast-path decisions for this run on this machine (models/fast_paths.py)."""
+    return choose_fast_paths(target_for(not platform.is_cuda()), shape.moe_variant,
+                             bitnet=bool(run.model.bitnet),
+                             distributed_optimizer=run.optimizer.use_distributed_optimizer)
+
+
+def _wrap_ddp(config, chunks, run: RunConfig, shape: ModelShape) -> List[DistributedDataParallel]:
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True,
         use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
-        check_for_nan_in_grad=False)
+        check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run, shape)))
     device = platform.device()
     wrapped = []
     for index, chunk in enumerate(chunks):
@@ -119,7 +128,7 @@ def build_trainer(run: RunConfig, pg_collection) -> Trainer:
     config = model_config(run, shape)
     platform.seed_all(run.training.seed)
     chunks = build_model_chunks(config, shape, pg_collection)
-    model = _wrap_ddp(config, chunks, run, pg_collection)
+    model = _wrap_ddp(config, chunks, run, shape)
     # The schedule calls this after the last backward: DP grad sync, TP/PP embedding and
     # layer-norm grad reductions, and the expert-bias update.
     config.finalize_model_grads_func = partial(finalize_model_grads)

@@ -184,6 +184,13 @@ class LoggingSection:
     tensorboard: bool = True
     routing_metrics: bool = True
     """Per-layer tokens per expert, load max/mean and aux loss in the logs."""
+    moe_routing_trace_path: Optional[str] = None
+    """Megatron's router trace: one `router_trace_rank<N>.jsonl` per rank with every MoE
+    layer's top-k per step (TopKRouter and MultiRouter), for Megatron-LM's tools/moe_routing."""
+    moe_routing_trace_max_iters: int = 100
+    """Steps traced before the hooks are removed."""
+    moe_routing_trace_capture_logits: bool = False
+    """Also write the pre-top-k logits (MultiRouter: all R heads, [T, R*E]) as bf16 sidecars."""
 
 
 @dataclass

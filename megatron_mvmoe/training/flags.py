@@ -82,6 +82,14 @@ FLAGS: List[Flag] = [
     Flag("--bitnet", "model", "bitnet", _bool,
          "BitNet b1.58 quantization-aware training (ternary weights, int8 activations); "
          "bare flag = true"),
+    # --- router trace (Megatron-LM's names)
+    Flag("--moe-routing-trace-path", "logging", "moe_routing_trace_path", str,
+         "write Megatron's router trace (router_trace_rank<N>.jsonl, every MoE layer's "
+         "top-k per step, MultiRouter included) to this directory"),
+    Flag("--moe-routing-trace-max-iters", "logging", "moe_routing_trace_max_iters", int,
+         "steps to trace (default 100)"),
+    Flag("--moe-routing-trace-capture-logits", "logging", "moe_routing_trace_capture_logits",
+         _bool, "also capture pre-top-k logits as bf16 sidecars; bare flag = true"),
     # --- optimizer
     Flag("--lr", "optimizer", "lr", float, "peak learning rate"),
     Flag("--min-lr", "optimizer", "min_lr", float, "floor of the cosine decay"),

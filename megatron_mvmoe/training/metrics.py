@@ -9,9 +9,10 @@ Design choices:
   reduced only at log time: scattered into a global counts_E, summed over the expert-parallel
   group (disjoint experts) and the expert-data-parallel group (disjoint tokens), divided by
   the expert-TP size (ETP ranks see the same tokens), then gathered over the pipeline.
-- Aux losses come from Megatron's own layer-wise tracker (what its routers record); we
-  reduce them ourselves (sum over pipeline stages, mean over data parallel) because
-  Megatron's reducer uses ReduceOp.AVG, which gloo lacks.
+- Aux losses come from Megatron 0.19.2's `MoEMetricsTracker` (what its routers and ours
+  record), reduced by its own `report()` (PP sum, each metric's reduce/avg group, DP mean,
+  x 1/micro-batches). A subclass installed through Megatron's `set_moe_metrics_tracker`
+  seam keeps the reduced per-layer values of the last report, which metrics.jsonl logs.
 - Only global rank 0 writes; every rank takes part in the reductions.
 """
 
@@ -25,8 +26,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                     get_moe_layer_wise_logging_tracker)
+from megatron.core.transformer.moe.moe_logging import (MoEMetricsTracker,
+                                                       get_moe_metrics_tracker,
+                                                       set_moe_metrics_tracker)
 
 
 class RoutingMonitor:
@@ -128,19 +130,47 @@ def _merge_over_pipeline(mine: Dict) -> Dict:
     return merged
 
 
-def aux_losses(num_microbatch_steps: int) -> Dict[str, List[float]]:
-    """Per-layer aux losses from Megatron's tracker, averaged per microbatch (collective)."""
-    tracker = get_moe_layer_wise_logging_tracker()
-    out = {}
-    for name in sorted(tracker):
-        values = tracker[name]["values"].detach().double().cpu()
-        dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
-        dp_group = parallel_state.get_data_parallel_group()
-        dist.all_reduce(values, group=dp_group)
-        values /= dist.get_world_size(dp_group) * max(1, num_microbatch_steps)
-        out[name] = values.tolist()
-    clear_aux_losses_tracker()
-    return out
+class PerLayerMoEMetricsTracker(MoEMetricsTracker):
+    """Megatron's tracker, also keeping the reduced per-layer values of its last report
+    (`report()` syncs them in place, then clears)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_per_layer: Dict[str, List[float]] = {}
+        self._loss_scale: Optional[float] = None
+
+    def report(self, loss_scale: float, iteration: int, **kwargs) -> str:
+        self._loss_scale = loss_scale
+        try:
+            return super().report(loss_scale, iteration, **kwargs)
+        finally:
+            self._loss_scale = None
+
+    def clear(self) -> None:
+        if self._loss_scale is not None:  # inside report: values are reduced, not yet zeroed
+            self.last_per_layer = {name: (entry.values.double() * self._loss_scale).tolist()
+                                   for name, entry in sorted(self.metrics.items())}
+        super().clear()
+
+
+def install_moe_metrics_tracker() -> PerLayerMoEMetricsTracker:
+    """Make Megatron's routers record into a PerLayerMoEMetricsTracker (idempotent)."""
+    tracker = get_moe_metrics_tracker()
+    if not isinstance(tracker, PerLayerMoEMetricsTracker):
+        tracker = PerLayerMoEMetricsTracker()
+        set_moe_metrics_tracker(tracker)
+    return tracker
+
+
+def aux_losses(num_microbatch_steps: int, config) -> Dict[str, List[float]]:
+    """Per-layer aux/z losses, reduced by Megatron's tracker and averaged per micro-batch
+    (collective). Stages without MoE layers still join the reductions (force_initialize)."""
+    tracker = install_moe_metrics_tracker()
+    names = sorted(_merge_over_pipeline({name: None for name in tracker.metrics}))
+    tracker.report(loss_scale=1.0 / max(1, num_microbatch_steps), iteration=0,
+                   force_initialize=True, track_names=names, num_layers=config.num_layers,
+                   moe_layer_freq=config.moe_layer_freq, mtp_num_layers=config.mtp_num_layers)
+    return dict(tracker.last_per_layer)
 
 
 def routing_summary(counts: Dict[int, List[float]], aux: Dict[str, List[float]],

@@ -33,7 +33,8 @@ from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
 from megatron_mvmoe.training.config import RunConfig, dump_yaml
 from megatron_mvmoe.training.data import RunData
-from megatron_mvmoe.training.metrics import RoutingMonitor, RunLog, aux_losses, routing_summary
+from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
+                                             install_moe_metrics_tracker, routing_summary)
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, check_loss
 from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
@@ -87,6 +88,8 @@ class _Loop:
         self.routing = (RoutingMonitor(self.trainer.unwrapped(), self.trainer.shape.num_experts)
                         if run.logging.routing_metrics and self.trainer.shape.is_moe else None)
         self.advance_gamma, self.gamma = _gamma_controls(self.trainer)
+        install_moe_metrics_tracker()  # before the first forward records into it
+        self.tracer = self._start_router_trace()
         self.state = ckpt.ResumeState()
         self.result = RunResult()
 
@@ -117,6 +120,17 @@ class _Loop:
                           "and the views are not inert at the warm start (set "
                           "--gamma-ramp-steps > 0 to start from the baseline's function)")
 
+    def _start_router_trace(self):
+        """Megatron's router trace (`--moe-routing-trace-path`), MultiRouter included."""
+        lg = self.run.logging
+        if lg.moe_routing_trace_path is None or not self.trainer.shape.is_moe:
+            return None
+        from megatron_mvmoe.routing.trace import start_router_trace
+
+        return start_router_trace(self.trainer.model, lg.moe_routing_trace_path,
+                                  lg.moe_routing_trace_max_iters, dist.get_rank(),
+                                  capture_logits=lg.moe_routing_trace_capture_logits)
+
     def iterators(self):
         return [self.data.train_iterator(self.state.consumed_samples)
                 for _ in self.trainer.model]
@@ -126,6 +140,8 @@ class _Loop:
         if self.on_step is not None:
             self.on_step(step, self.trainer)
         metrics = train_step(self.trainer, iterators, self.num_microbatches)
+        if self.tracer is not None:
+            self.tracer.advance_step(step)
         check_loss(metrics["loss"], step, self.watch if self.run.training.exit_on_nonfinite
                    else None)
         gamma = self.advance_gamma()
@@ -142,7 +158,8 @@ class _Loop:
                        consumed_samples=self.state.consumed_samples)
         if self.routing is not None:
             metrics["routing"] = routing_summary(self.routing.reduce(),
-                                                 aux_losses(steps * self.num_microbatches),
+                                                 aux_losses(steps * self.num_microbatches,
+                                                            self.trainer.config),
                                                  self.routing.reduce_diversity())
         self.log.record("train", self.state.step, metrics)
         gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
@@ -168,6 +185,8 @@ class _Loop:
         self.log.line(f"saved checkpoint {path}")
 
     def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.flush()
         ckpt.close_writer_processes()
         self.watch.close()
         if self.routing is not None:

@@ -6,6 +6,7 @@ import torch
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
 from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.layers.builders import parts
 
 VOCAB, HIDDEN, LATENT, EXPERTS = 32, 16, 8, 6
 
@@ -33,7 +34,9 @@ def build_layer(config, pg, stock_router=False):
 
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
                                moe_grouped_gemm=False)
-    submodules = spec.submodules if stock_router else replace(spec.submodules, router=MultiRouter)
+    submodules = parts(spec).submodules
+    if not stock_router:
+        submodules = replace(submodules, router=MultiRouter)
     cls = MultiViewMoELayer if config.moe_variant == "multi_view" else LatentMoELayer
     layer = cls(config=config, submodules=submodules, layer_number=1, pg_collection=pg)
     with torch.no_grad():  # visible routing differences between heads and experts

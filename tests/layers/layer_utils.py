@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
-from megatron.core.transformer.spec_utils import build_module
 
 from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
-from megatron_mvmoe.models.specs import moe_mlp_spec, stock_moe_spec
+from megatron_mvmoe.models.specs import build_moe_layer
 from megatron_mvmoe.testing.stock_moe import CPU_CONFIG_KWARGS, SIGMOID_MOE_KWARGS
 
 SEQ, BATCH = 6, 2
@@ -32,10 +31,7 @@ def mv_config(variant: str = "multi_view", num_routers: int = 2, ramp_steps: int
 
 def build_layer(config, pg_collection):
     """The variant's MoE layer, built from the same spec the decoder block uses."""
-    spec = moe_mlp_spec(config, stock_moe_spec(config), pg_collection)
-    layer = build_module(spec, config=config)
-    layer.set_layer_number(1)
-    return layer
+    return build_moe_layer(config, pg_collection)
 
 
 def global_weights(config, seed: int = 1234) -> Dict[str, torch.Tensor]:

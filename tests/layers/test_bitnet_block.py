@@ -40,7 +40,7 @@ def _config(variant, **overrides):
 
 
 def _gpt(config, pgs):
-    spec = build_decoder_block_spec(config, pg_collection=pgs)
+    spec = build_decoder_block_spec(config)
     seed_all(0)  # also Megatron's model-parallel RNG tracker (attention dropout scope)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, share_embeddings_and_output_weights=False,

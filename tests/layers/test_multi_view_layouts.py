@@ -23,7 +23,7 @@ def _step(rank, world_size, tp, pp, ep):
                        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
                        sequence_parallel=tp > 1,
                        pipeline_dtype=torch.float32, moe_layer_freq=[1, 1])
-    spec = build_decoder_block_spec(config, pg_collection=pgs)
+    spec = build_decoder_block_spec(config)
     model = build_gpt(config, spec, VOCAB, SEQ, pgs)
     return train_step_losses_and_grads(model, config, global_batch(BATCH, SEQ, VOCAB), MICRO, pgs)
 

@@ -1,6 +1,7 @@
 """build_decoder_block_spec: Megatron's block spec (moe_layer_freq, PP slicing) with only
-the MoE MLP slots swapped for the variant's layer, shared spec objects untouched, pg_collection
-handed to our MoELayer subclasses, SP-capable norms on CPU."""
+the MoE MLP slots swapped for the variant's layer, shared spec objects untouched, Megatron
+0.19.2's builder form kept (TransformerLayer hands pg_collection to every MLP builder, so
+none may carry it in its params), SP-capable norms on CPU."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from megatron_mvmoe.layers.builders import is_builder, module_of, parts
 from megatron_mvmoe.layers.latent_moe import LatentMoELayer
 from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
 from megatron_mvmoe.layers.norm import SequenceParallelTorchNorm
@@ -24,7 +26,7 @@ EXPECTED = {"smoe": MoELayer, "latent": LatentMoELayer, "multi_router": LatentMo
 
 
 def _mlp_modules(block):
-    return [spec.submodules.mlp.module for spec in block.layer_specs]
+    return [module_of(spec.submodules.mlp) for spec in block.layer_specs]
 
 
 def _spec_worker(rank, world_size, pp):
@@ -35,19 +37,21 @@ def _spec_worker(rank, world_size, pp):
                            pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
         stock = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         stock_mlps = [spec.submodules.mlp for spec in stock.layer_specs]
-        block = build_decoder_block_spec(config, pg_collection=pgs)
+        block = build_decoder_block_spec(config)
         mlps = [spec.submodules.mlp for spec in block.layer_specs]
         out[variant] = {
-            "modules": [m.module for m in mlps],
-            "routers": [getattr(m.submodules, "router", None) for m in mlps],
-            "pg": [m.params.get("pg_collection") is pgs for m in mlps],
-            "stock_untouched": [m.module for m in stock_mlps] == [
-                m.module for m in [s.submodules.mlp for s in gpt_layer_specs
+            "modules": [module_of(m) for m in mlps],
+            "routers": [getattr(parts(m).submodules, "router", None) for m in mlps],
+            "builder_form_kept": [is_builder(m) == is_builder(stock)
+                                  and "pg_collection" not in parts(m).params
+                                  for m, stock in zip(mlps, stock_mlps)],
+            "stock_untouched": [module_of(m) for m in stock_mlps] == [
+                module_of(m) for m in [s.submodules.mlp for s in gpt_layer_specs
                                    .get_gpt_decoder_block_spec(config, False).layer_specs]],
         }
     sp = mv_config("multi_view", num_routers=2, num_layers=4, tensor_model_parallel_size=2,
                    sequence_parallel=True)
-    block = build_decoder_block_spec(sp, pg_collection=pgs)
+    block = build_decoder_block_spec(sp)
     out["sp_norms"] = [block.layer_norm] + [s.submodules.input_layernorm
                                             for s in block.layer_specs]
     return out
@@ -61,13 +65,13 @@ def test_only_moe_slots_swapped_and_pp_sliced(pp):
         for variant, layer_cls in EXPECTED.items():
             r = res[variant]
             assert len(r["modules"]) == len(pattern)
-            for is_moe, module, router, has_pg in zip(pattern, r["modules"], r["routers"],
-                                                       r["pg"]):
+            for is_moe, module, router, form_kept in zip(pattern, r["modules"], r["routers"],
+                                                          r["builder_form_kept"]):
+                assert form_kept, (variant, module)
                 if not is_moe:
                     assert not issubclass(module, MoELayer)
                     continue
                 assert module is layer_cls, (variant, module)
-                assert has_pg == (variant != "smoe")
                 if variant in ("multi_router", "multi_view"):
                     assert router is MultiRouter
             assert r["stock_untouched"]
@@ -80,7 +84,7 @@ def _misc_worker(rank, world_size):
     out = {}
     try:
         block = build_decoder_block_spec(mv_config("mh_moe", num_routers=1, latent_size=None))
-        out["mh_moe"] = [s.submodules.mlp.module for s in block.layer_specs]
+        out["mh_moe"] = _mlp_modules(block)
     except NotImplementedError as exc:
         out["mh_moe"] = str(exc)
     dense = mv_config("dense", num_routers=1, num_moe_experts=None, moe_ffn_hidden_size=None,

@@ -78,12 +78,19 @@ def test_bitnet_spec_swaps_every_linear_without_mutating():
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
     swapped = bitnet_spec(spec)
     attn = swapped.submodules.self_attention.submodules
-    experts = swapped.submodules.mlp.submodules.experts.submodules
+    experts = _experts_submodules(swapped)
     assert attn.linear_qkv is BitColumnParallelLinear and attn.linear_proj is BitRowParallelLinear
     assert experts.linear_fc1 is BitColumnParallelLinear
     assert experts.linear_fc2 is BitRowParallelLinear
     assert spec.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear
-    assert spec.submodules.mlp.submodules.experts.submodules.linear_fc2 is RowParallelLinear
+    assert _experts_submodules(spec).linear_fc2 is RowParallelLinear
+
+
+def _experts_submodules(layer_spec):
+    """MoE and experts slots are Megatron 0.19.2 builders (functools.partial)."""
+    from megatron_mvmoe.layers.builders import parts
+
+    return parts(parts(layer_spec.submodules.mlp).submodules.experts).submodules
 
 
 def _tp_pair(rank, world_size, tp):

@@ -3,12 +3,12 @@ H = 1 reduces to Megatron's SMoE, shared expert, BitNet, decoder-layer integrati
 import pytest
 import torch
 
+from megatron_mvmoe.layers.builders import build as build_spec
 from megatron_mvmoe.layers.mh_reference import mh_test_config, naive_mh_moe
 from megatron_mvmoe.layers.multi_head_moe import MultiHeadMoELayer, mh_moe_spec
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.platform import apply_cpu_patches
 from megatron_mvmoe.testing.spawn import run_distributed
-from megatron.core.transformer.spec_utils import build_module
 
 
 def _with_groups(rank, world_size, body, kwargs):
@@ -25,7 +25,7 @@ def run_in_child(body, **kwargs):
 def build(pg, seed=0, **cfg):
     torch.manual_seed(seed)
     config = mh_test_config(**cfg)
-    return build_module(mh_moe_spec(config, pg), config=config), config
+    return build_spec(mh_moe_spec(config), config=config, pg_collection=pg), config
 
 
 def randn(*shape, seed=1):
@@ -86,9 +86,10 @@ def _no_split_routes_whole_tokens(pg):
 def _stock_layer(pg, config):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron_mvmoe.layers.builders import parts
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
                                moe_grouped_gemm=False)
-    return MoELayer(config=config, submodules=spec.submodules, pg_collection=pg)
+    return MoELayer(config=config, submodules=parts(spec).submodules, pg_collection=pg)
 
 
 def _one_head_reduces_to_stock_smoe(pg, identity_projections):
@@ -148,7 +149,7 @@ def _plugs_into_a_transformer_layer(pg):
     from megatron.core.transformer.transformer_layer import TransformerLayer
     config = mh_test_config(heads=2, normalization="RMSNorm")
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
-    spec.submodules.mlp = mh_moe_spec(config, pg)  # a fresh spec object from the builder
+    spec.submodules.mlp = mh_moe_spec(config)  # a fresh spec object from the builder
     from megatron.core import tensor_parallel
     tensor_parallel.model_parallel_cuda_manual_seed(0)  # attention forks this RNG (CPU-patched)
     torch.manual_seed(0)

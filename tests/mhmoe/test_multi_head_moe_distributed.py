@@ -4,9 +4,9 @@ token, dispatch and combine)."""
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.spec_utils import build_module
 
 from megatron_mvmoe.analysis.parity import MoELayerShape, all_to_all_bytes_per_token
+from megatron_mvmoe.layers.builders import build
 from megatron_mvmoe.layers.mh_reference import mh_test_config
 from megatron_mvmoe.layers.multi_head_moe import mh_moe_spec
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
@@ -48,7 +48,7 @@ def _run(rank, world_size, ep):
     pg = initialize_layout(ParallelLayout(ep=ep))
     config = mh_test_config(heads=H, topk=K, experts=E, hidden=D, ffn=FFN,
                             expert_model_parallel_size=ep)
-    layer = build_module(mh_moe_spec(config, pg), config=config)
+    layer = build(mh_moe_spec(config), config=config, pg_collection=pg)
     _load(layer, _global_weights())
     x = torch.randn(S, B, D, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
     calls = []

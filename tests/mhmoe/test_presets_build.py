@@ -18,6 +18,7 @@ def _block_spec(config, pg):
                                                           get_gpt_layer_local_spec)
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from megatron_mvmoe.layers.builders import module_of
     from megatron_mvmoe.layers.multi_head_moe import mh_moe_spec
     if config.num_moe_experts is None:
         return get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -25,8 +26,8 @@ def _block_spec(config, pg):
                                        normalization="RMSNorm")
     if config.moe_variant == "mh_moe":
         for layer in block.layer_specs:
-            if layer.submodules.mlp.module is MoELayer:
-                layer.submodules.mlp = mh_moe_spec(config, pg)
+            if module_of(layer.submodules.mlp) is MoELayer:
+                layer.submodules.mlp = mh_moe_spec(config)
     return block
 
 

@@ -46,13 +46,84 @@ def test_patches_are_idempotent(probe):
 
 
 def test_version_guard_rejects_other_megatron(monkeypatch):
-    import megatron.core
+    import megatron.core.package_info as info
 
     from megatron_mvmoe.platform import cpu_patches
 
-    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
-    with pytest.raises(RuntimeError, match="megatron-core==0.16.1"):
+    cpu_patches.check_megatron_version()  # the pinned release passes
+    monkeypatch.setattr(info, "__shortversion__", "0.19.1")
+    with pytest.raises(RuntimeError, match="megatron-core==0.19.2"):
         cpu_patches.check_megatron_version()
+
+
+UPSTREAM_FIXES = r"""
+import json, warnings
+warnings.filterwarnings("ignore")
+from megatron.core import utils
+from megatron.core.transformer.moe import moe_utils
+print(json.dumps({"te_general_gemm defined": hasattr(moe_utils, "te_general_gemm"),
+                  "is_te_min_version without TE": utils.is_te_min_version("1.0")}))
+"""
+
+
+def test_patches_dropped_for_0_19_2_stay_unneeded():
+    """0.16.1 needed patches for these; 0.19.2 fixed them upstream (moe_utils.py:42-54,
+    utils.py:317-323). Unpatched Megatron, fresh interpreter: they must still work."""
+    out = subprocess.run([sys.executable, "-c", UPSTREAM_FIXES], capture_output=True,
+                         text=True, timeout=120, check=True)
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert facts == {"te_general_gemm defined": True, "is_te_min_version without TE": False}
+
+
+def _reinit_cycles(rank, world_size, cycles):
+    import os
+
+    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+
+    def threads():
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+    counts = []
+    for _ in range(cycles):
+        initialize_layout(ParallelLayout(ep=2), training=False)
+        destroy_layout()
+        counts.append(threads())
+    return counts
+
+
+def test_reinitialising_parallel_state_50_times_keeps_thread_count_flat():
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    for counts in run_distributed(_reinit_cycles, 2, timeout_s=240, args=(50,)):
+        # unpatched, every cycle leaves ~30 gloo threads behind (1500 after 50 cycles)
+        assert counts[-1] - counts[0] <= 2, counts
+
+
+def test_indices_to_multihot_on_cpu_matches_a_loop():
+    from megatron_mvmoe.platform import apply_cpu_patches
+    from megatron_mvmoe.platform.cpu_patches import _indices_to_multihot_torch
+
+    apply_cpu_patches()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    indices_TK = torch.tensor([[0, 3], [2, -1], [5, 1], [-1, -1]], dtype=torch.int32)
+    probs_TK = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6], [0.7, 0.8]],
+                            requires_grad=True)
+    multihot_TN, probs_TN = token_dispatcher.fused_indices_to_multihot(indices_TK, probs_TK, 4)
+    want_map = torch.zeros(4, 4, dtype=torch.bool)
+    want_probs = torch.zeros(4, 4)
+    for t in range(4):
+        for k in range(2):
+            e = int(indices_TK[t, k])
+            if 0 <= e < 4:
+                want_map[t, e] = True
+                want_probs[t, e] = probs_TK[t, k]
+    assert torch.equal(multihot_TN, want_map)
+    torch.testing.assert_close(probs_TN, want_probs)
+    probs_TN.sum().backward()
+    local_TK = (indices_TK >= 0) & (indices_TK < 4)
+    torch.testing.assert_close(probs_TK.grad, local_TK.float())
+    assert _indices_to_multihot_torch is not None
 
 
 def test_cpu_stream_is_a_noop_context():

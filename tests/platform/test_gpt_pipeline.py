@@ -22,7 +22,7 @@ def _step(rank, world_size, tp, pp, ep):
                                 expert_tensor_parallel_size=1,
                                 pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
                                 sequence_parallel=tp > 1, pipeline_dtype=torch.float32)
-    model = build_gpt(config, build_decoder_block_spec(config, pg_collection=pgs), VOCAB, SEQ,
+    model = build_gpt(config, build_decoder_block_spec(config), VOCAB, SEQ,
                       pgs)
     return train_step_losses_and_grads(model, config, global_batch(BATCH, SEQ, VOCAB), MICRO, pgs)
 

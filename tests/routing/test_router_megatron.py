@@ -1,5 +1,8 @@
-"""MultiRouter against Megatron-Core's own TopKRouter (sigmoid + expert bias) at R = K = 1, and
-the finalize_model_grads expert-bias update finding and moving our bias like Megatron's.
+"""MultiRouter against Megatron-Core 0.19.2's own TopKRouter (sigmoid + expert bias) at
+R = K = 1: probs, routing map, every aux/z loss logged through MoEMetricsTracker and every
+gradient, with calculate_per_token_loss off and on, at TP = 1 and TP = 2 (SP), with a
+non-zero balancing bias; and the finalize_model_grads expert-bias update finding and moving
+our bias like Megatron's.
 
 Megatron runs in forked gloo ranks (megatron_mvmoe.testing.spawn) with the CPU patches.
 """
@@ -45,13 +48,14 @@ def _pair(config, pg, bias_scale):
 
 
 def _run_and_grads(router, hidden_SBD, upstream_TE):
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker)
-    clear_aux_losses_tracker()
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
     hidden_SBD = hidden_SBD.clone().requires_grad_(True)
     probs_TE, map_TE = router(hidden_SBD)
     (probs_TE * upstream_TE).sum().backward()
-    logged = {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
+    logged = {name: (entry.values.clone(), entry.reduce_group, entry.avg_group,
+                     entry.needs_dp_avg) for name, entry in tracker.metrics.items()}
     return probs_TE.detach(), map_TE, router.weight.grad.clone(), hidden_SBD.grad, logged
 
 
@@ -71,8 +75,10 @@ def _parity_rank(rank, world_size, topk, bias_scale, overrides, tp=1):
     torch.testing.assert_close(o_wgrad, r_wgrad, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(o_hgrad, r_hgrad, atol=1e-6, rtol=1e-6)
     assert r_log.keys() == o_log.keys()
-    for name in r_log:
-        torch.testing.assert_close(o_log[name], r_log[name], atol=1e-6, rtol=1e-6)
+    for name, (r_values, *r_groups) in r_log.items():
+        o_values, *o_groups = o_log[name]
+        torch.testing.assert_close(o_values, r_values, atol=1e-6, rtol=1e-6)
+        assert o_groups == r_groups, name  # same reduction groups and DP averaging
     torch.testing.assert_close(ours.local_tokens_per_expert, ref.local_tokens_per_expert)
     return sorted(r_log)
 
@@ -81,25 +87,54 @@ def _parity_cases_rank(rank, world_size, cases):
     return [_parity_rank(rank, world_size, *case) for case in cases]
 
 
+ALL_LOSSES = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                  moe_aux_loss_coeff=[0.01, 0.02, 0.03], moe_z_loss_coeff=1e-3)
+LOGGED = ["global_load_balancing_loss", "load_balancing_loss", "seq_load_balancing_loss",
+          "z_loss"]
+
+
 def test_r1_matches_megatron_topk_router_with_bias_and_losses():
-    # Megatron picks the aux-loss routing map without the bias; with a zero bias both agree
-    losses = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
-                  moe_aux_loss_coeff=[0.01, 0.02], moe_z_loss_coeff=1e-3)
-    cases = [(1, 0.05, {}), (2, 0.05, {}), (3, 0.05, {}), (2, 0.0, losses)]
+    # the bias is non-zero with the losses on: both take the aux-loss map without it
+    cases = [(1, 0.05, {}), (2, 0.05, {}), (3, 0.05, {}),
+             (2, 0.5, ALL_LOSSES), (2, 0.5, dict(ALL_LOSSES, calculate_per_token_loss=True))]
     logged = run_distributed(_parity_cases_rank, 1, timeout_s=150, args=(cases,))[0]
     assert logged[:3] == [[], [], []]
-    assert logged[3] == ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"]
+    assert logged[3] == logged[4] == LOGGED
 
 
 def test_r1_losses_match_megatron_with_counts_reduced_over_tp():
-    overrides = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
-                     moe_aux_loss_coeff=[0.01, 0.02, 0.03], moe_z_loss_coeff=1e-3,
-                     tensor_model_parallel_size=2, sequence_parallel=True,
-                     expert_tensor_parallel_size=1)
-    logged = run_distributed(_parity_cases_rank, 2, timeout_s=150,
-                             args=([(2, 0.0, overrides, 2)],))
-    assert logged[0][0] == ["global_load_balancing_loss", "load_balancing_loss",
-                            "seq_load_balancing_loss", "z_loss"]
+    tp2 = dict(ALL_LOSSES, tensor_model_parallel_size=2, sequence_parallel=True,
+               expert_tensor_parallel_size=1)
+    cases = [(2, 0.5, tp2, 2), (2, 0.5, dict(tp2, calculate_per_token_loss=True), 2)]
+    logged = run_distributed(_parity_cases_rank, 2, timeout_s=150, args=(cases,))
+    assert logged[0] == [LOGGED, LOGGED]
+
+
+def _per_token_scaling_rank(rank, world_size):
+    """The per-token-loss path multiplies the attached aux loss by local tokens x TP size:
+    the router-weight gradient of the losses alone differs by exactly that factor."""
+    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+    from megatron_mvmoe.routing import MultiRouter
+    destroy_layout()
+    pg = initialize_layout(ParallelLayout(tp=2))
+    grads = []
+    for per_token in (False, True):
+        config = _config(topk=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                         expert_tensor_parallel_size=1, calculate_per_token_loss=per_token,
+                         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
+        torch.manual_seed(0)
+        router = MultiRouter(config, pg)
+        router.set_layer_number(1)
+        probs_TE, _ = router(_randn(SEQ, BATCH, HIDDEN, seed=1 + rank))
+        (probs_TE * 0).sum().backward()  # only the attached aux loss has a gradient
+        grads.append(router.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0] * SEQ * BATCH * 2, rtol=1e-5, atol=1e-9)
+    return float(grads[0].abs().sum())
+
+
+def test_per_token_loss_scales_aux_gradient_by_local_tokens_times_tp():
+    sums = run_distributed(_per_token_scaling_rank, 2, timeout_s=150)
+    assert all(s > 0 for s in sums)
 
 
 def _bias_update_rank(rank, world_size):

@@ -1,0 +1,143 @@
+"""Which fast path each run takes, and why any is off: one decision for provider and planner.
+
+On a GPU with TransformerEngine a 10B-A1B run must not loop over experts in Python with
+unfused kernels; on CPU (gloo, no TE/apex) the local equivalents run. Every decision is a
+`FastPath` with the Megatron config fields it sets and the reason, so `tools/plan.py
+--fast-paths` prints exactly what the provider builds.
+
+Design choices:
+- The target is explicit (`Target(cuda, te)`), never read from globals inside the rules:
+  the planner asks "what would a GPU node with TE do" on this CPU machine.
+- Rules follow what Megatron-Core 0.19.2 itself requires: grouped GEMM on the local backend
+  is SequentialMLP anyway (legacy GroupedMLP is gone), RoPE fusion and flash attention need
+  TE, gradient-accumulation fusion needs TE linears (or apex), overlapped grad-reduce /
+  param-gather need asynchronous (NCCL) collectives to overlap with.
+- BitNet quantizes Megatron's local Column/RowParallelLinear: TE linears (and so TE grouped
+  experts, fused RoPE, TE attention) are off under BitNet, with that reason.
+- Multi-View's per-row dispatcher gathers (token, slot) rows itself: TE's fused permute
+  (`moe_permute_fusion`) gathers replicated tokens and stays off for it; the rows still go
+  through the same grouped experts. Multi-Router heads replace TE's fused router
+  (`moe_router_fusion`); our own fused Triton routing kernel is their fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+_PER_ROW_VARIANTS = ("multi_view",)
+_MULTI_HEAD_ROUTERS = ("multi_router", "multi_view")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The machine a run is built for."""
+
+    cuda: bool
+    te: bool
+    """TransformerEngine importable (Megatron's `HAVE_TE`)."""
+
+    @classmethod
+    def here(cls) -> "Target":
+        import torch
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        return cls(cuda=torch.cuda.is_available(), te=bool(gpt_layer_specs.HAVE_TE))
+
+
+@dataclass(frozen=True)
+class FastPath:
+    name: str
+    on: bool
+    why: str
+    fields: Dict[str, Any] = field(default_factory=dict)
+    """TransformerConfig fields this decision sets (DDP fields are prefixed `ddp.`)."""
+
+
+def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
+                      distributed_optimizer: bool = True) -> List[FastPath]:
+    """Every fast-path decision for one model variant on `target`."""
+    gpu = target.cuda
+    te = gpu and target.te and not bitnet
+    no_te = _no_te_reason(target, bitnet)
+    return [
+        _path("transformer_engine_specs", te, "TE layer specs (fused LN+linear, TE linears)",
+              no_te),
+        _path("grouped_gemm", te and variant != "dense",
+              "TEGroupedMLP: one grouped GEMM over all local experts",
+              "dense model" if variant == "dense" else no_te + " (SequentialMLP loops over "
+              "local experts)", {"moe_grouped_gemm": te and variant != "dense"}),
+        _path("flash_attention", te, "TEDotProductAttention (flash/fused backend)",
+              no_te + " (Megatron's DotProductAttention)"),
+        _path("rope_fusion", te, "TE fused RoPE", no_te, {"apply_rope_fusion": te}),
+        _path("bias_activation_fusion", gpu, "fused SwiGLU (bias_swiglu_impl)",
+              "CPU: unfused SwiGLU", {"bias_activation_fusion": gpu}),
+        _path("bias_dropout_fusion", gpu, "fused bias-dropout-add", "CPU: unfused add",
+              {"bias_dropout_fusion": gpu}),
+        _path("masked_softmax_fusion", gpu, "fused scale-mask-softmax kernel",
+              "CPU: torch softmax", {"masked_softmax_fusion": gpu}),
+        _path("gradient_accumulation_fusion", te, "weight-grad GEMM accumulates into fp32 main "
+              "grads (TE linears)", no_te + " (separate accumulate)",
+              {"gradient_accumulation_fusion": te}),
+        _path("moe_permute_fusion", te and variant not in _PER_ROW_VARIANTS,
+              "TE fused token permute/unpermute",
+              "the per-row dispatcher gathers (token, slot) rows itself"
+              if te else no_te, {"moe_permute_fusion": te and variant not in _PER_ROW_VARIANTS}),
+        _path("fused_router", te and variant not in _MULTI_HEAD_ROUTERS,
+              "TE fused top-k router", _router_reason(te, variant, no_te),
+              {"moe_router_fusion": te and variant not in _MULTI_HEAD_ROUTERS}),
+        _path("multi_router_triton_kernel", gpu and variant in _MULTI_HEAD_ROUTERS,
+              "fused Triton routing (and mix+permute) kernels",
+              "not a multi-head router" if variant not in _MULTI_HEAD_ROUTERS else
+              "CPU: pure-torch reference path (Triton runs only under TRITON_INTERPRET)"),
+        _path("overlap_grad_reduce", gpu, "DP grad reduce-scatter overlaps the backward",
+              "CPU/gloo: synchronous collectives, nothing to overlap",
+              {"ddp.overlap_grad_reduce": gpu}),
+        _path("overlap_param_gather", gpu and distributed_optimizer,
+              "param all-gather overlaps the next forward",
+              "CPU/gloo: synchronous collectives" if not gpu else
+              "needs the distributed optimizer",
+              {"ddp.overlap_param_gather": gpu and distributed_optimizer}),
+        _path("bf16", gpu, "bf16 weights and activations, fp32 main params",
+              "CPU: fp32 (bf16 matmuls are emulated and slow)"),
+    ]
+
+
+def _path(name: str, on: bool, why_on: str, why_off: str,
+          fields: Dict[str, Any] = None) -> FastPath:
+    return FastPath(name, bool(on), why_on if on else why_off, dict(fields or {}))
+
+
+def _no_te_reason(target: Target, bitnet: bool) -> str:
+    if not target.cuda:
+        return "no CUDA device"
+    if bitnet:
+        return "BitNet quantizes Megatron's local linears (TE layers would stay full precision)"
+    if not target.te:
+        return "TransformerEngine not installed"
+    return ""
+
+
+def _router_reason(te: bool, variant: str, no_te: str) -> str:
+    if variant in _MULTI_HEAD_ROUTERS:
+        return "R routing heads: TE's fused router scores one head"
+    return no_te
+
+
+def config_fields(paths: List[FastPath]) -> Dict[str, Any]:
+    """The TransformerConfig fields of every decision (without the `ddp.` ones)."""
+    return {k: v for p in paths for k, v in p.fields.items() if not k.startswith("ddp.")}
+
+
+def ddp_fields(paths: List[FastPath]) -> Dict[str, Any]:
+    """DistributedDataParallelConfig fields of every decision."""
+    return {k[len("ddp."):]: v for p in paths for k, v in p.fields.items()
+            if k.startswith("ddp.")}
+
+
+def is_on(paths: List[FastPath], name: str) -> bool:
+    return next(p.on for p in paths if p.name == name)
+
+
+def as_dict(paths: List[FastPath]) -> Dict[str, Dict[str, Any]]:
+    return {p.name: {"on": p.on, "why": p.why} for p in paths}

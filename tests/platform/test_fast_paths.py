@@ -1,0 +1,75 @@
+"""Fast-path decisions (models/fast_paths.py): on a GPU with TransformerEngine the 10B-A1B
+Multi-View model takes grouped GEMM, the fusions, flash attention, overlapped DDP and bf16;
+on CPU the local equivalents; every "off" names its reason; the provider builds exactly
+the decided config; `tools/plan.py --fast-paths --json` reports the same."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from megatron_mvmoe.models.fast_paths import (Target, choose_fast_paths, config_fields,
+                                              ddp_fields, is_on)
+
+GPU = Target(cuda=True, te=True)
+CPU = Target(cuda=False, te=False)
+GPU_FAST = ("transformer_engine_specs", "grouped_gemm", "flash_attention", "rope_fusion",
+            "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+            "gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather",
+            "bf16", "multi_router_triton_kernel")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_gpu_with_te_takes_every_fast_path_for_multi_view():
+    paths = choose_fast_paths(GPU, "multi_view")
+    assert all(is_on(paths, name) for name in GPU_FAST)
+    # the per-row dispatcher and R heads rule out TE's permute fusion and fused router
+    assert not is_on(paths, "moe_permute_fusion") and not is_on(paths, "fused_router")
+    assert config_fields(paths)["moe_grouped_gemm"] is True
+    assert ddp_fields(paths) == {"overlap_grad_reduce": True, "overlap_param_gather": True}
+
+
+def test_cpu_runs_the_local_equivalents_and_says_why():
+    paths = choose_fast_paths(CPU, "multi_view")
+    assert not any(p.on for p in paths)
+    assert all(p.why for p in paths)
+    assert set(config_fields(paths).values()) == {False}
+
+
+def test_baseline_latent_keeps_te_permute_and_router_fusion():
+    paths = choose_fast_paths(GPU, "latent")
+    assert is_on(paths, "moe_permute_fusion") and is_on(paths, "fused_router")
+    assert not is_on(paths, "multi_router_triton_kernel")
+
+
+def test_bitnet_and_missing_te_turn_te_paths_off_with_the_reason():
+    bitnet = choose_fast_paths(GPU, "multi_view", bitnet=True)
+    assert not is_on(bitnet, "grouped_gemm") and is_on(bitnet, "bias_activation_fusion")
+    assert "BitNet" in next(p.why for p in bitnet if p.name == "grouped_gemm")
+    no_te = choose_fast_paths(Target(cuda=True, te=False), "smoe")
+    assert "TransformerEngine not installed" in next(p.why for p in no_te
+                                                     if p.name == "flash_attention")
+
+
+def test_provider_config_follows_the_decisions():
+    from megatron_mvmoe.models.presets import resolve_model
+    from megatron_mvmoe.models.provider import transformer_config
+    from megatron_mvmoe.training.config import ModelSection
+
+    shape = resolve_model(ModelSection(preset="tiny_multi_view"))
+    config = transformer_config(shape, on_cpu=True)
+    for name, value in config_fields(choose_fast_paths(CPU, "multi_view")).items():
+        assert getattr(config, name) == value, name
+
+
+def test_plan_tool_fast_paths_json(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plan
+
+    code = plan.main(["--config", os.path.join(ROOT, "examples/configs/mvmoe_10b_a1b_64gpu.yaml"),
+                      "--fast-paths", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)["fast_paths"]
+    assert all(report["gpu"][name]["on"] for name in GPU_FAST)
+    assert not any(p["on"] for p in report["cpu"].values())
