@@ -15,8 +15,7 @@ setup(
     name="megatron_mvmoe",
     version="0.1.0",
     description="Multi-View MoE, Multi-Router and MH-MoE on Megatron-Core",
-    packages=find_packages(include=["megatron_mvmoe*"]) + ["mvmoe_kernels"],
-    package_dir={"mvmoe_kernels": "kernels"},
+    packages=find_packages(include=["megatron_mvmoe*", "mvmoe_kernels*"]),
     python_requires=">=3.12",
     install_requires=[
         TORCH_REQ,

@@ -5,27 +5,26 @@ Design choices:
   `TransformerConfig` subclass, the way Megatron's own `MLATransformerConfig` extends it,
   so every Megatron module still receives the config type it expects.
 - Validation raises ValueError naming the field and the fix; it runs in `__post_init__`
-  so a bad config fails at start-up, before any process group or weight exists.
+  so a bad config fails at start-up, before any process group or weight exists. It is the
+  ONE place the variants' requirements are checked (the block spec re-runs it on the final
+  config); layers only assert internal invariants.
 - The latent size is our own field (`latent_size`), not Megatron's `moe_latent_size`:
-  0.16.1 asserts TransformerEngine on that path, and our latent MoE runs without TE.
+  0.19.2 still asserts TransformerEngine on that path, and our latent MoE runs without TE.
+- What each variant is made of comes from `megatron_mvmoe.variants`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-MoEVariant = Literal["dense", "smoe", "latent", "multi_router", "multi_view", "mh_moe"]
-MOE_VARIANTS = ("dense", "smoe", "latent", "multi_router", "multi_view", "mh_moe")
+from megatron_mvmoe.errors import require as _require
+from megatron_mvmoe.variants import VARIANT_NAMES, get_variant
+
+MOE_VARIANTS = VARIANT_NAMES
 KERNEL_BACKENDS = ("auto", "triton", "reference")
-
-
-def _require(ok: bool, field_name: str, problem: str, fix: str) -> None:
-    """Raise a ValueError that names the field, what is wrong and how to fix it."""
-    if not ok:
-        raise ValueError(f"{field_name}: {problem}. Fix: {fix}")
 
 
 @dataclass
@@ -107,6 +106,9 @@ class MultiHeadConfig:
         _require(hidden_size % self.num_heads == 0, "multi_head.num_heads",
                  f"{self.num_heads} heads do not divide hidden_size {hidden_size}",
                  "choose a head count that divides hidden_size")
+        _require(self.split_tokens or self.num_heads == 1, "multi_head.split_tokens",
+                 f"split_tokens=False with num_heads={self.num_heads}: heads only exist when "
+                 "tokens are split", "set num_heads=1 for whole-token routing")
 
 
 @dataclass
@@ -148,11 +150,26 @@ class MVMoETransformerConfig(TransformerConfig):
         self.validate_mvmoe()
 
     def validate_mvmoe(self) -> None:
-        _require(self.moe_variant in MOE_VARIANTS, "moe_variant",
-                 f"unknown variant {self.moe_variant!r}", f"use one of {MOE_VARIANTS}")
+        """Every requirement of the variant on the whole config (ValueError naming the field)."""
+        variant = get_variant(self.moe_variant)
         self.bitnet.validate()
-        if self.moe_variant == "dense":
+        _require(not (self.bitnet.enabled and self.moe_grouped_gemm), "moe_grouped_gemm",
+                 "TE's grouped experts are not BitNet linears, so BitNet would leave the "
+                 "experts full precision", "set moe_grouped_gemm=False under BitNet")
+        if not variant.routed_experts:
+            _require(not self.num_moe_experts, "num_moe_experts",
+                     f"moe_variant='dense' but {self.num_moe_experts} experts are set",
+                     "set num_moe_experts=None or choose an MoE variant")
             return
+        self._validate_experts()
+        if variant.latent:
+            self._validate_latent()
+        if variant.multi_view:
+            self._validate_multi_view()
+        if variant.multi_head:
+            self._validate_multi_head()
+
+    def _validate_experts(self) -> None:
         num_experts = self.num_moe_experts
         _require(num_experts is not None and num_experts >= 1, "num_moe_experts",
                  f"variant {self.moe_variant} needs experts, got {num_experts}",
@@ -160,23 +177,42 @@ class MVMoETransformerConfig(TransformerConfig):
         _require(1 <= self.moe_router_topk <= num_experts, "moe_router_topk",
                  f"top-k {self.moe_router_topk} must be in [1, num_moe_experts={num_experts}]",
                  f"use a top-k of at most {num_experts}")
-        if self.moe_variant in ("latent", "multi_router", "multi_view"):
-            _require(self.latent_size is not None and self.latent_size > 0, "latent_size",
-                     f"variant {self.moe_variant} needs a positive latent size, got "
-                     f"{self.latent_size}", "set latent_size (e.g. hidden_size // 2)")
-            self.multi_view.validate(num_experts)
-        if self.moe_variant == "multi_view":
-            _require(self.multi_view.num_views == self.multi_view.num_routers,
-                     "multi_view.num_views",
-                     "multi_view needs one view per routing head",
-                     f"set num_views = num_routers = {self.multi_view.num_routers}")
-            _require(self.moe_token_dispatcher_type == "alltoall", "moe_token_dispatcher_type",
-                     f"{self.moe_token_dispatcher_type!r} sends each token once per rank, so "
-                     "per-expert mixed rows would cost up to top-k times the baseline volume",
-                     "use moe_token_dispatcher_type='alltoall' (same bytes as the baseline)")
-        if self.moe_variant == "mh_moe":
-            self.multi_head.validate(self.hidden_size)
         ep = self.expert_model_parallel_size
         _require(num_experts % ep == 0, "num_moe_experts",
                  f"{num_experts} experts do not divide over expert_model_parallel_size={ep}",
                  "choose an EP size that divides the expert count")
+
+    def _validate_latent(self) -> None:
+        _require(self.latent_size is not None and self.latent_size > 0, "latent_size",
+                 f"variant {self.moe_variant} needs a positive latent size, got "
+                 f"{self.latent_size}", "set latent_size (e.g. hidden_size // 2)")
+        _require(not self.moe_latent_size, "moe_latent_size",
+                 "Megatron's TE-only latent path would project twice",
+                 "leave moe_latent_size None and set latent_size")
+        _require(not self.moe_shared_expert_overlap, "moe_shared_expert_overlap",
+                 "the dispatcher's shared-expert overlap would see latent rows, not hidden "
+                 "states", "set moe_shared_expert_overlap=False")
+        self.multi_view.validate(self.num_moe_experts)
+
+    def _validate_multi_view(self) -> None:
+        _require(self.multi_view.num_views == self.multi_view.num_routers,
+                 "multi_view.num_views",
+                 f"multi_view needs one view per routing head, got {self.multi_view.num_views} "
+                 f"views for {self.multi_view.num_routers} heads",
+                 f"set num_views = num_routers = {self.multi_view.num_routers}")
+        _require(self.moe_token_dispatcher_type == "alltoall", "moe_token_dispatcher_type",
+                 f"{self.moe_token_dispatcher_type!r} sends each token once per rank, so "
+                 "per-expert mixed rows would cost up to top-k times the baseline volume",
+                 "use moe_token_dispatcher_type='alltoall' (same bytes as the baseline)")
+
+    def _validate_multi_head(self) -> None:
+        self.multi_head.validate(self.hidden_size)
+        _require(not self.moe_shared_expert_overlap, "moe_shared_expert_overlap",
+                 "the shared expert runs on the full token outside the sub-token MoE",
+                 "set moe_shared_expert_overlap=False")
+        _require(not self.moe_latent_size, "moe_latent_size",
+                 "MH-MoE does not combine with Megatron's latent projections", "leave it None")
+        _require(self.moe_token_dispatcher_type in ("alltoall", "allgather"),
+                 "moe_token_dispatcher_type",
+                 f"{self.moe_token_dispatcher_type!r} is not tested with MH-MoE",
+                 "use 'alltoall'")

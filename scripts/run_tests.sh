@@ -5,9 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
-ORDER=(routing views mhmoe kernels platform data layers launch training analysis)
+ORDER=(test_dependency_rules.py routing views mhmoe kernels platform data layers launch training analysis)
 dirs=()
-for d in "${ORDER[@]}"; do [ -d "tests/$d" ] && dirs+=("tests/$d"); done
+for d in "${ORDER[@]}"; do [ -e "tests/$d" ] && dirs+=("tests/$d"); done
 for d in tests/*/; do
   d=${d%/}; case " ${dirs[*]} " in *" $d "*) ;; *) dirs+=("$d");; esac
 done

@@ -32,6 +32,7 @@ from typing import Dict, List, Mapping, Union
 import torch
 
 from megatron_mvmoe.analysis.stats import Interval, bootstrap_ci, nanmean, spearman, spearman_rows
+from megatron_mvmoe.functional import gate_denominator
 
 
 def normalised_output_norm(expert_out_TEL: torch.Tensor) -> torch.Tensor:
@@ -51,14 +52,11 @@ def forced_gates(
     """The gate every expert gets when toggled, [T, E].
 
     A selected expert keeps its own gate (Eq. 3); an unselected one forced in gets the gate
-    it would have with the CURRENT selection's normaliser, alpha_i s_bar_i / sum_{j in S}
-    s_bar_j (k = 1: alpha_i s_bar_i / R, as in routing.selection.gates).
+    it would have with the CURRENT selection's normaliser (Eq. 3's, floored at `eps`, the
+    config's normalizer_eps), alpha_i s_bar_i / max(sum_{j in S} s_bar_j, eps)
+    (k = 1: alpha_i s_bar_i / R), from functional.gate_denominator.
     """
-    selected_TS = summed_TE.gather(1, topk_idx_TS)
-    if topk_idx_TS.shape[1] == 1:
-        gates_TE = summed_TE / num_routers
-    else:
-        gates_TE = summed_TE / selected_TS.sum(dim=-1, keepdim=True).clamp_min(eps)
+    gates_TE = summed_TE / gate_denominator(summed_TE, topk_idx_TS, eps, num_routers)
     if isinstance(alpha, torch.Tensor) and alpha.dim() == 1:
         return gates_TE * alpha.unsqueeze(0)
     return gates_TE * alpha

@@ -54,6 +54,9 @@ class RoutingProbe:
     """Gate scale alpha (scalar or per expert)."""
     num_routers: int
     """R."""
+    normalizer_eps: float
+    """Floor of Eq. 3's normaliser the router uses (MultiRouter: multi_view.normalizer_eps;
+    Megatron's TopKRouter adds 1e-20)."""
 
 
 def moe_layers(model: torch.nn.Module) -> Dict[int, MoELayer]:
@@ -101,7 +104,7 @@ def probe_routing(layer: MoELayer, hidden: torch.Tensor) -> RoutingProbe:
         alpha = scale.detach() if isinstance(scale, torch.Tensor) else float(scale)
         return RoutingProbe(out.scores_TRE, out.scores_TRE.sum(dim=1), out.topk_idx_TS,
                             out.gates_TS, out.routing_map_TE, out.mix_TSR, alpha,
-                            router.num_routers)
+                            router.num_routers, router.config.multi_view.normalizer_eps)
     probs_TE, routing_map_TE = router(hidden)
     logits_TE = torch.nn.functional.linear(_flat(hidden).float(), router.weight.float())
     if layer.config.moe_router_score_function == "sigmoid":
@@ -111,7 +114,11 @@ def probe_routing(layer: MoELayer, hidden: torch.Tensor) -> RoutingProbe:
     topk_idx_TS = _slots(routing_map_TE, layer.config.moe_router_topk)
     alpha = layer.config.moe_router_topk_scaling_factor or 1.0
     return RoutingProbe(scores_TE.unsqueeze(1), scores_TE, topk_idx_TS,
-                        probs_TE.gather(1, topk_idx_TS), routing_map_TE, None, alpha, 1)
+                        probs_TE.gather(1, topk_idx_TS), routing_map_TE, None, alpha, 1,
+                        _MEGATRON_GATE_EPS)
+
+
+_MEGATRON_GATE_EPS = 1e-20  # TopKRouter: scores / (sum of selected + 1e-20)
 
 
 def _slots(routing_map_TE: torch.Tensor, k: int) -> torch.Tensor:
@@ -173,7 +180,8 @@ def toggle_delta(layer: MoELayer, probe: RoutingProbe, outputs_TEL: torch.Tensor
     """Change of the layer output [T, D] when `expert` is removed (if selected) or added
     (if not) for every token, other slots and gates unchanged."""
     num_experts = outputs_TEL.shape[1]
-    gates_TE = forced_gates(probe.summed_TE, probe.topk_idx_TS, probe.alpha, probe.num_routers)
+    gates_TE = forced_gates(probe.summed_TE, probe.topk_idx_TS, probe.alpha, probe.num_routers,
+                            probe.normalizer_eps)
     signs_TE = toggle_signs(probe.topk_idx_TS, num_experts)
     weight_T1 = (signs_TE[:, expert] * gates_TE[:, expert]).unsqueeze(1)
     return up_projection(layer)(weight_T1.to(outputs_TEL.dtype) * outputs_TEL[:, expert])

@@ -41,6 +41,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_mvmoe.errors import require as _require
+
 FLOPS_TOLERANCE = 0.01
 """Matched presets: |leading-term FLOPs per MoE layer - baseline's| / baseline's at most this.
 The paper's configurations are exact (0 %); 1 % leaves room for integer rounding of F."""
@@ -56,9 +58,6 @@ SILU_OPS = 3
 """Exact count of SiLU(x) = x / (1 + exp(-x)): one exp, one add, one division (exp counted as 1)."""
 
 
-def _require(ok: bool, field_name: str, problem: str, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"{field_name}: {problem}. Fix: {fix}")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron_mvmoe.layers.bitnet import quantize_activation_ste, quantize_weight_ste
 from megatron_mvmoe.layers.builders import as_builder, build
-from megatron_mvmoe.layers.errors import require
 
 
 def latent_expert_config(config):
@@ -82,19 +81,6 @@ def bitnet_activation_bits(config) -> Optional[int]:
     return bitnet.activation_bits if bitnet is not None and bitnet.enabled else None
 
 
-def validate_latent_config(config) -> None:
-    """Start-up checks shared by every latent variant (ValueError naming the field)."""
-    require(config.latent_size is not None and config.latent_size > 0, "latent_size",
-            f"the latent MoE needs a positive latent size, got {config.latent_size}",
-            "set latent_size (e.g. hidden_size // 2)")
-    require(not config.moe_latent_size, "moe_latent_size",
-            "Megatron's TE-only latent path would project twice",
-            "leave moe_latent_size None and set latent_size")
-    require(not config.moe_shared_expert_overlap, "moe_shared_expert_overlap",
-            "the dispatcher's shared-expert overlap would see latent rows, not hidden states",
-            "set moe_shared_expert_overlap=False")
-
-
 def latent_submodules(submodules: MoESubmodules) -> MoESubmodules:
     """The same submodules with the experts built in latent space (a new object)."""
     experts = as_builder(experts_in_latent_space, experts_spec=submodules.experts)
@@ -107,7 +93,7 @@ class LatentMoELayer(MoELayer):
     def __init__(self, config, submodules: Optional[MoESubmodules] = None,
                  layer_number: Optional[int] = None, pg_collection=None,
                  is_mtp_layer: bool = False, name: Optional[str] = None) -> None:
-        validate_latent_config(config)
+        assert config.latent_size, "MVMoETransformerConfig validates latent_size"
         super().__init__(config=config, submodules=latent_submodules(submodules),
                          layer_number=layer_number, pg_collection=pg_collection,
                          is_mtp_layer=is_mtp_layer, name=name)

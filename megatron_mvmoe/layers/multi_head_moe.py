@@ -44,7 +44,7 @@ from megatron_mvmoe.layers.bitnet import (
     quantize_weight_ste,
 )
 from megatron_mvmoe.layers.builders import as_builder, build, parts
-from megatron_mvmoe.layers.errors import require
+from megatron_mvmoe.errors import require
 
 
 @dataclass
@@ -81,24 +81,6 @@ class ReplicatedProjection(MegatronModule):
         return F.linear(x_SBD, weight)
 
 
-def validate_multi_head_config(config) -> None:
-    """Start-up checks (ValueError naming the field and the fix)."""
-    mh = config.multi_head
-    mh.validate(config.hidden_size)
-    require(mh.split_tokens or mh.num_heads == 1, "multi_head.split_tokens",
-            f"split_tokens=False with num_heads={mh.num_heads}: heads only exist when tokens "
-            "are split", "set num_heads=1 for whole-token routing")
-    require(not config.moe_shared_expert_overlap, "moe_shared_expert_overlap",
-            "the shared expert runs on the full token outside the sub-token MoE",
-            "set moe_shared_expert_overlap=False")
-    require(not getattr(config, "moe_latent_size", None), "moe_latent_size",
-            "MH-MoE does not combine with Megatron's latent projections", "leave it None")
-    require(config.moe_token_dispatcher_type in ("alltoall", "allgather"),
-            "moe_token_dispatcher_type",
-            f"{config.moe_token_dispatcher_type!r} is not tested with MH-MoE",
-            "use 'alltoall'")
-
-
 def sub_token_config(config):
     """A copy of `config` in which the routed MoE sees sub-tokens of D / H, has no shared
     expert (it runs outside on full D) and is a plain SMoE."""
@@ -118,7 +100,6 @@ class MultiHeadMoELayer(MegatronModule):
                  layer_number: Optional[int] = None, pg_collection=None,
                  is_mtp_layer: bool = False, name: Optional[str] = None) -> None:
         super().__init__(config)
-        validate_multi_head_config(config)
         require(pg_collection is not None, "pg_collection",
                 "MultiHeadMoELayer needs its process groups passed explicitly",
                 "build it from a decoder-block spec (TransformerLayer passes pg_collection)")

@@ -18,8 +18,8 @@ Phases (LatentMoELayer's, two of them overridden):
 
 Design choices:
 - Only the alltoall dispatcher: the allgather and flex dispatchers send unique tokens and
-  permute on arrival, so per-expert rows there would cost up to k times more; they are
-  refused at construction with a ValueError naming moe_token_dispatcher_type.
+  permute on arrival, so per-expert rows there would cost up to k times more; the config
+  refuses them (MVMoETransformerConfig._validate_multi_view) naming moe_token_dispatcher_type.
 - gamma comes from a `GammaRamp` owned by the layer; its state is the persistent buffer
   `gamma_ramp_state` = [ramp_steps, step] (int64), so checkpoints carry it and a resume
   continues the ramp (a checkpoint with another ramp length is refused on load). The
@@ -41,24 +41,10 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from megatron_mvmoe.layers.errors import require
+from megatron_mvmoe.errors import require
 from megatron_mvmoe.layers.latent_moe import LatentMoELayer
 from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
 from megatron_mvmoe.views import GammaRamp, MultiViewProjection, mix_views
-
-
-def validate_multi_view_config(config) -> None:
-    """Start-up checks of the Multi-View layer (ValueError naming the field and the fix)."""
-    require(config.moe_token_dispatcher_type == "alltoall", "moe_token_dispatcher_type",
-            f"{config.moe_token_dispatcher_type!r} sends each token once and permutes on "
-            "arrival, so Multi-View's per-(token, expert) rows would cost up to top-k times "
-            "the baseline's volume", "set moe_token_dispatcher_type='alltoall'")
-    mv = config.multi_view
-    require(mv.num_views == mv.num_routers, "multi_view.num_views",
-            f"got {mv.num_views} views for {mv.num_routers} routing heads (R = K required)",
-            f"set num_views = num_routers = {mv.num_routers}")
-    require(mv.gamma_ramp_steps >= 0, "multi_view.gamma_ramp_steps",
-            f"must be >= 0, got {mv.gamma_ramp_steps}", "use 0 for no ramp")
 
 
 class MultiViewMoELayer(LatentMoELayer):
@@ -67,7 +53,7 @@ class MultiViewMoELayer(LatentMoELayer):
     def __init__(self, config, submodules: Optional[MoESubmodules] = None,
                  layer_number: Optional[int] = None, pg_collection=None,
                  is_mtp_layer: bool = False, name: Optional[str] = None) -> None:
-        validate_multi_view_config(config)
+        assert config.moe_token_dispatcher_type == "alltoall", "validated by the config"
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,

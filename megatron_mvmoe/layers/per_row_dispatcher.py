@@ -25,7 +25,7 @@ from typing import Tuple
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_mvmoe.layers.errors import require
+from megatron_mvmoe.errors import require
 
 
 def permute_rows(

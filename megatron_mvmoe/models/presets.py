@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from megatron_mvmoe.variants import Variant, get_variant
+
 _TINY_BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                   vocab_size=4096, seq_length=64, num_experts=4, moe_ffn_hidden_size=64,
                   moe_router_topk=2)
@@ -85,12 +87,16 @@ class ModelShape:
     extra: Dict[str, Any]
 
     @property
+    def variant(self) -> Variant:
+        return get_variant(self.moe_variant)
+
+    @property
     def is_moe(self) -> bool:
-        return self.moe_variant != "dense"
+        return self.variant.routed_experts
 
     @property
     def is_latent(self) -> bool:
-        return self.moe_variant in ("latent", "multi_router", "multi_view")
+        return self.variant.latent
 
 
 _DEFAULTS = dict(num_query_groups=None, moe_shared_expert_intermediate_size=None,

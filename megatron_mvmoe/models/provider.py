@@ -3,8 +3,7 @@
 Design choices:
 - The decoder block comes from our spec builder (`models/specs.py`,
   `build_decoder_block_spec(config, vp_stage)`) which swaps only the MoE MLP
-  slots of Megatron's own block spec; while that module is absent, dense and smoe fall back
-  to Megatron's `get_gpt_decoder_block_spec` with the local (non-TE) backend.
+  slots of Megatron's own block spec.
 - One GPTModel per virtual pipeline chunk, each knowing whether it holds the embedding
   (pre_process) or the LM head (post_process) from Megatron's own stage helpers.
 - Fast paths (TE specs, grouped GEMM, fusions, flash attention, overlapped DDP) come from
@@ -27,8 +26,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron_mvmoe.config import MultiHeadConfig, MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
 from megatron_mvmoe.models.presets import ModelShape
+from megatron_mvmoe.models.specs import build_decoder_block_spec
 
-_SIGMOID_VARIANTS = ("latent", "multi_router", "multi_view")
 
 
 def _numerics(use_bf16: bool, on_cpu: bool) -> Dict[str, Any]:
@@ -53,7 +52,7 @@ def _routing(shape: ModelShape) -> Dict[str, Any]:
                   moe_router_topk=shape.moe_router_topk, moe_token_dispatcher_type="alltoall",
                   moe_router_dtype="fp32",
                   moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size)
-    if shape.moe_variant in _SIGMOID_VARIANTS:
+    if shape.variant.sigmoid_routing:
         return dict(common, moe_router_score_function="sigmoid",
                     moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none",
                     moe_aux_loss_coeff=0.0, moe_router_bias_update_rate=1e-3)
@@ -88,25 +87,9 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
     return MVMoETransformerConfig(**kwargs)
 
 
-def decoder_block_spec(config: MVMoETransformerConfig, vp_stage: Optional[int] = None,
-                       pg_collection=None):
-    """Our block spec (models/specs.py), or Megatron's local one for dense/smoe until then."""
-    try:
-        from megatron_mvmoe.models.specs import build_decoder_block_spec
-    except ImportError:
-        build_decoder_block_spec = None
-    if build_decoder_block_spec is not None:
-        return build_decoder_block_spec(config, vp_stage=vp_stage)
-    if config.moe_variant not in ("dense", "smoe"):
-        raise ValueError(f"moe_variant: {config.moe_variant!r} needs megatron_mvmoe.models.specs "
-                         "(not installed yet). Fix: use dense or smoe for now")
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
-                                                          get_gpt_layer_local_spec)
-
-    if config.moe_variant == "dense":
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                      normalization="RMSNorm", vp_stage=vp_stage)
+def decoder_block_spec(config: MVMoETransformerConfig, vp_stage: Optional[int] = None):
+    """This stage's decoder block spec (models/specs.py: Megatron's, MoE slots swapped)."""
+    return build_decoder_block_spec(config, vp_stage=vp_stage)
 
 
 def _stage_flags(vp_stage: Optional[int]) -> Dict[str, bool]:

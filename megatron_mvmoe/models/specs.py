@@ -35,9 +35,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
 from megatron_mvmoe.layers.builders import build, module_of, parts, rebuilt
-from megatron_mvmoe.layers.errors import require
-from megatron_mvmoe.layers.latent_moe import LatentMoELayer, validate_latent_config
-from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer, validate_multi_view_config
+from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.errors import require
+from megatron_mvmoe.variants import Variant, get_variant
+from megatron_mvmoe.layers.latent_moe import LatentMoELayer
+from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
 from megatron_mvmoe.layers.norm import SequenceParallelTorchNorm
 
 _LAYER_NORM_SLOTS = ("input_layernorm", "pre_cross_attn_layernorm", "pre_mlp_layernorm")
@@ -51,7 +53,8 @@ def use_transformer_engine() -> bool:
 def build_decoder_block_spec(config, vp_stage: Optional[int] = None,
                              use_te: Optional[bool] = None) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder block spec for `config.moe_variant`."""
-    validate_variant(config)
+    if isinstance(config, MVMoETransformerConfig):  # a plain TransformerConfig is stock smoe
+        config.validate_mvmoe()  # the final config (switches may have been set after init)
     use_te = _choose_te(config, use_te)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, vp_stage=vp_stage)
@@ -78,34 +81,17 @@ def _bitnet_enabled(config) -> bool:
     return bitnet is not None and bitnet.enabled
 
 
-def validate_variant(config) -> None:
-    """Start-up checks for the variant's layer, before any module or group exists."""
-    variant = getattr(config, "moe_variant", "smoe")
-    if variant in ("latent", "multi_router", "multi_view"):
-        validate_latent_config(config)
-    if variant == "multi_view":
-        validate_multi_view_config(config)
-    if _bitnet_enabled(config):
-        require(not config.moe_grouped_gemm, "moe_grouped_gemm",
-                "GroupedMLP's expert weights are not linear layers, so BitNet would leave "
-                "the experts full precision", "set moe_grouped_gemm=False under BitNet")
-    if variant == "dense":
-        require(not config.num_moe_experts, "num_moe_experts",
-                f"moe_variant='dense' but {config.num_moe_experts} experts are set",
-                "set num_moe_experts=None or choose an MoE variant")
-
-
 def moe_mlp_spec(config, moe_spec):
     """The MLP builder of an MoE slot for the variant, derived from Megatron's `moe_spec`
     (a builder or a ModuleSpec; the result has the same form)."""
-    variant = getattr(config, "moe_variant", "smoe")
-    if variant == "smoe":
-        return moe_spec
-    if variant == "mh_moe":
+    variant = get_variant(getattr(config, "moe_variant", "smoe"))
+    if variant.multi_head:
         return _mh_moe_spec(config, moe_spec)
+    if not variant.latent:
+        return moe_spec  # Megatron's own MoELayer and TopKRouter (smoe)
     submodules = parts(moe_spec).submodules
     router = _router_for(variant, submodules.router)
-    layer = MultiViewMoELayer if variant == "multi_view" else LatentMoELayer
+    layer = MultiViewMoELayer if variant.multi_view else LatentMoELayer
     return rebuilt(moe_spec, module=layer, submodules=replace(submodules, router=router))
 
 
@@ -128,8 +114,8 @@ def stock_moe_spec(config, use_te: bool = False):
                                moe_grouped_gemm=config.moe_grouped_gemm)
 
 
-def _router_for(variant: str, stock_router):
-    if variant == "latent":
+def _router_for(variant: Variant, stock_router):
+    if not variant.multi_router:
         return stock_router  # Megatron's TopKRouter (sigmoid + expert bias via the config)
     from megatron_mvmoe.routing.router import MultiRouter
 

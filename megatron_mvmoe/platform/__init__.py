@@ -11,7 +11,7 @@ import torch
 from megatron_mvmoe.platform.cpu_patches import PATCHES, apply_cpu_patches
 
 __all__ = ["PATCHES", "apply_cpu_patches", "backend", "device", "is_cuda", "seed_all",
-           "peak_memory_bytes", "synchronize"]
+           "peak_memory_bytes", "reset_megatron_process_state", "synchronize"]
 
 
 def is_cuda() -> bool:
@@ -67,3 +67,18 @@ def peak_memory_bytes() -> int:
 def reset_peak_memory() -> None:
     if is_cuda():
         torch.cuda.reset_peak_memory_stats()
+
+
+def reset_megatron_process_state() -> None:
+    """Fresh Megatron process-level state for a forked child (the test spawner's ranks).
+
+    A fork inherits Megatron's class- and module-level state from its parent: e.g. an
+    aux-loss backward run there leaves a 0-d `MoEAuxLossAutoScaler.main_loss_backward_scale`,
+    and the schedule's later `set_loss_scale` with a [1]-shaped scale then fails to copy
+    into it; the parent's MoE metrics tracker would also carry its recorded values over.
+    Megatron's own resets, no patching."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    destroy_moe_metrics_tracker()

@@ -1,4 +1,5 @@
-"""Multi-Router routing (seed 000, Eq. 2-3): scores, selection, gates, balancing.
+"""Multi-Router routing (seed 000, Eq. 2-3): the Megatron router and balancing; the scores,
+selection and gates themselves live in megatron_mvmoe.functional (re-exported here).
 
 Public API (legend: T tokens, D hidden, E experts, R routing heads, S slots = top-k):
 - multi_router_logits(hidden_TD, weight_RED, dtype=None) -> logits_TRE   (one GEMM)
@@ -19,9 +20,9 @@ from megatron_mvmoe.routing.balancing import (
     sequence_load_balancing_loss,
     z_loss,
 )
+from megatron_mvmoe.functional.routing import (gates, multi_router_logits, select_topk,
+                                               sigmoid_scores, sum_over_routers, to_megatron)
 from megatron_mvmoe.routing.router import MultiRouter, RoutingOutput
-from megatron_mvmoe.routing.scores import multi_router_logits, sigmoid_scores, sum_over_routers
-from megatron_mvmoe.routing.selection import gates, select_topk, to_megatron
 
 __all__ = [
     "MultiRouter", "RoutingOutput", "expert_bias_update", "gates", "load_balancing_loss",

@@ -50,9 +50,15 @@ from megatron_mvmoe.routing.balancing import (
     sequence_load_balancing_loss,
     z_loss,
 )
-from megatron_mvmoe.routing.scores import multi_router_logits, sigmoid_scores, sum_over_routers
-from megatron_mvmoe.routing.selection import gates, select_topk, to_megatron
-from megatron_mvmoe.views.mixing import mixing_weights
+from megatron_mvmoe.functional import (
+    gates,
+    mixing_weights,
+    multi_router_logits,
+    select_topk,
+    sigmoid_scores,
+    sum_over_routers,
+    to_megatron,
+)
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 _AUX_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")

@@ -49,17 +49,6 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _reset_megatron_class_state() -> None:
-    """A forked rank inherits Megatron's class-level state from the parent test process:
-    e.g. an aux-loss backward run there leaves a 0-d `main_loss_backward_scale`, and the
-    schedule's later `set_loss_scale` with a [1]-shaped scale then fails to copy into it."""
-    from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
-                                                         clear_aux_losses_tracker)
-
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    clear_aux_losses_tracker()
-
-
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[Any],
             results: mp.Queue, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -72,7 +61,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
         from megatron_mvmoe.platform import apply_cpu_patches
 
         apply_cpu_patches()
-        _reset_megatron_class_state()
+        from megatron_mvmoe.platform import reset_megatron_process_state
+
+        reset_megatron_process_state()
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}",
                                 timeout=timedelta(seconds=timeout_s))

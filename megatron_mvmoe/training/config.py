@@ -20,13 +20,11 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from megatron_mvmoe.config import KERNEL_BACKENDS
+from megatron_mvmoe.errors import require as _require
 from megatron_mvmoe.models.warm_start import NEW_HEADS as WARM_START_NEW_HEADS
 from megatron_mvmoe.parallel import ParallelLayout
 
 
-def _require(ok: bool, field_name: str, problem: str, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"{field_name}: {problem}. Fix: {fix}")
 
 
 @dataclass

@@ -114,7 +114,7 @@ class _Loop:
                       f"tensors copied, {heads} routers extended, "
                       f"{sum(len(r.kept) for r in reports)} kept at init; step 0, fresh "
                       "optimizer")
-        if self.trainer.shape.moe_variant == "multi_view" and \
+        if self.trainer.shape.variant.multi_view and \
                 self.trainer.shape.gamma_ramp_steps == 0:
             self.log.line("warning: gamma_ramp_steps = 0, so gamma is 1 from the first step "
                           "and the views are not inert at the warm start (set "

@@ -1,4 +1,5 @@
-"""Multi-View latent views (seed 000, Eq. 4-5): projections, gamma ramp, mixing.
+"""Multi-View latent views (seed 000, Eq. 4-5): projections and the gamma ramp; the mixing
+math lives in megatron_mvmoe.functional.mixing (re-exported here).
 
 Public API (legend: T tokens, D hidden, L latent, R routing heads = K views, S slots):
 - MultiViewProjection(config)(hidden_TD, gamma) -> views_TRL
@@ -7,7 +8,7 @@ Public API (legend: T tokens, D hidden, L latent, R routing heads = K views, S s
 - mix_views(views_TRL, mix_TSR, stop_grad_mixing) -> rows_TSL
 """
 
-from megatron_mvmoe.views.mixing import mix_views, mixing_weights
+from megatron_mvmoe.functional.mixing import mix_views, mixing_weights
 from megatron_mvmoe.views.projections import MultiViewProjection
 from megatron_mvmoe.views.schedule import GammaRamp
 

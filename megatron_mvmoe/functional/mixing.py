@@ -1,4 +1,5 @@
 """View mixing (seed 000, Eq. 4-5): each selected expert sees a convex blend of the K views.
+Pure torch.
 
 Legend: T tokens (flattened [S, B] order), E experts, R routing heads (= K views),
 S selected slots per token (top-k), L latent size.

@@ -1,8 +1,17 @@
-"""Top-k selection and output gates (seed 000, Eq. 2-3), and Megatron's (probs, routing_map).
+"""Multi-Router math (seed 000, Eq. 2-3): head logits and scores, top-k selection, output
+gates, and Megatron's (probs, routing_map). Pure torch.
 
-Legend: T tokens (flattened [S, B] order), E experts, S selected slots per token (top-k).
+Legend: T tokens (flattened [S, B] order), D hidden size, E experts, R routing heads,
+S selected slots per token (top-k).
 
 Design choices:
+- The R heads are stored as one weight [R*E, D] (head-major: rows r*E .. r*E+E-1 are head r),
+  so all heads cost ONE GEMM; with R = 1 the layout is exactly Megatron's TopKRouter.weight
+  [E, D], so baseline router weights copy over unchanged.
+- The sigmoid runs in fp32 and is cast back to the logits' dtype, as Megatron's sigmoid
+  routing does, so R = 1 reproduces Megatron bit for bit in fp32.
+- Summation over heads happens after the sigmoid. Summing logits first would collapse the
+  heads into one linear scorer: sum_r w_r^T h = (sum_r w_r)^T h.
 - Selection uses summed + bias; the bias only decides WHICH experts, never the gate values,
   which come from the unbiased sums (Eq. 3).
 - Ties are broken deterministically by the lower expert id (a stable descending sort),
@@ -21,6 +30,46 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
+
+def multi_router_logits(
+    hidden_TD: torch.Tensor, weight_RED: torch.Tensor, dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """Logits of all R heads with one GEMM.
+
+    Args:
+        hidden_TD: token hidden states [T, D].
+        weight_RED: head weights [R, E, D]; pass `weight_RE_D.view(R, E, D)` of a [R*E, D]
+            parameter (a free view: the GEMM runs on the [R*E, D] storage).
+        dtype: compute dtype (Megatron's `moe_router_dtype`); None keeps hidden_TD's dtype.
+
+    Returns:
+        logits_TRE [T, R, E].
+    """
+    num_heads, num_experts, hidden = weight_RED.shape
+    if hidden_TD.shape[-1] != hidden:
+        raise ValueError(
+            f"hidden_TD: last dim {hidden_TD.shape[-1]} does not match the router weight's "
+            f"hidden size {hidden}. Fix: pass [T, hidden_size] states")
+    dtype = hidden_TD.dtype if dtype is None else dtype
+    weight_XD = weight_RED.reshape(num_heads * num_experts, hidden)  # X = R*E
+    logits_TX = torch.mm(hidden_TD.to(dtype), weight_XD.to(dtype).t())
+    return logits_TX.view(hidden_TD.shape[0], num_heads, num_experts)
+
+
+def sigmoid_scores(logits_TRE: torch.Tensor) -> torch.Tensor:
+    """Per-head scores s_{r,i} = sigmoid(logit), computed in fp32, returned in logits' dtype."""
+    return torch.sigmoid(logits_TRE.float()).type_as(logits_TRE)
+
+
+def sum_over_routers(scores_TRE: torch.Tensor) -> torch.Tensor:
+    """Summed scores s_bar_i = sum_r s_{r,i} [T, E] (Eq. 2), after the sigmoid.
+
+    With R = 1 this is a view-free squeeze, so R = 1 stays bit-identical to one router.
+    """
+    if scores_TRE.shape[1] == 1:
+        return scores_TRE[:, 0, :]
+    return scores_TRE.sum(dim=1)
+
 
 
 def select_topk(
@@ -66,14 +115,21 @@ def gates(
         gates_TS [T, S], aligned with topk_idx_TS.
     """
     selected_TS = summed_TE.gather(1, topk_idx_TS)
+    normalised_TS = selected_TS / gate_denominator(summed_TE, topk_idx_TS, eps, num_routers)
+    return normalised_TS * alpha_for_slots(alpha, topk_idx_TS)
+
+
+def gate_denominator(summed_TE: torch.Tensor, topk_idx_TS: torch.Tensor, eps: float,
+                     num_routers: int = 1) -> Union[torch.Tensor, int]:
+    """What Eq. 3 divides a summed score by: max(sum_{j in S} s_bar_j, eps) [T, 1], or R
+    when S = 1 (see the module docstring). Dividing by 1 leaves a float unchanged, so R = 1
+    stays bit-identical to the undivided score."""
     if topk_idx_TS.shape[1] == 1:
-        normalised_TS = selected_TS / num_routers if num_routers != 1 else selected_TS
-    else:
-        normalised_TS = selected_TS / selected_TS.sum(dim=-1, keepdim=True).clamp_min(eps)
-    return normalised_TS * _alpha_for_slots(alpha, topk_idx_TS)
+        return num_routers
+    return summed_TE.gather(1, topk_idx_TS).sum(dim=-1, keepdim=True).clamp_min(eps)
 
 
-def _alpha_for_slots(alpha: Union[float, torch.Tensor], topk_idx_TS: torch.Tensor):
+def alpha_for_slots(alpha: Union[float, torch.Tensor], topk_idx_TS: torch.Tensor):
     """alpha as a scalar, or alpha_E gathered at the selected experts -> [T, S]."""
     if isinstance(alpha, torch.Tensor) and alpha.dim() == 1:
         return alpha[topk_idx_TS]

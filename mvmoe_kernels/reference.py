@@ -4,8 +4,8 @@ Legend: T tokens (flattened [S, B] order), E experts, R routing heads (= K views
 S selected slots per token (top-k), L latent size, N dispatched rows (T*S without drops).
 
 These are the specification the Triton kernels are tested against; they are autograd
-capable and run anywhere. They follow the project's routing/views contracts
-(megatron_mvmoe.routing.selection, megatron_mvmoe.views.mixing):
+capable and run anywhere. They ARE the project's math (megatron_mvmoe.functional), composed
+in fp32:
 - scores s = sigmoid(logits) in fp32; summed = sum over heads AFTER the sigmoid;
 - selection = top-k of (summed + bias) by a stable descending sort (ties -> lower expert
   id), slots then sorted by ASCENDING expert id; bias never touches gate values;
@@ -23,6 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple, Union
 
 import torch
+
+from megatron_mvmoe.functional import gates, mixing_weights, select_topk
 
 
 class RouterOutput(NamedTuple):
@@ -49,20 +51,6 @@ class DispatchRows(NamedTuple):
     """int64 [E]: rows per expert (rows are grouped by expert, experts ascending)."""
 
 
-def select_topk_ascending(routing_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k expert ids per row, ties to the lower id, slots sorted ascending. [T, S] int64."""
-    with torch.no_grad():
-        order_TE = torch.sort(routing_TE, dim=-1, descending=True, stable=True).indices
-        return torch.sort(order_TE[:, :k], dim=-1).values
-
-
-def alpha_for_slots(alpha: Union[float, torch.Tensor], topk_idx_TS: torch.Tensor):
-    """alpha as a scalar, or alpha_E gathered at the selected experts -> [T, S]."""
-    if isinstance(alpha, torch.Tensor) and alpha.dim() == 1:
-        return alpha.float()[topk_idx_TS]
-    return alpha.float() if isinstance(alpha, torch.Tensor) else alpha
-
-
 def reference_multi_router(
     logits_TRE: torch.Tensor,
     bias_E: torch.Tensor,
@@ -82,26 +70,11 @@ def reference_multi_router(
     num_heads = logits_TRE.shape[1]
     scores_TRE = torch.sigmoid(logits_TRE.float())
     summed_TE = scores_TRE.sum(dim=1)
-    topk_idx_TS = select_topk_ascending(summed_TE.detach() + bias_E.float(), k)
-    selected_TS = summed_TE.gather(1, topk_idx_TS)
-    if k == 1:
-        normalised_TS = selected_TS / num_heads
-    else:
-        normalised_TS = selected_TS / selected_TS.sum(dim=-1, keepdim=True).clamp_min(eps)
-    gates_TS = normalised_TS * alpha_for_slots(alpha, topk_idx_TS)
-    mix_TSR = _mixing_weights(scores_TRE, topk_idx_TS)
+    topk_idx_TS = select_topk(summed_TE, bias_E.float(), k)
+    alpha = alpha.float() if isinstance(alpha, torch.Tensor) else alpha
+    gates_TS = gates(summed_TE, topk_idx_TS, alpha, eps, num_heads)
+    mix_TSR = mixing_weights(scores_TRE, topk_idx_TS)
     return RouterOutput(topk_idx_TS, gates_TS, mix_TSR, summed_TE)
-
-
-def _mixing_weights(scores_TRE: torch.Tensor, topk_idx_TS: torch.Tensor) -> torch.Tensor:
-    num_tokens, num_heads, _ = scores_TRE.shape
-    idx_TRS = topk_idx_TS.unsqueeze(1).expand(num_tokens, num_heads, topk_idx_TS.shape[1])
-    selected_TSR = scores_TRE.gather(2, idx_TRS).transpose(1, 2)
-    total_TS1 = selected_TSR.sum(dim=-1, keepdim=True)
-    positive_TS1 = total_TS1 > 0
-    safe_TS1 = torch.where(positive_TS1, total_TS1, torch.ones_like(total_TS1))
-    uniform_TSR = torch.full_like(selected_TSR, 1.0 / num_heads)
-    return torch.where(positive_TS1, selected_TSR / safe_TS1, uniform_TSR)
 
 
 def expert_major_rows(topk_idx_TS: torch.Tensor, num_experts: int) -> DispatchRows:

@@ -1,0 +1,24 @@
+"""The papers' math in one place, pure torch: it imports neither Megatron nor any other part
+of megatron_mvmoe (tests/test_dependency_rules.py enforces it), so routers, layers, the
+kernels' references and the analysis tools all compute Eq. 2-5 with the same code.
+
+- routing (seed 000, Eq. 2-3): multi_router_logits, sigmoid_scores, sum_over_routers,
+  select_topk, gates, gate_denominator, alpha_for_slots, to_megatron
+- mixing (seed 000, Eq. 4-5): mixing_weights, mix_views
+"""
+
+from megatron_mvmoe.functional.mixing import mix_views, mixing_weights
+from megatron_mvmoe.functional.routing import (
+    alpha_for_slots,
+    gate_denominator,
+    gates,
+    multi_router_logits,
+    select_topk,
+    sigmoid_scores,
+    sum_over_routers,
+    to_megatron,
+)
+
+__all__ = ["alpha_for_slots", "gate_denominator", "gates", "mix_views", "mixing_weights",
+           "multi_router_logits", "select_topk", "sigmoid_scores", "sum_over_routers",
+           "to_megatron"]

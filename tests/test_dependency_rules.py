@@ -1,0 +1,110 @@
+"""The package's dependency rules, read from every module's imports (function-level imports
+included), so the layering cannot erode silently:
+
+- functional (the papers' math), variants and errors import neither Megatron nor any other
+  part of megatron_mvmoe: they are pure and testable without the engine;
+- platform imports no other part of megatron_mvmoe (everything else builds on it);
+- mvmoe_kernels uses only functional from megatron_mvmoe (its references ARE the math);
+- analysis never imports training; models never imports analysis or training;
+- only tests (and testing itself) import megatron_mvmoe.testing.
+
+KNOWN_VIOLATIONS lists the edges that still break a rule, as debt: a new one fails the test,
+and removing one (the fix) fails it too until the list is shortened.
+"""
+
+import ast
+import pathlib
+from typing import Dict, Set, Tuple
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("megatron_mvmoe", "mvmoe_kernels")
+
+KNOWN_VIOLATIONS: Set[Tuple[str, str]] = {
+    # tools open checkpoints through the trainer; to become models.build_model + load_weights
+    ("megatron_mvmoe.analysis.model_access", "megatron_mvmoe.training"),
+    # the seed-2 presets are derived with the parity calculator
+    ("megatron_mvmoe.models.seed2_presets", "megatron_mvmoe.analysis"),
+    # analysis tools start their gloo world with the test spawner
+    ("megatron_mvmoe.analysis.tool_common", "megatron_mvmoe.testing"),
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: pathlib.Path) -> Set[str]:
+    """Every module a file imports, at any depth (relative imports resolved)."""
+    found = set()
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" \
+        else module_name(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+    return found
+
+
+def graph() -> Dict[str, Set[str]]:
+    return {module_name(p): imports_of(p) for pkg in PACKAGES
+            for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+PURE = ("megatron_mvmoe.functional", "megatron_mvmoe.variants", "megatron_mvmoe.errors")
+# (modules the rule applies to, forbidden import prefix, prefixes still allowed under it)
+RULES = [
+    *[(pure, "megatron", ()) for pure in PURE],
+    *[(pure, "megatron_mvmoe", PURE) for pure in PURE],
+    ("megatron_mvmoe.platform", "megatron_mvmoe", ("megatron_mvmoe.platform",)),
+    ("mvmoe_kernels", "megatron_mvmoe", ("megatron_mvmoe.functional",)),
+    ("megatron_mvmoe.analysis", "megatron_mvmoe.training", ()),
+    ("megatron_mvmoe.models", "megatron_mvmoe.analysis", ()),
+    ("megatron_mvmoe.models", "megatron_mvmoe.training", ()),
+    ("", "megatron_mvmoe.testing", ()),  # testing itself is exempt (see violations)
+]
+
+
+def violations(edges: Dict[str, Set[str]]) -> Set[Tuple[str, str]]:
+    """(importer, forbidden prefix) for every import that breaks a rule."""
+    out = set()
+    for module, targets in edges.items():
+        for applies_to, forbidden, allowed in RULES:
+            if applies_to and not _within(module, applies_to):
+                continue
+            if _within(module, "megatron_mvmoe.testing") and forbidden.endswith("testing"):
+                continue
+            for target in targets:
+                if _within(target, forbidden) and not any(_within(target, a) for a in allowed):
+                    out.add((module, forbidden))
+    return out
+
+
+def test_dependency_rules_hold_except_the_known_debt():
+    found = violations(graph())
+    assert found - KNOWN_VIOLATIONS == set(), f"new rule violations: {found - KNOWN_VIOLATIONS}"
+    assert KNOWN_VIOLATIONS - found == set(), (
+        f"fixed, remove from KNOWN_VIOLATIONS: {KNOWN_VIOLATIONS - found}")
+
+
+def test_a_forbidden_import_is_caught():
+    edges = graph()
+    edges["megatron_mvmoe.functional.routing"] = edges["megatron_mvmoe.functional.routing"] | {
+        "megatron.core.transformer.moe.moe_utils"}
+    edges["megatron_mvmoe.analysis.stats"] = edges["megatron_mvmoe.analysis.stats"] | {
+        "megatron_mvmoe.training.pretrain"}
+    edges["megatron_mvmoe.layers.latent_moe"] = edges["megatron_mvmoe.layers.latent_moe"] | {
+        "megatron_mvmoe.testing.spawn"}
+    found = violations(edges)
+    assert ("megatron_mvmoe.functional.routing", "megatron") in found
+    assert ("megatron_mvmoe.analysis.stats", "megatron_mvmoe.training") in found
+    assert ("megatron_mvmoe.layers.latent_moe", "megatron_mvmoe.testing") in found
