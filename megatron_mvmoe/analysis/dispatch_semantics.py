@@ -198,3 +198,17 @@ def sent_by_link(matrix_PP: torch.Tensor, placement: EpPlacement) -> Dict[str, t
 def received_by_link(matrix_PP: torch.Tensor, placement: EpPlacement) -> Dict[str, torch.Tensor]:
     """Per rank: bytes it receives, by link (the transpose's sends)."""
     return sent_by_link(matrix_PP.T, placement)
+
+
+def payload_for_variant(variant: str, hidden: int, latent, views: int = 1,
+                        dtype_bytes: int = 2, naive: bool = False) -> PayloadShape:
+    """The PayloadShape of a model variant (smoe, latent, multi_router, multi_view)."""
+    if variant == "smoe":
+        return PayloadShape(hidden, dtype_bytes=dtype_bytes)
+    if variant not in ("latent", "multi_router", "multi_view"):
+        raise ValueError(f"variant: no dispatch-semantics model for {variant!r}. Fix: use "
+                         "smoe, latent, multi_router or multi_view")
+    if variant != "multi_view" or views == 1:
+        return PayloadShape(latent, dtype_bytes=dtype_bytes)
+    return PayloadShape(latent, "naive_multi_view" if naive else "multi_view", views,
+                        dtype_bytes=dtype_bytes)
