@@ -212,3 +212,17 @@ def payload_for_variant(variant: str, hidden: int, latent, views: int = 1,
         return PayloadShape(latent, dtype_bytes=dtype_bytes)
     return PayloadShape(latent, "naive_multi_view" if naive else "multi_view", views,
                         dtype_bytes=dtype_bytes)
+
+
+def allgather_link_bytes(placement: EpPlacement, tokens: int, shape: PayloadShape,
+                         rows_per_token: int = 1) -> Dict[Key, torch.Tensor]:
+    """The allgather dispatcher as [P, P] matrices: every rank's rows (and dense [T, E]
+    fp32 probs) reach every rank, and the combine reduce-scatters the same amount back.
+    `rows_per_token` = k for Multi-View's expanded tokens (refused by the layer)."""
+    ranks = placement.ep
+    ones = torch.ones(ranks, ranks, dtype=torch.long)
+    rows = ones * tokens * rows_per_token * shape.row_bytes
+    probs = ones * tokens * rows_per_token * placement.num_experts * shape.probs_bytes
+    return {("token_dispatch", "fwd", "tokens"): rows, ("token_dispatch", "fwd", "probs"): probs,
+            ("token_dispatch", "bwd", "tokens"): rows, ("token_combine", "fwd", "tokens"): rows,
+            ("token_combine", "bwd", "tokens"): rows}

@@ -5,9 +5,10 @@ El = E / P experts per rank.
 
 Design choices:
 - Experts sit on EP ranks in Megatron's contiguous layout (rank p holds experts
-  [p*El, (p+1)*El)); EP ranks fill nodes in order (rank p on node p // G). With TP > 1
-  Megatron's rank order (tp fastest) strides an EP group by TP, so a node of
-  `gpus_per_node` GPUs holds gpus_per_node // TP ranks of one EP group (`for_layout`).
+  [p*El, (p+1)*El)); EP ranks fill nodes in order (rank p on node p // G). Megatron-Core
+  builds the expert grid in the order tp-cp-ep-dp-pp with the EXPERT tensor-parallel size,
+  so an EP group is strided by ETP only (not by the attention TP): a node of
+  `gpus_per_node` GPUs holds gpus_per_node // ETP ranks of one EP group (`for_layout`).
 - Links are classified per (source rank, destination rank): "self" (the rank keeps it, no
   link), "intra" (same node: NVLink) or "inter" (another node: the network).
 - The node semantic's proxy (HybridEP / DeepEP internode, rail-aligned): a token bound for
@@ -43,12 +44,12 @@ class EpPlacement:
                              "Fix: pick an EP size that divides num_moe_experts")
 
     @classmethod
-    def for_layout(cls, ep: int, tp: int, gpus_per_node: int, num_experts: int):
-        """Placement of one EP group when TP ranks are the fastest-varying (Megatron order)."""
-        if gpus_per_node % tp:
-            raise ValueError(f"gpus_per_node: {gpus_per_node} is not a multiple of tp {tp}. "
-                             "Fix: keep TP inside a node")
-        return cls(ep, min(ep, max(1, gpus_per_node // tp)), num_experts)
+    def for_layout(cls, ep: int, etp: int, gpus_per_node: int, num_experts: int):
+        """Placement of one EP group in Megatron's expert rank order (etp fastest, then ep)."""
+        if gpus_per_node % etp:
+            raise ValueError(f"gpus_per_node: {gpus_per_node} is not a multiple of etp {etp}. "
+                             "Fix: keep expert TP inside a node")
+        return cls(ep, min(ep, max(1, gpus_per_node // etp)), num_experts)
 
     @property
     def nodes(self) -> int:

@@ -116,7 +116,7 @@ def test_row_semantic_is_topk_rows_per_token():
 
 
 def test_placement_links_and_errors():
-    pl = EpPlacement.for_layout(ep=16, tp=2, gpus_per_node=8, num_experts=160)
+    pl = EpPlacement.for_layout(ep=16, etp=2, gpus_per_node=8, num_experts=160)
     assert (pl.ranks_per_node, pl.nodes) == (4, 4)
     assert [pl.link(5, q) for q in (5, 6, 9)] == ["self", "intra", "inter"]
     assert pl.proxy(source=5, node=2) == 9
