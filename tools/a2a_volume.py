@@ -83,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--counted-json", default=None,
                    help="scale: a counted-mode --json output to summarise on the page")
     p.add_argument("--plot", default=None, help="PNG of stacked intra / inter bytes")
+    p.add_argument("--brief", action="store_true",
+                   help="counted: keep only failing checks and no per-layer rows in the JSON")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return p.parse_args(argv)
 
@@ -125,7 +127,8 @@ def _measure_one(variant, dispatcher, semantics, ep, args, pg):
                  ep=ep, tp=1, experts=config.num_moe_experts)
     maps = {name: module.token_dispatcher.routing_map.clone()
             for name, module in model.named_modules()
-            if getattr(module, "token_dispatcher", None) is not None}
+            if getattr(getattr(module, "token_dispatcher", None), "routing_map", None)
+            is not None}
     return counter.records, shape, maps, config.multi_view.num_views
 
 
@@ -214,7 +217,11 @@ def _combine(ep, per_rank, args):
         entry.update(shape=first["shape"], analytic_tokens_in=volume.tokens_in,
                      analytic_probs_in=volume.probs_in, rows=per_layer_rows(counts),
                      link_bytes_mean=links, checks=[c.as_dict() for c in found],
+                     checks_total=len(found), checks_exact=sum(c.ok for c in found),
                      all_exact=bool(found) and all(c.ok for c in found))
+        if args.brief:  # keep the failures only
+            entry["checks"] = [c for c in entry["checks"] if not c["ok"]]
+            entry.pop("rows")
         results.append(entry)
     return results
 
@@ -259,7 +266,7 @@ def _summary(payload) -> str:
             continue
         bad = [c for c in e["checks"] if not c["ok"]]
         lines.append(f"{head} analytic dispatch/rank {e['analytic_tokens_in']:>7d} B  "
-                     f"checks {len(e['checks']) - len(bad)}/{len(e['checks'])} exact")
+                     f"checks {e['checks_exact']}/{e['checks_total']} exact")
         for c in bad:
             lines.append(f"    MISMATCH {c['layer']} {c['what']}: counted {c['counted']} "
                          f"analytic {c['analytic']}")
@@ -342,7 +349,8 @@ def _checkpoint_profile(args):
     shares = load_profile(found["maps"])
     tiny = tiny_real_routing_rows(found["maps"], found["hidden"], found["latent"],
                                   found["views"])
-    info = {k: found[k] for k in ("source", "variant", "data")}
+    info = {k: found[k] for k in ("variant", "data")}
+    info["path"] = args.checkpoint
     info.update(tokens=int(next(iter(found["maps"].values())).shape[0]),
                 load_profile=shares, tiny_real_routing=tiny)
     return shares, info

@@ -21,6 +21,10 @@ _SEM = {"row": "row: per (token, expert) [Megatron alltoall]",
         "allgather": "allgather"}
 
 
+_SHORT = {"baseline": "base", "multi_router": "MR", "multi_view": "MV",
+          "naive_multi_view": "naiveMV", "allgather_baseline": "base"}
+
+
 def _mb(value: float) -> str:
     return f"{value / 1e6:.2f}"
 
@@ -29,15 +33,25 @@ def plot(payload: dict, path: str) -> str:
     from megatron_mvmoe.analysis.plots import plot_link_bytes
 
     panels: Dict[str, List[dict]] = {}
+    panels: Dict[str, List[dict]] = {}
+    off_scale = {}
     for run in payload["runs"]:
         for r in run["rows"]:
+            if r["variant"] == "allgather_multi_view":  # k x: would flatten every other bar
+                off_scale[r["gpus"]] = r["intra_bytes_mean"] + r["inter_bytes_mean"]
+                continue
             title = f"{run['routing']} routing, {r['gpus']} GPUs (EP {r['ep']}, {r['nodes']} node(s))"
-            short = r["variant"].replace("allgather_", "").replace("multi_", "M")
-            panels.setdefault(title, []).append({"label": f"{r['semantics']}:{short}",
+            panels.setdefault(title, []).append({"label": f"{r['semantics']}:{_SHORT[r['variant']]}",
                                                  "intra": r["intra_bytes_mean"],
                                                  "inter": r["inter_bytes_mean"]})
+    note = ", ".join(f"{g} GPUs {_mb(v)} MB" for g, v in sorted(off_scale.items()))
     return plot_link_bytes(panels, path, "10B-A1B, one MoE layer, forward dispatch: mean bytes "
-                           "a rank sends, intra-node vs inter-node (tokens + probs + weights)")
+                           "a rank sends, intra- vs inter-node (tokens + probs + weights)\n"
+                           f"not drawn: allgather Multi-View expanded ({note})")
+
+
+def _total(row: dict) -> float:
+    return row["intra_bytes_mean"] + row["inter_bytes_mean"]
 
 
 def _costlier(rows: List[dict]) -> List[str]:
@@ -47,12 +61,17 @@ def _costlier(rows: List[dict]) -> List[str]:
         mv = [r for r in rows if r["variant"] == "multi_view" and r["semantics"] == semantics]
         base = {r["gpus"]: r for r in rows if r["variant"] == "baseline"
                 and r["semantics"] == semantics}
+        rows_base = {r["gpus"]: r for r in rows if r["variant"] == "baseline"
+                     and r["semantics"] == "row"}
         parts = []
         for r in mv:
             points = 100 * (r["a2a_share"] - base[r["gpus"]]["a2a_share"])
+            vs_row = "" if semantics == "row" else (
+                f"; vs the baseline on Megatron's rows: bytes x{_total(r) / _total(rows_base[r['gpus']]):.3f}, "
+                f"time x{r['layer_a2a_ms'] / rows_base[r['gpus']]['layer_a2a_ms']:.3f}")
             parts.append(f"{r['gpus']} GPUs: bytes x{r['bytes_ratio']:.3f}, a2a time "
                          f"x{r['time_ratio']:.3f}, share {100 * base[r['gpus']]['a2a_share']:.1f}% "
-                         f"-> {100 * r['a2a_share']:.1f}% ({points:+.1f} points)")
+                         f"-> {100 * r['a2a_share']:.1f}% ({points:+.1f} points){vs_row}")
         worst = max(r["bytes_ratio"] for r in mv)
         verdict = ("no extra bytes" if worst <= 1.0 + 1e-9 else
                    f"Multi-View costs MORE, up to {100 * (worst - 1):.1f}% more bytes")
@@ -108,7 +127,7 @@ def _routing_text(run: dict, payload: dict) -> str:
     ck = payload.get("checkpoint", {})
     profile = ", ".join(f"{v:.3f}" for v in ck.get("load_profile", []))
     return (f"checkpoint: the trained model's per-expert load shares on held-out text "
-            f"({ck.get('source')}, data {ck.get('data')}, {ck.get('tokens')} tokens per layer; "
+            f"(`{ck.get('path')}`, data {ck.get('data')}, {ck.get('tokens')} tokens per layer; "
             f"sorted mean shares [{profile}]), interpolated to E experts and drawn as 'skewed'. "
             "It keeps how uneven the trained router is, not which experts co-occur.")
 
@@ -119,13 +138,19 @@ def _tiny_lines(payload: dict) -> List[str]:
         return []
     out = ["", "## The trained tiny model's own routing", "",
            "Its real routing maps on held-out text split over EP ranks (2 ranks per node), "
-           "forward-dispatch bytes of baseline vs Multi-View for the same maps "
+           "forward-dispatch bytes over links (self excluded, summed over ranks) of baseline vs "
+           "Multi-View for the same maps "
            "(tiny shapes: D, L, top-k of the checkpoint):", "",
-           "| layer | EP | semantic | tokens/rank | baseline B | Multi-View B | MV / base |",
-           "|---|---|---|---|---|---|---|"]
+           "| layer | EP | semantic | tokens/rank | baseline B (inter) | Multi-View B (inter) "
+           "| MV / base |", "|---|---|---|---|---|---|---|"]
     for r in ck["tiny_real_routing"]:
         out.append(f"| {r['layer']} | {r['ep']} | {r['semantics']} | {r['tokens_per_rank']} | "
-                   f"{r['baseline_bytes']} | {r['multi_view_bytes']} | {r['ratio']:.3f} |")
+                   f"{r['baseline_bytes']} ({r['baseline_inter_bytes']}) | "
+                   f"{r['multi_view_bytes']} ({r['multi_view_inter_bytes']}) | "
+                   f"{r['ratio']:.3f} |")
+    out += ["", "The node semantic sends a token over the network once per node and forwards "
+            "it over NVLink, so its total link bytes can exceed the row semantic's while its "
+            "inter-node bytes are lower."]
     return out
 
 
@@ -134,8 +159,8 @@ def _counted_lines(path: str) -> List[str]:
         return []
     with open(path) as f:
         counted = json.load(f)
-    total = sum(len(e.get("checks", [])) for e in counted["results"])
-    exact = sum(c["ok"] for e in counted["results"] for c in e.get("checks", []))
+    total = sum(e.get("checks_total", 0) for e in counted["results"])
+    exact = sum(e.get("checks_exact", 0) for e in counted["results"])
     ratios = ", ".join(f"{k} = {v:.3f}" for k, v in counted["ratios"].items())
     return ["", "## Counted at the collective (tiny GPT, gloo)", "",
             f"`{counted['command']}` ({counted['wall_s']} s): {exact} / {total} checks exact "

@@ -155,7 +155,8 @@ def tiny_real_routing_rows(maps_TE_by_layer: Dict[str, torch.Tensor], hidden: in
                            latent: int, views: int, eps=(2, 4), ranks_per_node: int = 2,
                            dtype_bytes: int = 2) -> List[dict]:
     """The trained tiny model's own routing maps split over EP ranks: bytes of baseline and
-    Multi-View per semantic (forward dispatch, all float payloads, summed over ranks)."""
+    Multi-View per semantic (forward dispatch, all float payloads, over links: self bytes
+    excluded, summed over ranks)."""
     rows = []
     for layer, map_TE in maps_TE_by_layer.items():
         for ep in eps:
@@ -167,10 +168,15 @@ def tiny_real_routing_rows(maps_TE_by_layer: Dict[str, torch.Tensor], hidden: in
                 for variant in ("latent", "multi_view"):
                     shape = payload_for_variant(variant, hidden, latent, views, dtype_bytes)
                     m = link_bytes(maps, placement, shape, semantics)
-                    total[variant] = int(sum(v.sum() for (p, d, _), v in m.items()
-                                             if (p, d) == ("token_dispatch", "fwd")))
+                    fwd = sum(v for (p, d, _), v in m.items() if (p, d) == ("token_dispatch",
+                                                                            "fwd"))
+                    split = sent_by_link(fwd, placement)
+                    total[variant] = int((split["intra"] + split["inter"]).sum())
+                    total[f"{variant}_inter"] = int(split["inter"].sum())
                 rows.append({"layer": layer, "ep": ep, "semantics": semantics,
                              "tokens_per_rank": tokens, "baseline_bytes": total["latent"],
                              "multi_view_bytes": total["multi_view"],
+                             "baseline_inter_bytes": total["latent_inter"],
+                             "multi_view_inter_bytes": total["multi_view_inter"],
                              "ratio": total["multi_view"] / total["latent"]})
     return rows

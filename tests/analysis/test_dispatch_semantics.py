@@ -159,3 +159,16 @@ def test_link_time_by_hand():
     layer = layer_a2a_time_s({("token_dispatch", "fwd", "tokens"): m}, pl, links)
     assert layer["token_dispatch/fwd"] == pytest.approx(5.0)
     assert layer["total"] == pytest.approx(5.0)
+
+
+def test_load_profile_and_tiny_rows():
+    from megatron_mvmoe.analysis.a2a_scale import tiny_real_routing_rows
+    from megatron_mvmoe.analysis.checkpoint_routing import load_profile
+
+    map_a = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)  # loads 2, 1, 1, 0
+    map_b = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)  # loads 0, 0, 2, 2
+    assert load_profile({"1": map_a, "2": map_b}) == pytest.approx([0.5, 0.375, 0.125, 0.0])
+    maps = routing_maps("balanced", 1, 64, 8, 3, seed=2)[0]
+    rows = tiny_real_routing_rows({"1": maps}, hidden=16, latent=8, views=2, eps=(2,))
+    assert [r["semantics"] for r in rows] == list(SEMANTICS)
+    assert rows[0]["ratio"] == 1.0 and all(r["ratio"] >= 1.0 for r in rows)
