@@ -25,7 +25,8 @@ Design choices:
   sizes, the autograd markers are identities).
 - Attribution: the dispatcher phase methods are wrapped, the ones each dispatcher class
   declares (`counted_phases`; Megatron's classes: their five phases), found on the classes
-  of the model's own dispatchers, so a new entry point cannot go unattributed; in forward a label is active while
+  of the model's own dispatchers, so a new entry point cannot go unattributed; in
+  forward a label is active while
   the method runs; for backward, identity autograd markers on the method's tensor outputs
   set the label when their gradient arrives (just before the collective's backward) and the
   markers on its inputs clear it (just after).

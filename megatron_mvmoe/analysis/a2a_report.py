@@ -40,10 +40,11 @@ def plot(payload: dict, path: str) -> str:
             if r["variant"] == "allgather_multi_view":  # k x: would flatten every other bar
                 off_scale[r["gpus"]] = r["intra_bytes_mean"] + r["inter_bytes_mean"]
                 continue
-            title = f"{run['routing']} routing, {r['gpus']} GPUs (EP {r['ep']}, {r['nodes']} node(s))"
-            panels.setdefault(title, []).append({"label": f"{r['semantics']}:{_SHORT[r['variant']]}",
-                                                 "intra": r["intra_bytes_mean"],
-                                                 "inter": r["inter_bytes_mean"]})
+            title = (f"{run['routing']} routing, {r['gpus']} GPUs (EP {r['ep']}, "
+                     f"{r['nodes']} node(s))")
+            panels.setdefault(title, []).append({
+                "label": f"{r['semantics']}:{_SHORT[r['variant']]}",
+                "intra": r["intra_bytes_mean"], "inter": r["inter_bytes_mean"]})
     note = ", ".join(f"{g} GPUs {_mb(v)} MB" for g, v in sorted(off_scale.items()))
     return plot_link_bytes(panels, path, "10B-A1B, one MoE layer, forward dispatch: mean bytes "
                            "a rank sends, intra- vs inter-node (tokens + probs + weights)\n"
@@ -66,9 +67,10 @@ def _costlier(rows: List[dict]) -> List[str]:
         parts = []
         for r in mv:
             points = 100 * (r["a2a_share"] - base[r["gpus"]]["a2a_share"])
+            row_base = rows_base[r["gpus"]]
             vs_row = "" if semantics == "row" else (
-                f"; vs the baseline on Megatron's rows: bytes x{_total(r) / _total(rows_base[r['gpus']]):.3f}, "
-                f"time x{r['layer_a2a_ms'] / rows_base[r['gpus']]['layer_a2a_ms']:.3f}")
+                f"; vs the baseline on Megatron's rows: bytes x{_total(r) / _total(row_base):.3f}"
+                f", time x{r['layer_a2a_ms'] / row_base['layer_a2a_ms']:.3f}")
             parts.append(f"{r['gpus']} GPUs: bytes x{r['bytes_ratio']:.3f}, a2a time "
                          f"x{r['time_ratio']:.3f}, share {100 * base[r['gpus']]['a2a_share']:.1f}% "
                          f"-> {100 * r['a2a_share']:.1f}% ({points:+.1f} points){vs_row}")
@@ -120,7 +122,8 @@ def _model_lines(cfg: dict) -> List[str]:
 def _routing_text(run: dict, payload: dict) -> str:
     cfg = run["config"]
     if run["routing"] == "balanced":
-        return "balanced: i.i.d. normal logits + top-k (Megatron's `moe_router_force_load_balancing`)."
+        return ("balanced: i.i.d. normal logits + top-k (Megatron's "
+                "`moe_router_force_load_balancing`).")
     if run["routing"] == "skewed":
         return (f"skewed: Zipf expert popularity p ~ 1/(r+1)^{cfg['load']:g} over a seeded "
                 "random expert order, k distinct experts per token drawn by Gumbel top-k.")

@@ -39,7 +39,6 @@ VARIANTS = {"baseline": ("mvmoe_10b_a1b_baseline", {}),
             "multi_router": ("mvmoe_10b_a1b", {"moe_variant": "multi_router", "num_views": 1}),
             "multi_view": ("mvmoe_10b_a1b", {})}
 """Table variant -> (preset, overrides)."""
-COMPARISONS = ("naive_multi_view", "allgather_baseline", "allgather_multi_view")
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ def _summary(matrices, placement: EpPlacement, links: LinkSpec, model: ModelShap
             "step_compute_ms": compute * 1e3, "a2a_share": a2a_share(a2a, compute)}
 
 
-def _payload(variant: str, model: ModelShape, dtype_bytes: int, naive: bool = False):
+def _payload(model: ModelShape, dtype_bytes: int, naive: bool = False):
     name = "multi_view" if naive else model.moe_variant
     return payload_for_variant(name, model.hidden_size, model.latent_size, model.num_views,
                                dtype_bytes, naive=naive)
@@ -112,7 +111,7 @@ def scale_rows(cfg: ScaleConfig, progress: Callable[[str], None] = lambda _: Non
             progress(f"  {gpus} GPUs, semantic {semantics}")
             for variant in (*VARIANTS, "naive_multi_view"):
                 model = model_shape("multi_view" if variant == "naive_multi_view" else variant)
-                shape = _payload(variant, model, cfg.dtype_bytes, variant == "naive_multi_view")
+                shape = _payload(model, cfg.dtype_bytes, variant == "naive_multi_view")
                 matrices = link_bytes(maps, placement, shape, semantics)
                 rows.append({**common, "semantics": semantics, "variant": variant,
                              **_summary(matrices, placement, cfg.links, model, layout,
@@ -120,8 +119,8 @@ def scale_rows(cfg: ScaleConfig, progress: Callable[[str], None] = lambda _: Non
         for variant, per_token in (("allgather_baseline", 1),
                                    ("allgather_multi_view", base.moe_router_topk)):
             model = model_shape("baseline" if per_token == 1 else "multi_view")
-            matrices = allgather_link_bytes(placement, tokens, _payload("baseline", base,
-                                                                        cfg.dtype_bytes), per_token)
+            matrices = allgather_link_bytes(placement, tokens,
+                                            _payload(base, cfg.dtype_bytes), per_token)
             rows.append({**common, "semantics": "allgather", "variant": variant,
                          **_summary(matrices, placement, cfg.links, model, layout,
                                     cfg.micro_batch_size, cfg.achieved_tflops)})

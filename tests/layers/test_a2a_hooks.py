@@ -4,7 +4,6 @@ path's `dispatch_preprocess_permuted` (its metadata all-gather) is attributed, n
 import importlib.util
 
 import pytest
-import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_mvmoe.analysis.a2a_counter import count_collectives, declared_phases
