@@ -15,8 +15,10 @@ output_bytes (this rank's buffers), self_bytes (the part of an all-to-all kept b
 group_size, dtype, shape (of the input), layer (module name of the MoE layer, or None when
 the call happened outside a dispatcher), phase (the dispatcher method: dispatch_preprocess,
 token_dispatch, dispatch_postprocess, combine_preprocess, token_combine), direction ("fwd" or
-"bwd") and payload ("tokens" float rows; "probs": a float vector, or the allgather
-dispatcher's dense [T, E] probs; "metadata": int/bool).
+"bwd"), payload ("tokens" float rows; "probs": a float vector, or the allgather
+dispatcher's dense [T, E] probs; "metadata": int/bool), and for all_to_all_single
+peer_bytes (input bytes for each rank of the group) with group_ranks, from which
+analysis.volume splits a rank's bytes into self / intra-node / inter-node.
 
 Design choices:
 - Counting happens at torch.distributed itself (the functions are wrapped for the duration of
