@@ -1,15 +1,28 @@
 #!/usr/bin/env python
-"""Bytes each MoE collective moves per layer and direction: analytic and counted during a
-real forward + backward of the tiny GPT models at EP = 2 and 4 (gloo ranks on CPU), side by
-side for baseline latent, Multi-Router, Multi-View, MH-MoE and SMoE, alltoall and allgather.
+"""Bytes each MoE collective moves per layer and direction, counted and analytic, and the
+10B-A1B all-to-all at cluster scale.
 
-Checks (exact integer equality): per rank, the forward dispatch and backward combine token
-bytes equal the analytic T*k rows; over the EP group the routing-dependent directions sum to
-the analytic total; Multi-View / baseline latent = 1.000 on the alltoall dispatcher.
-Multi-View on allgather is refused by the layer; its analytic cost (k x) is reported.
+Counted mode (default): a real forward + backward of the tiny GPT models at EP = 2 and 4
+(gloo ranks on CPU) under the collective counter, for baseline latent, Multi-Router,
+Multi-View, MH-MoE and SMoE, alltoall and allgather, and with --semantics rank / node the
+dedup dispatcher (one copy per (token, destination rank) / per destination node forwarded
+inside the node; Multi-View sends blends or views + weights, whichever is smaller).
+Checks are exact integer equalities: the alltoall / allgather checks of before, and per
+rank, phase, direction, payload and link (self / intra-node / inter-node, --gpus-per-node
+ranks per simulated node) counted == analytic (analysis.dispatch_semantics) for every
+semantic.
 
-Example:
-  python tools/a2a_volume.py --ep 2 4 --json > a2a.json
+Scale mode (--scale): the 10B-A1B preset on its 8 / 64 / 256-GPU layouts, routing drawn
+balanced (Megatron's force-load-balancing), skewed (Zipf, --load) or from a trained
+checkpoint's load profile; bytes split intra / inter-node, time = max over ranks of
+intra / NVLink + inter / network bandwidth, share of step time against analytic FLOPs.
+--markdown writes the results page, --plot the stacked intra / inter bytes.
+
+Examples:
+  python tools/a2a_volume.py --ep 2 4 --semantics row rank node --json > a2a.json
+  python tools/a2a_volume.py --scale --routing checkpoint balanced skewed \\
+      --checkpoint runs/main_job/checkpoints --markdown examples/results/a2a_at_scale.md \\
+      --plot examples/results/a2a_at_scale.png --json
 """
 
 from __future__ import annotations
@@ -25,28 +38,69 @@ from megatron_mvmoe.analysis import tool_common  # noqa: E402
 
 PRESETS = {"latent": "tiny_latent", "multi_router": "tiny_multi_router",
            "multi_view": "tiny_multi_view", "mh_moe": "tiny_mh_moe", "smoe": "tiny_smoe"}
+ROUTING = ("checkpoint", "balanced", "skewed")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="EP sizes (= ranks)")
-    p.add_argument("--variants", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="counted: EP sizes (= ranks)")
+    p.add_argument("--variants", nargs="+", default=list(PRESETS), choices=list(PRESETS),
+                   help="counted: model variants")
     p.add_argument("--dispatchers", nargs="+", default=["alltoall", "allgather"],
-                   choices=["alltoall", "allgather"])
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
-    p.add_argument("--seq-length", type=int, default=16)
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--plot", default=None, help="PNG of forward-dispatch bytes per variant")
-    p.add_argument("--json", action="store_true")
+                   choices=["alltoall", "allgather"], help="counted: Megatron dispatchers")
+    p.add_argument("--semantics", nargs="+", default=["row"], choices=["row", "rank", "node"],
+                   help="counted: dispatch semantics (row = Megatron's alltoall rows; rank / "
+                        "node = the dedup dispatcher); link checks for each")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="EP ranks per node (counted default 2: simulated nodes; scale "
+                        "default 8)")
+    p.add_argument("--batch-size", type=int, default=2, help="counted: sequences per rank")
+    p.add_argument("--seq-length", type=int, default=16, help="counted: tokens per sequence")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per spawned run")
+    p.add_argument("--scale", action="store_true", help="the 10B-A1B cluster-scale table")
+    p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256],
+                   help="scale: cluster sizes (layouts from models.presets.LAYOUTS_10B)")
+    p.add_argument("--routing", nargs="+", default=["skewed"], choices=ROUTING,
+                   help="scale: routing models (checkpoint needs --checkpoint)")
+    p.add_argument("--load", type=float, default=1.0,
+                   help="scale: Zipf exponent s of the skewed routing (p_e ~ 1/(r+1)^s)")
+    p.add_argument("--checkpoint", default=None,
+                   help="scale: trained checkpoint dir for --routing checkpoint")
+    p.add_argument("--heldout-batches", type=int, default=4,
+                   help="scale: held-out batches per domain routed through the checkpoint")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="scale: sequences per rank")
+    p.add_argument("--nvlink-gbps", type=float, default=370.0,
+                   help="scale: achieved intra-node GB/s per direction (NVLink4 450 "
+                        "datasheet, ~370 NCCL)")
+    p.add_argument("--network-gbps", type=float, default=48.0,
+                   help="scale: achieved inter-node GB/s per GPU (NDR 400 Gb/s = 50 GB/s)")
+    p.add_argument("--achieved-tflops", type=float, default=400.0,
+                   help="scale: achieved bf16 TFLOP/s per GPU for the compute time")
+    p.add_argument("--seed", type=int, default=0, help="scale: routing sampling seed")
+    p.add_argument("--markdown", default=None, help="scale: write the results page here")
+    p.add_argument("--counted-json", default=None,
+                   help="scale: a counted-mode --json output to summarise on the page")
+    p.add_argument("--plot", default=None, help="PNG of stacked intra / inter bytes")
+    p.add_argument("--brief", action="store_true",
+                   help="counted: keep only failing checks and no per-layer rows in the JSON")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return p.parse_args(argv)
 
 
-def _measure_one(variant, dispatcher, ep, args, pg):
-    """Forward + backward of one model on this rank under the counter; records + shape."""
+def _progress(message: str) -> None:
+    print(f"[a2a_volume] {message}", file=sys.stderr, flush=True)
+
+
+# ---- counted mode ----------------------------------------------------------------------------
+def _measure_one(variant, dispatcher, semantics, ep, args, pg):
+    """Forward + backward of one model on this rank under the counter."""
     import torch
 
-    from megatron_mvmoe.analysis.a2a_counter import count_collectives
     from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.analysis.a2a_counter import count_collectives
+    from megatron_mvmoe.layers.dedup_dispatcher import use_dedup_dispatch
     from megatron_mvmoe.training.build import build_trainer
 
     run = model_access.run_config(PRESETS[variant], overrides={
@@ -55,6 +109,10 @@ def _measure_one(variant, dispatcher, ep, args, pg):
     run.parallel.ep = ep
     trainer = build_trainer(run, pg)
     model = trainer.unwrapped()[0].train()
+    if semantics != "row":
+        if variant == "mh_moe":
+            raise ValueError("semantics: no dedup model for MH-MoE sub-tokens")
+        use_dedup_dispatch(model, semantics, _counted_node(args, ep))
     rank = torch.distributed.get_rank()
     batch = model_access.synthetic_batches(1, args.batch_size, args.seq_length,
                                            trainer.shape.vocab_size, seed=rank)[0]
@@ -67,36 +125,81 @@ def _measure_one(variant, dispatcher, ep, args, pg):
                  heads=config.multi_head.num_heads, dtype_bytes=loss.new_empty(
                      0, dtype=config.params_dtype).element_size(),
                  ep=ep, tp=1, experts=config.num_moe_experts)
-    return counter.records, shape
+    maps = {name: module.token_dispatcher.routing_map.clone()
+            for name, module in model.named_modules()
+            if getattr(getattr(module, "token_dispatcher", None), "routing_map", None)
+            is not None}
+    return counter.records, shape, maps, config.multi_view.num_views
+
+
+def _counted_node(args, ep) -> int:
+    return min(ep, args.gpus_per_node or 2)
+
+
+def _runs(args):
+    for dispatcher in args.dispatchers:
+        for semantics in args.semantics:
+            if semantics != "row" and dispatcher != "alltoall":
+                continue
+            for variant in args.variants:
+                yield variant, dispatcher, semantics
 
 
 def _rank(rank, world_size, args):
-    from megatron_mvmoe.analysis.volume import rank_counts
+    from megatron_mvmoe.analysis.volume import peer_counts, rank_counts
     from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
     from megatron_mvmoe.platform import apply_cpu_patches
 
     apply_cpu_patches()
     out = {}
-    for dispatcher in args.dispatchers:
-        for variant in args.variants:
-            pg = initialize_layout(ParallelLayout(ep=world_size))
-            try:
-                records, shape = _measure_one(variant, dispatcher, world_size, args, pg)
-                out[(variant, dispatcher)] = {"counts": rank_counts(records), "shape": shape}
-            except (ValueError, NotImplementedError) as err:
-                out[(variant, dispatcher)] = {"error": f"{type(err).__name__}: {err}"}
-            finally:
-                destroy_layout()
+    for key in _runs(args):
+        if rank == 0:
+            _progress(f"EP={world_size} {key[1]} {key[2]} {key[0]}")
+        pg = initialize_layout(ParallelLayout(ep=world_size))
+        try:
+            records, shape, maps, views = _measure_one(*key, world_size, args, pg)
+            out[key] = {"counts": rank_counts(records), "peers": peer_counts(records),
+                        "shape": shape, "maps": maps, "views": views}
+        except (ValueError, NotImplementedError) as err:
+            out[key] = {"error": f"{type(err).__name__}: {err}"}
+        finally:
+            destroy_layout()
     return out
 
 
-def _combine(ep, per_rank):
+def _link_checks(variant, semantics, ep, args, first, per_rank, key):
+    import torch
+
+    from megatron_mvmoe.analysis.dispatch_semantics import (link_bytes, payload_for_variant,
+                                                            sent_by_link)
+    from megatron_mvmoe.analysis.placement import EpPlacement
+    from megatron_mvmoe.analysis.volume import semantic_checks
+
+    s = first["shape"]
+    placement = EpPlacement(ep, _counted_node(args, ep), s["experts"])
+    payload = payload_for_variant(variant, s["hidden"], s["latent"], first["views"],
+                                  s["dtype_bytes"])
+    found, links = [], {}
+    for layer in sorted(first["maps"]):
+        maps = torch.stack([r[key]["maps"][layer] for r in per_rank])
+        analytic = link_bytes(maps, placement, payload, semantics)
+        found += semantic_checks(analytic, placement,
+                                 [r[key]["peers"].get(layer, {}) for r in per_rank], layer)
+        fwd = analytic[("token_dispatch", "fwd", "tokens")] + analytic[
+            ("token_dispatch", "fwd", "probs")]
+        split = sent_by_link(fwd, placement)
+        links[layer] = {k: float(v.double().mean()) for k, v in split.items()}
+    return found, links
+
+
+def _combine(ep, per_rank, args):
     from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
     from megatron_mvmoe.analysis.volume import checks, per_layer_rows
 
     results = []
-    for (variant, dispatcher), first in per_rank[0].items():
-        entry = {"ep": ep, "variant": variant, "dispatcher": dispatcher}
+    for key, first in per_rank[0].items():
+        variant, dispatcher, semantics = key
+        entry = {"ep": ep, "variant": variant, "dispatcher": dispatcher, "semantics": semantics}
         if "error" in first:
             entry["error"] = first["error"]
             if variant == "multi_view" and dispatcher == "allgather":
@@ -104,13 +207,21 @@ def _combine(ep, per_rank):
             results.append(entry)
             continue
         shape = CommShape(**first["shape"])
-        counts = [r[(variant, dispatcher)]["counts"] for r in per_rank]
-        found = checks(variant, dispatcher, shape, counts)
+        counts = [r[key]["counts"] for r in per_rank]
+        found = checks(variant, dispatcher, shape, counts) if semantics == "row" else []
+        links = {}
+        if dispatcher == "alltoall" and variant != "mh_moe":
+            extra, links = _link_checks(variant, semantics, ep, args, first, per_rank, key)
+            found += extra
         volume = dispatch_bytes(variant, dispatcher, shape)
         entry.update(shape=first["shape"], analytic_tokens_in=volume.tokens_in,
                      analytic_probs_in=volume.probs_in, rows=per_layer_rows(counts),
-                     checks=[c.as_dict() for c in found],
+                     link_bytes_mean=links, checks=[c.as_dict() for c in found],
+                     checks_total=len(found), checks_exact=sum(c.ok for c in found),
                      all_exact=bool(found) and all(c.ok for c in found))
+        if args.brief:  # keep the failures only
+            entry["checks"] = [c for c in entry["checks"] if not c["ok"]]
+            entry.pop("rows")
         results.append(entry)
     return results
 
@@ -118,7 +229,7 @@ def _combine(ep, per_rank):
 def _refused_cost(rank0, ep):
     from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
 
-    base = rank0.get(("latent", "allgather"), {}).get("shape")
+    base = rank0.get(("latent", "allgather", "row"), {}).get("shape")
     if base is None:
         return None
     volume = dispatch_bytes("multi_view", "allgather", CommShape(**base))
@@ -137,9 +248,11 @@ def _ratios(results):
         if entry["dispatcher"] != "alltoall":
             continue
         base = next((e for e in results if e["variant"] == "latent" and e["ep"] == entry["ep"]
-                     and e["dispatcher"] == entry["dispatcher"] and "rows" in e), None)
+                     and e["dispatcher"] == entry["dispatcher"] and "rows" in e
+                     and e["semantics"] == entry["semantics"]), None)
         if base and "rows" in entry and fwd(base):
-            out[f"ep{entry['ep']}/{entry['dispatcher']}/{entry['variant']}"] = round(
+            sem = "" if entry["semantics"] == "row" else f"/{entry['semantics']}"
+            out[f"ep{entry['ep']}/{entry['dispatcher']}{sem}/{entry['variant']}"] = round(
                 fwd(entry) / fwd(base), 6)
     return out
 
@@ -147,13 +260,13 @@ def _ratios(results):
 def _summary(payload) -> str:
     lines = []
     for e in payload["results"]:
-        head = f"EP={e['ep']} {e['dispatcher']:9s} {e['variant']:13s}"
+        head = f"EP={e['ep']} {e['dispatcher']:9s} {e['semantics']:4s} {e['variant']:13s}"
         if "error" in e:
             lines.append(f"{head} refused: {e['error'][:100]}")
             continue
         bad = [c for c in e["checks"] if not c["ok"]]
         lines.append(f"{head} analytic dispatch/rank {e['analytic_tokens_in']:>7d} B  "
-                     f"checks {len(e['checks']) - len(bad)}/{len(e['checks'])} exact")
+                     f"checks {e['checks_exact']}/{e['checks_total']} exact")
         for c in bad:
             lines.append(f"    MISMATCH {c['layer']} {c['what']}: counted {c['counted']} "
                          f"analytic {c['analytic']}")
@@ -162,27 +275,98 @@ def _summary(payload) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def _counted_plot(results, path, args):
+    from megatron_mvmoe.analysis.plots import plot_link_bytes
+
+    panels = {}
+    for e in results:
+        per_layer = e.get("link_bytes_mean") or {}
+        if per_layer:
+            first = per_layer[sorted(per_layer)[0]]
+            title = f"EP={e['ep']}, {_counted_node(args, e['ep'])} ranks per node"
+            panels.setdefault(title, []).append(
+                {"label": f"{e['semantics']} {e['variant']}", **first})
+    return plot_link_bytes(panels, path, "tiny GPT, first MoE layer: forward dispatch bytes "
+                           "per rank (analytic = counted)")
+
+
+def main_counted(args) -> int:
     from megatron_mvmoe.testing.spawn import run_distributed
 
     start = time.time()
     results = []
     for ep in args.ep:
         per_rank = run_distributed(_rank, ep, timeout_s=args.timeout, args=(args,))
-        results += _combine(ep, per_rank)
+        results += _combine(ep, per_rank, args)
     payload = {"results": results, "ratios": _ratios(results),
                "all_exact": all(e.get("all_exact", True) for e in results),
                "wall_s": round(time.time() - start, 1),
                "command": " ".join(["python", "tools/a2a_volume.py", *sys.argv[1:]])}
     if args.plot:
-        from megatron_mvmoe.analysis.plots import plot_volume
-
-        rows = [{"label": f"EP{e['ep']} {e['dispatcher']} {e['variant']}",
-                 "bytes": e["analytic_tokens_in"]} for e in results if "rows" in e]
-        payload["plot"] = plot_volume(rows, args.plot, "dispatch bytes per rank per MoE layer")
+        payload["plot"] = _counted_plot(results, args.plot, args)
     tool_common.emit(payload, args.json, _summary(payload))
     return 0 if payload["all_exact"] else 1
+
+
+# ---- scale mode ------------------------------------------------------------------------------
+def main_scale(args) -> int:
+    from megatron_mvmoe.analysis import a2a_report
+    from megatron_mvmoe.analysis.a2a_scale import ScaleConfig, config_dict, scale_rows
+    from megatron_mvmoe.analysis.link_time import LinkSpec
+
+    if "checkpoint" in args.routing and not args.checkpoint:
+        return _fail("--routing checkpoint needs --checkpoint DIR (e.g. "
+                     "runs/main_job/checkpoints from `make run`)")
+    start = time.time()
+    payload = {"mode": "scale", "runs": [],
+               "command": " ".join(["python", "tools/a2a_volume.py", *sys.argv[1:]])}
+    links = LinkSpec(args.nvlink_gbps, args.network_gbps)
+    for routing in args.routing:
+        shares = None
+        if routing == "checkpoint":
+            shares, payload["checkpoint"] = _checkpoint_profile(args)
+        cfg = ScaleConfig(tuple(args.gpus), args.gpus_per_node or 8, args.micro_batch_size,
+                          routing="profile" if routing == "checkpoint" else routing,
+                          load=args.load, shares=shares, links=links,
+                          achieved_tflops=args.achieved_tflops, seed=args.seed)
+        rows = scale_rows(cfg, _progress)
+        payload["runs"].append({"routing": routing, "config": config_dict(cfg), "rows": rows})
+    payload["wall_s"] = round(time.time() - start, 1)
+    if args.plot:
+        payload["plot"] = a2a_report.plot(payload, args.plot)
+    if args.markdown:
+        payload["markdown"] = a2a_report.write_page(payload, args.markdown, args.counted_json)
+    tool_common.emit(payload, args.json, a2a_report.text_summary(payload))
+    return 0
+
+
+def _checkpoint_profile(args):
+    from megatron_mvmoe.analysis.a2a_scale import tiny_real_routing_rows
+    from megatron_mvmoe.analysis.checkpoint_routing import checkpoint_routing, load_profile
+
+    _progress(f"routing held-out text through {args.checkpoint}")
+    found = checkpoint_routing(args.checkpoint, args.heldout_batches, seed=args.seed)
+    shares = load_profile(found["maps"])
+    tiny = tiny_real_routing_rows(found["maps"], found["hidden"], found["latent"],
+                                  found["views"])
+    info = {k: found[k] for k in ("variant", "data")}
+    info["path"] = args.checkpoint
+    info.update(tokens=int(next(iter(found["maps"].values())).shape[0]),
+                load_profile=shares, tiny_real_routing=tiny)
+    return shares, info
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return main_scale(args) if args.scale else main_counted(args)
+    except ValueError as err:
+        return _fail(str(err))
 
 
 if __name__ == "__main__":

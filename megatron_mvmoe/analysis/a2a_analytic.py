@@ -23,6 +23,8 @@ sends T rows of width W (D, L or D/H with T*H rows); Multi-View there would need
 "expanded tokens" (T*k pseudo-tokens), k times more, so the layer refuses it: the figure
 is reported (note="refused") to state that cost.
 Probs travel with the tokens in the alltoall dispatcher: one fp32 value per row.
+Per-destination figures (which rank sends what to whom, split intra / inter-node) and the
+deduplicating semantics (per destination rank / node) are in analysis.dispatch_semantics.
 """
 
 from __future__ import annotations

@@ -15,15 +15,20 @@ output_bytes (this rank's buffers), self_bytes (the part of an all-to-all kept b
 group_size, dtype, shape (of the input), layer (module name of the MoE layer, or None when
 the call happened outside a dispatcher), phase (the dispatcher method: dispatch_preprocess,
 token_dispatch, dispatch_postprocess, combine_preprocess, token_combine), direction ("fwd" or
-"bwd") and payload ("tokens" float rows; "probs": a float vector, or the allgather
-dispatcher's dense [T, E] probs; "metadata": int/bool).
+"bwd"), payload ("tokens" float rows; "probs": a float vector, or the allgather
+dispatcher's dense [T, E] probs; "metadata": int/bool), and for all_to_all_single
+peer_bytes (input bytes for each rank of the group) with group_ranks, from which
+analysis.volume splits a rank's bytes into self / intra-node / inter-node.
 
 Design choices:
 - Counting happens at torch.distributed itself (the functions are wrapped for the duration of
   the context, including the aliases Megatron binds at import time), so what is counted is
   what was sent, not what a formula says; results are unchanged (the wrappers only read
   sizes, the autograd markers are identities).
-- Attribution: the dispatcher phase methods are wrapped; in forward a label is active while
+- Attribution: the dispatcher phase methods are wrapped, the ones each dispatcher class
+  declares (`counted_phases`; Megatron's classes: their five phases), found on the classes
+  of the model's own dispatchers, so a new entry point cannot go unattributed; in
+  forward a label is active while
   the method runs; for backward, identity autograd markers on the method's tensor outputs
   set the label when their gradient arrives (just before the collective's backward) and the
   markers on its inputs clear it (just after).
@@ -44,8 +49,10 @@ import torch.distributed as dist
 
 _DIST_OPS = ("all_to_all_single", "all_gather_into_tensor", "_all_gather_base", "all_gather",
              "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter")
-_PHASES = ("dispatch_preprocess", "dispatch_preprocess_rows", "token_dispatch",
-           "dispatch_postprocess", "combine_preprocess", "token_combine")
+_MEGATRON_PHASES = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
+                    "combine_preprocess", "token_combine")
+"""Phase methods of Megatron's own dispatcher classes (which cannot declare them); our
+dispatchers declare theirs in a `counted_phases` class attribute."""
 
 
 @dataclass
@@ -61,6 +68,10 @@ class CollectiveRecord:
     phase: Optional[str]
     direction: Optional[str]
     payload: str
+    peer_bytes: Tuple[int, ...] = ()
+    """all_to_all_single: input bytes for each rank of the group, in group order."""
+    group_ranks: Tuple[int, ...] = ()
+    """Global ranks of the group (peer_bytes[i] goes to group_ranks[i])."""
 
 
 class CollectiveCounter:
@@ -95,9 +106,13 @@ class CollectiveCounter:
             if op == "all_to_all_single" else 0
         layer, phase, direction = self._label()
         hint = self._hints.get((layer, phase))
+        peers = _peer_bytes(first, size, input_splits) if op == "all_to_all_single" else ()
+        group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None \
+            else tuple(range(size))
         self.records.append(CollectiveRecord(
             op, in_bytes, out_bytes, self_bytes, size, str(first.dtype).replace("torch.", ""),
-            tuple(first.shape), layer, phase, direction, _payload(first, hint)))
+            tuple(first.shape), layer, phase, direction, _payload(first, hint), peers,
+            group_ranks))
 
     def _label(self):
         if self._forward_labels:
@@ -134,6 +149,12 @@ def _self_bytes(inp: torch.Tensor, size: int, rank: int, splits) -> int:
     row_bytes = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
     rows = inp.shape[0] // size if splits is None else int(list(splits)[rank])
     return rows * row_bytes
+
+
+def _peer_bytes(inp: torch.Tensor, size: int, splits) -> Tuple[int, ...]:
+    row_bytes = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
+    rows = [inp.shape[0] // size] * size if splits is None else [int(x) for x in splits]
+    return tuple(r * row_bytes for r in rows)
 
 
 def _payload(t: torch.Tensor, hint) -> str:
@@ -215,13 +236,34 @@ def _wrap_phase(counter: CollectiveCounter, phase: str, original):
     return wrapped
 
 
-def _dispatcher_classes():
+def _default_dispatcher_classes():
     from megatron.core.transformer.moe import token_dispatcher as td
 
+    from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
     from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
 
     return [td.MoEAlltoAllTokenDispatcher, td.MoEAllGatherTokenDispatcher,
-            PerRowAlltoAllTokenDispatcher]
+            PerRowAlltoAllTokenDispatcher, DedupAlltoAllTokenDispatcher]
+
+
+def declared_phases(cls) -> Tuple[str, ...]:
+    """The phase methods `cls` itself defines and declares: `counted_phases` in its own
+    body, or Megatron's phase names for Megatron's classes."""
+    declared = cls.__dict__.get("counted_phases")
+    if declared is None and cls.__module__.startswith("megatron.core"):
+        declared = _MEGATRON_PHASES
+    return tuple(name for name in (declared or ()) if name in cls.__dict__)
+
+
+def _dispatcher_classes(model: Optional[torch.nn.Module]):
+    """Every class (with its bases) of the model's dispatchers, and the known ones."""
+    found = list(_default_dispatcher_classes())
+    if model is not None:
+        for module in model.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if dispatcher is not None:
+                found += type(dispatcher).__mro__
+    return list(dict.fromkeys(found))
 
 
 @contextlib.contextmanager
@@ -245,10 +287,9 @@ def count_collectives(model: Optional[torch.nn.Module] = None):
         for alias in ("dist_all_gather_func", "dist_reduce_scatter_func"):
             original = getattr(mappings, alias)
             patch(mappings, alias, _wrap_dist_op(counter, original.__name__, original))
-        for cls in _dispatcher_classes():
-            for phase in _PHASES:
-                if phase in cls.__dict__:
-                    patch(cls, phase, _wrap_phase(counter, phase, cls.__dict__[phase]))
+        for cls in _dispatcher_classes(model):
+            for phase in declared_phases(cls):
+                patch(cls, phase, _wrap_phase(counter, phase, cls.__dict__[phase]))
         yield counter
     finally:
         for owner, attr, original in reversed(saved):

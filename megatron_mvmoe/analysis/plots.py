@@ -121,3 +121,29 @@ def plot_volume(rows: Sequence[Dict], path: str, title: str) -> str:
     ax.set_xlabel("bytes per rank per step")
     ax.set_title(title)
     return _save(plt, fig, path)
+
+
+def plot_link_bytes(panels: Mapping[str, Sequence[Dict]], path: str, title: str,
+                    columns: int = 3) -> str:
+    """Stacked intra-node / inter-node bytes: panel title -> rows of {'label', 'intra',
+    'inter'} (bytes), one bar per row, a grid of panels."""
+    plt = _pyplot()
+    names = list(panels)
+    cols = min(columns, max(len(names), 1))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        entries = panels[name]
+        labels = [e["label"] for e in entries]
+        intra = [e["intra"] / 1e6 for e in entries]
+        inter = [e["inter"] / 1e6 for e in entries]
+        ax.bar(labels, intra, label="intra-node (NVLink)", color="#4c72b0")
+        ax.bar(labels, inter, bottom=intra, label="inter-node (network)", color="#dd8452")
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("MB per rank per layer")
+        ax.tick_params(axis="x", labelrotation=75, labelsize=6)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return _save(plt, fig, path)

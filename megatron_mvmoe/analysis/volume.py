@@ -18,6 +18,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
+import torch
+
 from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes, group_total_bytes
 
 Key = Tuple[str, str, str, str]
@@ -116,3 +118,41 @@ def per_layer_rows(per_rank: Sequence[Dict[str, Dict[Key, int]]]) -> List[dict]:
     ranks = max(len(per_rank), 1)
     return [{"layer": k[0], "phase": k[1], "direction": k[2], "payload": k[3], "op": k[4],
              "bytes_per_rank": v / ranks} for k, v in sorted(sums.items(), key=str)]
+
+
+# ---- dispatch semantics: counted bytes per destination link vs the analytic matrices ----
+PeerKey = Tuple[str, str, str]
+"""(phase, direction, payload) of the all-to-all token and float payloads."""
+
+
+def peer_counts(records) -> Dict[str, Dict[PeerKey, List[int]]]:
+    """layer -> {(phase, direction, payload): bytes this rank sent to each group rank}."""
+    out: Dict[str, Dict[PeerKey, List[int]]] = defaultdict(dict)
+    for r in records:
+        if r.layer is None or r.op != "all_to_all_single" or r.payload == "metadata":
+            continue
+        key = (r.phase, r.direction, r.payload)
+        current = out[r.layer].setdefault(key, [0] * len(r.peer_bytes))
+        out[r.layer][key] = [a + b for a, b in zip(current, r.peer_bytes)]
+    return dict(out)
+
+
+def semantic_checks(matrices, placement, per_rank: Sequence[Dict[PeerKey, List[int]]],
+                    layer: str = "") -> List[Check]:
+    """counted == analytic, per rank, (phase, direction, payload) and link (self / intra /
+    inter); `matrices` from dispatch_semantics.link_bytes, `per_rank` one layer's
+    peer_counts of every EP rank (EP rank = position in the group)."""
+    from megatron_mvmoe.analysis.dispatch_semantics import sent_by_link
+
+    out: List[Check] = []
+    for key in sorted(matrices):
+        analytic = sent_by_link(matrices[key], placement)
+        for rank, counts in enumerate(per_rank):
+            counted_row = torch.tensor(counts.get(key, [0] * placement.ep)).unsqueeze(0)
+            padded = torch.zeros(placement.ep, placement.ep, dtype=torch.long)
+            padded[rank] = counted_row
+            counted = sent_by_link(padded, placement)
+            for link in ("self", "intra", "inter"):
+                out.append(Check(layer, f"rank{rank} {' '.join(key)} {link}",
+                                 int(counted[link][rank]), int(analytic[link][rank])))
+    return out

@@ -111,6 +111,11 @@ class MultiViewMoELayer(LatentMoELayer):
         hidden_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
         views_TRL = self.fc1_latent_proj(hidden_TD, self.gamma())
         token_shape = (*hidden_states.shape[:-1], self.latent_size)
+        if hasattr(self.token_dispatcher, "dispatch_preprocess_views"):  # dedup dispatch:
+            # it sends blends or the views + weights per (token, destination), blending
+            # on arrival with the same arithmetic as expert_rows
+            return self.token_dispatcher.dispatch_preprocess_views(
+                views_TRL, mix_TSR, routing_map, probs, token_shape)
         if self.kernel_backend(views_TRL.device) == "triton":
             rows_NL, row_token_N = self.permuted_expert_rows(views_TRL, mix_TSR, topk_idx_TS)
             return self.token_dispatcher.dispatch_preprocess_permuted(

@@ -53,8 +53,12 @@ def permute_rows(
 class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """MoEAlltoAllTokenDispatcher whose permute gathers per-(token, slot) rows."""
 
+    counted_phases = ("dispatch_preprocess_rows", "dispatch_preprocess_permuted")
+    """Phase methods of this class the collective counter labels (analysis.a2a_counter);
+    the inherited ones are declared by Megatron's class there."""
+
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
-        _validate(config)
+        validate_per_row_config(config)
         super().__init__(num_local_experts, local_expert_indices, config=config,
                          pg_collection=pg_collection)
 
@@ -101,7 +105,8 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.hidden_shape_before_permute = torch.Size((num_tokens, latent))
 
 
-def _validate(config) -> None:
+def validate_per_row_config(config) -> None:
+    """The dropless, unfused, unpadded dispatch both per-row dispatchers need."""
     require(config.moe_expert_capacity_factor is None, "moe_expert_capacity_factor",
             "per-row dispatch is dropless (a dropped slot would still own a mixed row)",
             "leave moe_expert_capacity_factor None")

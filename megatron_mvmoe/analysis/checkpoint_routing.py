@@ -1,0 +1,56 @@
+"""A trained checkpoint's real routing on held-out text: per-layer routing maps and the
+load profile the scale model draws from (`checkpoint_routing`, `load_profile`).
+
+Design choices:
+- The model is opened by the analysis plumbing (`tool_common.open_spec`: the run's own
+  provider and `load_checkpoint`), routed on the run's held-out batches (real text when
+  the run has a data path) and probed with `moe_probe.probe_routing`, i.e. with the
+  layer's own router (MultiRouter's `route()` for Multi-View).
+- `load_profile` averages the layers' SORTED per-expert shares: a load shape independent
+  of which expert id is hot, which is what a model with another expert count can borrow.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+
+def _rank(rank, world_size, checkpoint: str, batches: int, batch_size: int, seed: int):
+    from megatron_mvmoe.analysis import model_access, moe_probe, tool_common
+
+    spec = tool_common.parse_model_spec(checkpoint)
+    opened = tool_common.open_spec(spec, tool_common.in_rank_setup())
+    layers = moe_probe.moe_layers(opened.model)
+    by_domain = model_access.heldout_batches(opened.run, batches, batch_size, seed)
+    maps = {key: [] for key in layers}
+    with torch.no_grad():
+        for batch in (b for d in sorted(by_domain) for b in by_domain[d]):
+            with moe_probe.capture_inputs(layers) as inputs:
+                model_access.gpt_token_nll(opened.model, batch)
+            for key, layer in layers.items():
+                maps[key].append(moe_probe.probe_routing(layer, inputs[key]).routing_map_TE)
+    config = opened.trainer.config
+    return {"source": opened.source, "variant": config.moe_variant,
+            "data": model_access.SYNTHETIC if "random" in by_domain else sorted(by_domain),
+            "hidden": config.hidden_size, "latent": config.latent_size,
+            "views": config.multi_view.num_views,
+            "maps": {str(k): torch.cat(v) for k, v in maps.items()}}
+
+
+def checkpoint_routing(checkpoint: str, batches: int = 4, batch_size: int = 2,
+                       seed: int = 0) -> dict:
+    """{source, variant, data, hidden, latent, views, maps: {layer: bool [T, E]}}."""
+    from megatron_mvmoe.analysis import tool_common
+
+    return tool_common.single_rank(_rank, checkpoint, batches, batch_size, seed)
+
+
+def load_profile(maps_by_layer: Dict[str, torch.Tensor]) -> List[float]:
+    """Mean over layers of the sorted (descending) per-expert shares of assignments."""
+    profiles = []
+    for map_TE in maps_by_layer.values():
+        load_E = map_TE.long().sum(0).double()
+        profiles.append(torch.sort(load_E / load_E.sum(), descending=True).values)
+    return torch.stack(profiles).mean(0).tolist()

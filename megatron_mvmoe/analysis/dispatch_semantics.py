@@ -1,0 +1,228 @@
+"""Analytic bytes of one MoE layer's dispatch and combine under three dispatch semantics,
+per (source rank, destination rank), from the routing maps of every EP rank:
+`link_bytes(maps_PTE, placement, payload, semantics)`.
+
+Legend: P EP ranks, T tokens per rank, E experts, El experts per rank, N nodes, G EP ranks
+per node, W row width, K views, n = selected experts of one token on one destination.
+
+Semantics (what one token costs on its way to a destination):
+- "row" (Megatron's alltoall dispatcher): one row per (token, selected expert), n rows to a
+  rank hosting n of its experts; the combine sends the n expert outputs back.
+- "rank" (DeepEP intranode): one copy per (token, destination rank); the destination runs
+  its n experts on it and sums their (gated) outputs, so the combine sends one row back.
+- "node" (HybridEP / DeepEP internode): hop 1 sends one copy per (token, destination node)
+  over the network to the node's proxy (`EpPlacement.proxy`); hop 2 forwards one copy per
+  (token, destination rank) inside the node over NVLink; the combine reduces at the rank
+  and at the proxy, one row per hop and pair.
+
+Payload kinds (what one (token, destination) pair sends when it hosts n experts):
+- "token": one shared row (baseline, Multi-Router, SMoE).
+- "multi_view": Multi-View with dedup: n blended rows, or the K views plus n x K mixing
+  weights when that is strictly smaller (`views_are_cheaper`). In the node semantic a pair
+  that crossed the network as blends can only forward blends; one that crossed as views is
+  decided again per rank at the proxy. In the row semantic it is one blended row per
+  (token, expert): the baseline's rows.
+- "naive_multi_view": the K views per pair (per (token, expert) row under "row") and the
+  mixing weights, always (mixed after dispatch).
+
+Payloads on the wire: "tokens" (rows of W elements of `dtype_bytes`) and "probs" (one
+routing probability per (token, expert) and hop, plus the mixing weights, floats). The
+backward sends the gradients of the same tensors in reverse: its matrix is the transpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+from megatron_mvmoe.analysis.placement import LINKS, EpPlacement
+
+SEMANTICS = ("row", "rank", "node")
+KINDS = ("token", "multi_view", "naive_multi_view")
+Key = Tuple[str, str, str]
+"""(phase: token_dispatch | token_combine, direction: fwd | bwd, payload: tokens | probs)."""
+
+
+@dataclass(frozen=True)
+class PayloadShape:
+    """What one dispatched row and its companions cost."""
+
+    width: int
+    """W: elements of a dispatched row (D for SMoE, L for the latent variants)."""
+    kind: str = "token"
+    """One of KINDS."""
+    views: int = 1
+    """K: views per token (Multi-View)."""
+    dtype_bytes: int = 2
+    """Bytes per row element (2 for bf16, 4 for fp32)."""
+    probs_bytes: int = 4
+    """Bytes per routing probability."""
+    weight_bytes: int = 4
+    """Bytes per mixing weight."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: unknown {self.kind!r}. Fix: use one of {KINDS}")
+        if self.kind != "token" and self.views < 1:
+            raise ValueError(f"views: {self.kind} needs views >= 1, got {self.views}")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * self.dtype_bytes
+
+
+def views_are_cheaper(n, views: int, width: int, dtype_bytes: int, weight_bytes: int):
+    """True where K views + n*K weights are strictly smaller than n blended rows (the rule
+    the dedup dispatcher applies per (token, destination); ties send blends)."""
+    return views * width * dtype_bytes + n * views * weight_bytes < n * width * dtype_bytes
+
+
+def _pair_cost(n: torch.Tensor, shape: PayloadShape, views_allowed=None):
+    """(rows, weights) one (token, destination) pair sends for n experts there (0 if n = 0).
+
+    views_allowed: for node hop 2, where False the pair arrived as blends (rows only)."""
+    present = n > 0
+    if shape.kind == "token":
+        return present.long(), torch.zeros_like(n)
+    if shape.kind == "naive_multi_view":
+        return present.long() * shape.views, n * shape.views
+    views = views_are_cheaper(n, shape.views, shape.width, shape.dtype_bytes,
+                              shape.weight_bytes) & present
+    if views_allowed is not None:
+        views = views & views_allowed
+    return torch.where(views, shape.views, n), torch.where(views, n * shape.views, 0)
+
+
+def _row_cost(n: torch.Tensor, shape: PayloadShape):
+    """(rows, weights) of n per-(token, expert) rows (the row semantic)."""
+    if shape.kind == "naive_multi_view":
+        return n * shape.views, n * shape.views
+    return n, torch.zeros_like(n)
+
+
+class _Matrices:
+    """Accumulates [P, P] byte matrices (source sends to destination) per forward key."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.m = {k: torch.zeros(ranks, ranks, dtype=torch.long) for k in (
+            ("token_dispatch", "tokens"), ("token_dispatch", "probs"),
+            ("token_combine", "tokens"))}
+
+    def add(self, phase: str, payload: str, source: int, dests, bytes_):
+        self.m[(phase, payload)][source, dests] += bytes_
+
+    def with_backward(self) -> Dict[Key, torch.Tensor]:
+        out = {}
+        for (phase, payload), matrix in self.m.items():
+            out[(phase, "fwd", payload)] = matrix
+            out[(phase, "bwd", payload)] = matrix.T.contiguous()
+        return out
+
+
+def _experts_per_dest(maps_PTE: torch.Tensor, placement: EpPlacement) -> torch.Tensor:
+    """n[s, t, q]: experts of token t of rank s hosted on rank q."""
+    ranks, tokens, _ = maps_PTE.shape
+    return maps_PTE.reshape(ranks, tokens, ranks, placement.experts_per_rank).sum(-1)
+
+
+def link_bytes(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadShape,
+               semantics: str) -> Dict[Key, torch.Tensor]:
+    """Bytes rank s hands to the collective for rank q: {(phase, direction, payload): [P, P]}.
+
+    maps_PTE: the bool routing map of every EP rank (P, T tokens each, E experts)."""
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics: unknown {semantics!r}. Fix: use one of {SEMANTICS}")
+    if maps_PTE.dim() != 3 or maps_PTE.shape[0] != placement.ep or \
+            maps_PTE.shape[2] != placement.num_experts:
+        raise ValueError(f"maps_PTE: expected [{placement.ep}, T, {placement.num_experts}], "
+                         f"got {tuple(maps_PTE.shape)}. Fix: stack one routing map per EP rank")
+    n_PTQ = _experts_per_dest(maps_PTE, placement)
+    acc = _Matrices(placement.ep)
+    if semantics == "node":
+        _node_hops(n_PTQ, placement, shape, acc)
+        return acc.with_backward()
+    for source in range(placement.ep):
+        n_TQ = n_PTQ[source]
+        rows, weights = (_row_cost(n_TQ, shape) if semantics == "row"
+                         else _pair_cost(n_TQ, shape))
+        combine_rows = n_TQ if semantics == "row" else (n_TQ > 0).long()
+        dests = torch.arange(placement.ep)
+        acc.add("token_dispatch", "tokens", source, dests, rows.sum(0) * shape.row_bytes)
+        acc.add("token_dispatch", "probs", source, dests, n_TQ.sum(0) * shape.probs_bytes
+                + weights.sum(0) * shape.weight_bytes)
+        # the combine goes the other way: rank q sends to the source
+        acc.m[("token_combine", "tokens")][dests, source] += (
+            combine_rows.sum(0) * shape.row_bytes)
+    return acc.with_backward()
+
+
+def _node_hops(n_PTQ: torch.Tensor, placement: EpPlacement, shape: PayloadShape,
+               acc: _Matrices) -> None:
+    ranks, tokens, _ = n_PTQ.shape
+    per_node = placement.ranks_per_node
+    n_PTBG = n_PTQ.reshape(ranks, tokens, placement.nodes, per_node)
+    for source in range(ranks):
+        for node in range(placement.nodes):
+            proxy = placement.proxy(source, node)
+            members = torch.arange(node * per_node, (node + 1) * per_node)
+            n_TG = n_PTBG[source, :, node]
+            n_T = n_TG.sum(-1)
+            rows1, weights1 = _pair_cost(n_T, shape)
+            acc.add("token_dispatch", "tokens", source, proxy, int(rows1.sum()) * shape.row_bytes)
+            acc.add("token_dispatch", "probs", source, proxy, int(n_T.sum()) * shape.probs_bytes
+                    + int(weights1.sum()) * shape.weight_bytes)
+            acc.m[("token_combine", "tokens")][proxy, source] += (
+                int((n_T > 0).sum()) * shape.row_bytes)
+            arrived_as_views = (weights1 > 0).unsqueeze(1) if shape.kind == "multi_view" else None
+            rows2, weights2 = _pair_cost(n_TG, shape, arrived_as_views)
+            acc.add("token_dispatch", "tokens", proxy, members, rows2.sum(0) * shape.row_bytes)
+            acc.add("token_dispatch", "probs", proxy, members, n_TG.sum(0) * shape.probs_bytes
+                    + weights2.sum(0) * shape.weight_bytes)
+            acc.m[("token_combine", "tokens")][members, proxy] += (
+                (n_TG > 0).sum(0) * shape.row_bytes)
+
+
+def sent_by_link(matrix_PP: torch.Tensor, placement: EpPlacement) -> Dict[str, torch.Tensor]:
+    """Per rank: bytes it sends to itself / inside its node / to other nodes ([P] each)."""
+    ranks = torch.arange(placement.ep)
+    node = ranks // placement.ranks_per_node
+    same_node = node.unsqueeze(1) == node.unsqueeze(0)
+    is_self = torch.eye(placement.ep, dtype=torch.bool)
+    masks = {"self": is_self, "intra": same_node & ~is_self, "inter": ~same_node}
+    return {link: (matrix_PP * masks[link]).sum(1) for link in LINKS}
+
+
+def received_by_link(matrix_PP: torch.Tensor, placement: EpPlacement) -> Dict[str, torch.Tensor]:
+    """Per rank: bytes it receives, by link (the transpose's sends)."""
+    return sent_by_link(matrix_PP.T, placement)
+
+
+def payload_for_variant(variant: str, hidden: int, latent, views: int = 1,
+                        dtype_bytes: int = 2, naive: bool = False) -> PayloadShape:
+    """The PayloadShape of a model variant (smoe, latent, multi_router, multi_view)."""
+    if variant == "smoe":
+        return PayloadShape(hidden, dtype_bytes=dtype_bytes)
+    if variant not in ("latent", "multi_router", "multi_view"):
+        raise ValueError(f"variant: no dispatch-semantics model for {variant!r}. Fix: use "
+                         "smoe, latent, multi_router or multi_view")
+    if variant != "multi_view" or views == 1:
+        return PayloadShape(latent, dtype_bytes=dtype_bytes)
+    return PayloadShape(latent, "naive_multi_view" if naive else "multi_view", views,
+                        dtype_bytes=dtype_bytes)
+
+
+def allgather_link_bytes(placement: EpPlacement, tokens: int, shape: PayloadShape,
+                         rows_per_token: int = 1) -> Dict[Key, torch.Tensor]:
+    """The allgather dispatcher as [P, P] matrices: every rank's rows (and dense [T, E]
+    fp32 probs) reach every rank, and the combine reduce-scatters the same amount back.
+    `rows_per_token` = k for Multi-View's expanded tokens (refused by the layer)."""
+    ranks = placement.ep
+    ones = torch.ones(ranks, ranks, dtype=torch.long)
+    rows = ones * tokens * rows_per_token * shape.row_bytes
+    probs = ones * tokens * rows_per_token * placement.num_experts * shape.probs_bytes
+    return {("token_dispatch", "fwd", "tokens"): rows, ("token_dispatch", "fwd", "probs"): probs,
+            ("token_dispatch", "bwd", "tokens"): rows, ("token_combine", "fwd", "tokens"): rows,
+            ("token_combine", "bwd", "tokens"): rows}

@@ -1,0 +1,47 @@
+"""The collective counter labels the phases each dispatcher class declares: the Triton
+path's `dispatch_preprocess_permuted` (its metadata all-gather) is attributed, not lost."""
+
+import importlib.util
+
+import pytest
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from megatron_mvmoe.analysis.a2a_counter import count_collectives, declared_phases
+from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
+from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
+from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
+from megatron_mvmoe.testing.spawn import run_distributed
+
+from layer_utils import build_layer, global_input, global_weights, load_global_weights, \
+    mv_config
+
+
+def test_classes_declare_their_phases():
+    assert declared_phases(PerRowAlltoAllTokenDispatcher) == (
+        "dispatch_preprocess_rows", "dispatch_preprocess_permuted")
+    assert "dispatch_preprocess_views" in declared_phases(DedupAlltoAllTokenDispatcher)
+    assert declared_phases(MoEAlltoAllTokenDispatcher) == (
+        "dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
+        "token_combine")
+
+
+def _triton_worker(rank, world_size):
+    pgs = initialize_layout(ParallelLayout(ep=world_size))
+    config = mv_config("multi_view", expert_model_parallel_size=world_size)
+    config.multi_view.kernels = "triton"
+    layer = build_layer(config, pgs)
+    load_global_weights(layer, global_weights(config))
+    x = global_input(config.hidden_size, seed=rank).requires_grad_(True)
+    with count_collectives(layer) as counter:
+        out, _ = layer(x)
+        out.sum().backward()
+    return [(r.layer, r.phase, r.direction, r.payload) for r in counter.records]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_path_metadata_collective_is_attributed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # set before triton loads in the child
+    for records in run_distributed(_triton_worker, 2, timeout_s=300, start_method="spawn"):
+        assert records and all(layer is not None for layer, *_ in records), records
+        assert ("dispatch_preprocess_permuted", "fwd", "metadata") in {
+            (phase, direction, payload) for _, phase, direction, payload in records}
