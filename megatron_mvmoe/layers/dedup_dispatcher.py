@@ -42,7 +42,7 @@ from megatron.core.tensor_parallel.mappings import all_to_all
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_mvmoe.analysis.dispatch_semantics import views_are_cheaper
-from megatron_mvmoe.layers.errors import require
+from megatron_mvmoe.errors import require
 from megatron_mvmoe.layers.per_row_dispatcher import validate_per_row_config
 from megatron_mvmoe.views import mix_views
 
