@@ -93,6 +93,9 @@ class ParallelSection:
     """Virtual pipeline chunks per rank (interleaved 1F1B), or None."""
     distributed_timeout_seconds: float = 120.0
     """Collective timeout: a dead rank makes the others fail after at most this long."""
+    world_size: Optional[int] = None
+    """GPUs this layout is written for (tools/plan.py plans it); a launch with another world
+    size is refused. None = any world size the layout divides."""
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp)
@@ -245,6 +248,10 @@ class RunConfig:
                  f"must be > 0, got {m.gate_scale}", "use 1.0 for plain normalised gates")
 
     def _validate_layout(self, world_size: int, num_layers, num_experts) -> None:
+        planned = self.parallel.world_size
+        _require(planned is None or planned == world_size, "parallel.world_size",
+                 f"the config is written for {planned} ranks but {world_size} were launched",
+                 f"launch {planned} ranks or change parallel.world_size")
         layout = self.parallel.layout()
         layout.validate(world_size, num_layers, num_experts)
         dp = layout.data_parallel_size(world_size)
