@@ -22,6 +22,7 @@ import yaml
 from megatron_mvmoe.config import KERNEL_BACKENDS
 from megatron_mvmoe.models.warm_start import NEW_HEADS as WARM_START_NEW_HEADS
 from megatron_mvmoe.parallel import ParallelLayout
+from megatron_mvmoe.training.schedule_rule import validate_switches
 
 
 def _require(ok: bool, field_name: str, problem: str, fix: str) -> None:
@@ -156,6 +157,12 @@ class TrainingSection:
     """Checkpoint root to resume from (its `latest` pointer), or None."""
     load_optimizer: bool = True
     """Also restore optimizer, scheduler, step and data position (False = weights only)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, use this run's LR/WD schedule (lr, min_lr, warmup, decay length from
+    train_iters / decay_iters, weight decay) at the checkpoint's step (Megatron-LM's flag)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's schedule (also what happens with neither flag; a
+    warning names the fields of this run that differ). See training/schedule_rule.py."""
     ckpt_optimizer_format: str = "dp_reshardable"
     """Distributed-optimizer checkpoint format: dp_reshardable (each DP shard saved as is;
     loads at another DP size, but a TP/PP/EP change restarts the Adam moments) or
@@ -232,6 +239,7 @@ class RunConfig:
                  f"unknown {t.warm_start_new_heads!r}",
                  f"use one of {WARM_START_NEW_HEADS} (--warm-start-new-heads)")
         self._validate_model_switches()
+        validate_switches(t)
         _require(self.data.kind in ("indexed", "tokens"), "data.kind",
                  f"unknown {self.data.kind!r}", "use indexed or tokens")
         _require(self.parallel.distributed_timeout_seconds > 0,
