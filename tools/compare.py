@@ -29,6 +29,7 @@ tools/preprocess_data.py (BPE), so one command goes from nothing to the table:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -125,7 +126,8 @@ def _train(rank, world_size, run):
 
     pg = tool_common.in_rank_setup()
     start = time.perf_counter()
-    result = pretrain(run, pg)
+    with contextlib.redirect_stdout(sys.stderr):  # the trainer's step lines: progress, and
+        result = pretrain(run, pg)                 # stdout stays pure JSON under --json
     return {"losses": [float(x) for x in result.losses], "eval": dict(result.eval),
             "first_step": result.first_step, "tokens_per_second": result.tokens_per_second,
             "wall_s": round(time.perf_counter() - start, 1)}
@@ -153,8 +155,8 @@ def _write(out_dir, suite, payload, results, variants, smooth=25):
                  f"Wall time: {payload['wall_s']} s in this invocation, "
                  f"{sum(walls):.0f} s of training over {len(walls)} runs in all "
                  f"({sum(walls) / max(1, len(walls)):.0f} s per run; 1 gloo rank each, "
-                 f"2 shared CPU cores; runs from earlier invocations are reused from "
-                 f"`{payload['runs_dir']}`){_data_line(payload)}. Setup: {payload['setup']}\n\n"
+                 f"2 shared CPU cores{_reuse_line(payload)}){_data_line(payload)}. "
+                 f"Setup: {payload['setup']}\n\n"
                  "Held-out perplexity, mean ± std over seeds. Unpaired: 'inside seed noise' "
                  "= within 2 standard errors. Paired: per-seed differences (same data order), "
                  "95 % t interval, and the smallest difference the design detects at 80 % "
@@ -165,6 +167,13 @@ def _write(out_dir, suite, payload, results, variants, smooth=25):
                  f"{orderings_table(payload['orderings'])}\nLoss curves: "
                  f"`{os.path.basename(plot)}`\n")
     return base
+
+
+def _reuse_line(payload) -> str:
+    if "runs_dir" not in payload:  # written by the harness before the run store existed
+        return "; re-rendered with --render-only from the runs this command trained"
+    return (f"; {len(payload.get('reused', []))} runs reused from earlier invocations "
+            f"via `{payload['runs_dir']}`")
 
 
 def _data_line(payload) -> str:
@@ -184,8 +193,11 @@ def _render_only(args, chosen) -> int:
         return tool_common.fail(f"--render-only: {path} not found. Fix: run the suite first")[0]
     with open(path) as fh:
         payload = json.load(fh)
-    results = {v.name: [payload["runs"][k] for k in sorted(payload["runs"])
-                        if k.split("/")[0] == v.name] for v in chosen}
+    for key, run in payload["runs"].items():  # tables written before runs carried a seed
+        run.setdefault("seed", int(key.split("/seed")[1]))
+    results = {v.name: sorted((run for key, run in payload["runs"].items()
+                               if key.split("/")[0] == v.name), key=lambda r: r["seed"])
+               for v in chosen}
     base = _write(args.out_dir, args.suite, payload, results, chosen, args.smooth)
     tool_common.emit(payload, args.json, open(base + ".md").read())
     return 0
