@@ -67,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-iters", type=int, default=0,
                    help="held-out microbatches per domain; 0 = the whole valid split of the "
                         "smallest domain (indexed data only)")
-    p.add_argument("--out-dir", default="examples/results")
+    p.add_argument("--out-dir", default="examples/results",
+                   help="where compare_<suite>.md/.json/_loss.png are written")
     p.add_argument("--runs-dir", default="runs/compare",
                    help="resumable store of finished runs (one JSON per run)")
     p.add_argument("--fresh", action="store_true",
@@ -82,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--smooth", type=int, default=25, help="loss-curve moving-average window")
     p.add_argument("--render-only", action="store_true",
                    help="re-write the table and PNG from OUT_DIR/compare_<suite>.json, no training")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print the payload (runs, orderings, errors) as JSON on stdout")
     return p.parse_args(argv)
 
 

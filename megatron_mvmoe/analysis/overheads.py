@@ -76,9 +76,9 @@ def overhead_lines(report: Dict) -> list:
     lines = [f"overheads vs {report['baseline']} ({report['baseline_total'] / 1e9:.3f} B):"]
     for name, row in report["variants"].items():
         paper = ("" if row["paper_percent"] is None else
-                 f"; paper {row['paper_percent']:.2f} % "
-                 f"({'within' if row['matches_paper'] else 'NOT within'} "
-                 f"{PAPER_TOLERANCE_POINTS} points)")
-        lines.append(f"  {name} (R/H = {row['heads']}): +{row['extra'] / 1e6:.2f} M "
-                     f"= {row['percent']:.3f} %{paper}")
+                 f"; paper (its 10B-A1B) {row['paper_percent']:.2f} %: ours is "
+                 f"{'within' if row['matches_paper'] else 'NOT within'} "
+                 f"{PAPER_TOLERANCE_POINTS} points")
+        lines.append(f"  {name} (R/H = {row['heads']}): {row['extra']:+,} parameters "
+                     f"= {row['percent']:+.3f} %{paper}")
     return lines if report["variants"] else []

@@ -62,6 +62,15 @@ def test_overheads_against_naive_count():
     assert mh["variants"]["mh_moe"]["extra"] == mh_shape.num_layers * per_layer
 
 
+def test_every_documented_10b_layout_divides():
+    from megatron_mvmoe.analysis.plan import check_layout
+    from megatron_mvmoe.models.presets import LAYOUTS_10B
+
+    m = resolve_model(ModelSection(preset="mvmoe_10b_a1b"))
+    for world, sizes in LAYOUTS_10B.items():
+        check_layout(m, Layout(world_size=world, global_batch_size=1024, **sizes))
+
+
 def test_world_size_sources_and_refusals(tmp_path):
     assert planned_world_size("x/cfg_64gpu.yaml", None, None) == 64
     assert planned_world_size("x/cfg.yaml", 16, None) == 16
