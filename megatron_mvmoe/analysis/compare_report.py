@@ -166,4 +166,9 @@ def _verdict(cell: Cell, ref: Cell) -> str:
 
 
 def loss_curves(results: Mapping[str, Sequence[Mapping]]) -> Dict[str, List[List[float]]]:
-    return {name: [run["losses"] for run in runs] for name, runs in results.items() if runs}
+    """label -> per-seed loss curves from step 1. A run resumed from a checkpoint (first_step
+    > 1) holds only its last segment's losses and is left out of the curves (its held-out
+    figures and final-loss column are whole)."""
+    curves = {name: [run["losses"] for run in runs if run.get("first_step", 1) == 1]
+              for name, runs in results.items()}
+    return {name: runs for name, runs in curves.items() if runs}

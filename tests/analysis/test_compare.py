@@ -87,6 +87,14 @@ def test_orderings_pair_by_seed_and_say_what_appears():
     assert "| good < base | p | -0.94 |" in table and table.count("\n") == 7
 
 
+def test_loss_curves_leave_out_runs_resumed_mid_way():
+    from megatron_mvmoe.analysis.compare_report import loss_curves
+
+    curves = loss_curves({"a": [{"losses": [3, 2, 1]}, {"losses": [1.5], "first_step": 3}],
+                          "b": [{"losses": [1.0], "first_step": 3}]})
+    assert curves == {"a": [[3, 2, 1]]}
+
+
 def test_run_store_is_resumable_and_keyed_by_setup(tmp_path):
     from megatron_mvmoe.analysis.compare_store import RunStore, run_key
 
@@ -163,6 +171,32 @@ def test_compare_tool_tiny(tmp_path, capsys):
                                                      "multi_view/seed1"]
     assert again["runs"]["latent/seed1"]["eval"] == payload["runs"]["latent/seed1"]["eval"]
     assert again["runs"]["multi_view/seed2"]["eval"] == payload["runs"]["multi_view/seed2"]["eval"]
+
+
+def test_compare_run_killed_mid_way_resumes_from_its_checkpoint(tmp_path, capsys):
+    import compare
+
+    data = tmp_path / "tok"
+    data.mkdir()
+    gen = np.random.default_rng(1)
+    for split in ("train", "valid"):
+        np.save(data / f"books_{split}.npy", gen.integers(0, 4096, 3000).astype(np.int32))
+    ckpt, runs = tmp_path / "ckpt", tmp_path / "runs"
+    argv = ["--suite", "a", "--variants", "latent", "--seeds", "1", "--data-path", str(data),
+            "--data-kind", "tokens", "--train-iters", "6", "--eval-iters", "1",
+            "--global-batch", "4", "--micro-batch", "4", "--seq-length", "16",
+            "--out-dir", str(tmp_path / "out"), "--runs-dir", str(runs),
+            "--save-dir", str(ckpt), "--save-interval", "3", "--json"]
+    assert compare.main(argv) == 0
+    full = json.loads(capsys.readouterr().out)["runs"]["latent/seed1"]
+    # As if killed after step 3: no stored run, the run's latest checkpoint is step 3.
+    for name in os.listdir(runs):
+        os.remove(runs / name)
+    (ckpt / "latent_seed1" / "latest").write_text("iter_0000003\n")
+    assert compare.main(argv) == 0
+    resumed = json.loads(capsys.readouterr().out)["runs"]["latent/seed1"]
+    assert resumed["first_step"] == 4 and resumed["losses"] == full["losses"][3:]
+    assert resumed["eval"] == full["eval"]
 
 
 def test_data_commands_and_full_eval_iters(tmp_path):
