@@ -199,6 +199,26 @@ def test_compare_run_killed_mid_way_resumes_from_its_checkpoint(tmp_path, capsys
     assert resumed["eval"] == full["eval"]
 
 
+@pytest.mark.parametrize("suite,variant", [("t3", "mh_moe_h3"), ("c", "multi_view_fine")])
+def test_new_suites_train(tmp_path, capsys, suite, variant):
+    """Seed 001 Table 3 (BitNet MH-MoE h=3) and Multi-View on fine-grained experts run."""
+    import compare
+
+    data = tmp_path / "tok"
+    data.mkdir()
+    gen = np.random.default_rng(2)
+    for split in ("train", "valid"):
+        np.save(data / f"books_{split}.npy", gen.integers(0, 4096, 3000).astype(np.int32))
+    code = compare.main(["--suite", suite, "--variants", variant, "--seeds", "1",
+                         "--data-path", str(data), "--data-kind", "tokens", "--train-iters",
+                         "2", "--eval-iters", "1", "--global-batch", "2", "--micro-batch", "2",
+                         "--seq-length", "16", "--out-dir", str(tmp_path / "out"),
+                         "--runs-dir", str(tmp_path / "runs"), "--json"])
+    payload = json.loads(capsys.readouterr().out)
+    assert code == 0 and not payload["errors"], payload["errors"]
+    assert math.isfinite(payload["runs"][f"{variant}/seed1"]["eval"]["books"])
+
+
 def test_data_commands_and_full_eval_iters(tmp_path):
     from megatron_mvmoe.analysis.compare_data import (
         DataRecipe, build_commands, ensure_dataset, full_eval_iters)
