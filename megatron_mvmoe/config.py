@@ -121,6 +121,11 @@ class BitNetConfig:
     activation_bits: int = 8
     """Bits of the per-token absmax activation quantizer."""
 
+    input_norm: bool = True
+    """BitLinear's parameter-free RMSNorm of every quantized linear's input, right before
+    the activation quantizer (BitNet b1.58: y = W_q Quant(RMSNorm(x))). False quantizes
+    the raw input (the behaviour before issue 15)."""
+
     def validate(self) -> None:
         _require(2 <= self.activation_bits <= 16, "bitnet.activation_bits",
                  f"must be in [2, 16], got {self.activation_bits}", "use 8")

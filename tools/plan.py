@@ -1,7 +1,14 @@
-"""Plan a model on a layout: parameters (total/active), FLOPs per token, per-GPU memory,
-all-to-all bytes per step; --dry-run builds rank 0 on the meta device to check shapes.
+"""Plan a model on a layout: parameters (total/active), parameter overhead of every variant
+of its family against the baseline (with the paper's figures), FLOPs per token, per-GPU
+memory, all-to-all bytes per step; --dry-run builds rank 0 on the meta device.
 
-  python tools/plan.py --config mvmoe_10b_a1b --tp 1 --pp 1 --ep 8 --json
+The world size is --world-size, else the YAML's parallel.world_size, else the "<N>gpu" in
+the YAML's file name, else the smallest world the layout needs. A layout the trainer would
+refuse (tp*pp or ep*etp*pp not dividing the world, layers not divisible by pp, experts not
+divisible by ep, batch not divisible) is refused here too, with exit code 2.
+
+  python tools/plan.py --config examples/configs/mvmoe_10b_a1b_64gpu.yaml --json
+  python tools/plan.py --config mvmoe_10b_a1b --tp 1 --pp 1 --ep 8 --world-size 8
   python tools/plan.py --config examples/tiny_cpu.yaml --dry-run
   python tools/plan.py --config examples/configs/mvmoe_10b_a1b_64gpu.yaml --fast-paths --json
 """
@@ -13,7 +20,9 @@ import json
 import os
 import sys
 
-from megatron_mvmoe.analysis.plan import Layout, dry_run_build, plan
+from megatron_mvmoe.analysis.overheads import overhead_lines, parameter_overheads
+from megatron_mvmoe.analysis.plan import (Layout, check_layout, dry_run_build, plan,
+                                          planned_world_size)
 from megatron_mvmoe.models import fast_paths
 from megatron_mvmoe.models.presets import PRESETS, preset_names, resolve_model
 from megatron_mvmoe.training.config import ModelSection, load_yaml
@@ -31,12 +40,14 @@ def _model(name: str):
 
 def _layout(args, run) -> Layout:
     par = run.parallel if run is not None else None
+    world = planned_world_size(args.config if run is not None else None,
+                               par.world_size if par else None, args.world_size)
     pick = lambda flag, field, default: (flag if flag is not None else
                                           (getattr(par, field) if par else default))
     train = run.training if run is not None else None
     return Layout(tp=pick(args.tp, "tp", 1), pp=pick(args.pp, "pp", 1),
                   ep=pick(args.ep, "ep", 1), etp=pick(args.etp, "etp", 1),
-                  world_size=args.world_size,
+                  world_size=world,
                   micro_batch_size=args.micro_batch_size or (train.micro_batch_size if train else 1),
                   global_batch_size=args.global_batch_size or (
                       train.global_batch_size if train else 256))
@@ -82,7 +93,8 @@ def _human(report) -> str:
              f"FLOPs/token: forward {f['forward'] / 1e9:.2f} G, train {f['train'] / 1e9:.2f} G",
              "memory/GPU: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()),
              f"all-to-all: {a2a['per_layer_dispatch'] / 2**20:.1f} MiB per layer dispatch, "
-             f"{a2a['per_rank_per_step'] / 2**30:.2f} GiB per rank per step"]
+             f"{a2a['per_rank_per_step'] / 2**30:.2f} GiB per rank per step",
+             *overhead_lines(report["parameter_overheads"])]
     if "fast_paths" in report:
         lines += _human_fast_paths(report["fast_paths"])
     if "dry_run" in report:
@@ -92,11 +104,16 @@ def _human(report) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="preset name or run YAML")
-    for flag in ("--tp", "--pp", "--ep", "--etp", "--world-size", "--micro-batch-size",
-                 "--global-batch-size"):
-        parser.add_argument(flag, type=int, default=None)
+    for flag, what in (("--tp", "tensor-parallel size"), ("--pp", "pipeline stages"),
+                       ("--ep", "expert-parallel size"), ("--etp", "expert tensor-parallel"),
+                       ("--world-size", "GPUs (default: see above)"),
+                       ("--micro-batch-size", "sequences per microbatch"),
+                       ("--global-batch-size", "sequences per step")):
+        parser.add_argument(flag, type=int, default=None,
+                            help=f"{what}; default: the YAML's, else 1 (global batch 256)")
     parser.add_argument("--dry-run", action="store_true",
                         help="build rank 0 on the meta device to validate shapes")
     parser.add_argument("--fast-paths", action="store_true",
@@ -111,7 +128,9 @@ def main(argv=None) -> int:
     try:
         model, run = _model(args.config)
         layout = _layout(args, run)
+        check_layout(model, layout)
         report = plan(model, layout)
+        report["parameter_overheads"] = parameter_overheads(model)
         if args.dry_run:
             report["dry_run"] = dry_run_build(model, layout)
         if args.fast_paths:

@@ -8,8 +8,12 @@ Design choices:
   about 4.3 standard errors for 95%, so "outside" is a weak claim; it is stated, not
   hidden). With one seed nothing can be said and the cell says so.
 - Paired: seed i of every variant shares the data order (and the seed), so the per-seed
-  difference to the reference removes the data-order noise; reported next to the unpaired
-  verdict with the same 2-standard-error rule.
+  difference to the reference removes the data-order noise. Runs are paired by their
+  `seed` field (list position for runs without one). The paired figure is a t interval
+  (stats.paired_difference, 95 %) with the smallest difference the design detects at 80 %
+  power; "resolved" means the interval excludes 0.
+- Orderings: each (better, worse) pair a paper reports is tested the same way and called
+  "appears" (interval below 0), "reversed" (above 0) or "not resolved" (contains 0).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from megatron_mvmoe.analysis.stats import mean_std
+from megatron_mvmoe.analysis.stats import mean_std, paired_difference
 
 
 @dataclass(frozen=True)
@@ -90,18 +94,62 @@ def markdown_table(results: Mapping[str, Sequence[Mapping]], references: Mapping
     return "\n".join(lines) + "\n"
 
 
+def _by_seed(runs: Sequence[Mapping]) -> Dict[int, Mapping]:
+    return {int(run.get("seed", i + 1)): run for i, run in enumerate(runs)}
+
+
+def paired_deltas(runs: Sequence[Mapping], ref_runs: Sequence[Mapping]) -> List[float]:
+    """Per-seed differences of the mean held-out perplexity (run - reference), over the
+    seeds both have."""
+    mine, ref = _by_seed(runs), _by_seed(ref_runs)
+    return [perplexity_cells([mine[s]])["mean"].mean - perplexity_cells([ref[s]])["mean"].mean
+            for s in sorted(set(mine) & set(ref))]
+
+
+def paired_stats(runs, ref_runs):
+    """stats.PairedDifference of the per-seed differences, or None with < 2 pairs."""
+    deltas = paired_deltas(runs, ref_runs)
+    return paired_difference(deltas) if len(deltas) >= 2 else None
+
+
 def paired_verdict(runs: Sequence[Mapping], ref_runs: Sequence[Mapping]) -> str:
-    """Per-seed differences of the mean perplexity (run i of both lists = the same seed,
-    hence the same data order): mean ± std, inside noise if |mean| <= 2 std / sqrt(n)."""
-    pairs = list(zip(runs, ref_runs))
-    if len(pairs) < 2:
-        return "paired: 1 seed"
-    deltas = [perplexity_cells([a])["mean"].mean - perplexity_cells([b])["mean"].mean
-              for a, b in pairs]
-    mean, std = mean_std(deltas)
-    inside = abs(mean) <= 2.0 * std / math.sqrt(len(deltas))
-    return (f"paired Δ {mean:+.2f} ± {std:.2f} "
-            f"({'inside' if inside else 'outside'} seed noise)")
+    """'paired Δ mean [95 % CI], detectable ±x (resolved/unresolved)'."""
+    stats = paired_stats(runs, ref_runs)
+    if stats is None:
+        return "paired: < 2 common seeds"
+    state = "unresolved" if stats.verdict() == "unresolved" else "resolved"
+    return (f"paired Δ {stats.mean:+.2f} [{stats.low:+.2f}, {stats.high:+.2f}], "
+            f"detectable ±{stats.detectable:.2f} ({state})")
+
+
+SEEN = {"lower": "appears", "higher": "reversed", "unresolved": "not resolved"}
+
+
+def ordering_rows(results: Mapping[str, Sequence[Mapping]], orderings) -> List[Dict]:
+    """One row per (better, worse, evidence): the paired test of better - worse."""
+    rows = []
+    for better, worse, evidence in orderings:
+        row = {"better": better, "worse": worse, "paper": evidence}
+        stats = (paired_stats(results[better], results[worse])
+                 if results.get(better) and results.get(worse) else None)
+        row["seen"] = "not run" if stats is None else SEEN[stats.verdict()]
+        row["paired"] = None if stats is None else stats.as_dict()
+        rows.append(row)
+    return rows
+
+
+def orderings_table(rows: Sequence[Dict]) -> str:
+    header = ["expected (paper)", "paper's evidence", "paired Δ ppl (better - worse)",
+              "95 % CI", "smallest detectable |Δ| (80 % power)", "seeds", "here"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        p = row["paired"]
+        cells = (["-"] * 4 if p is None else
+                 [f"{p['mean']:+.2f}", f"[{p['low']:+.2f}, {p['high']:+.2f}]",
+                  f"{p['detectable']:.2f}", str(p["n"])])
+        lines.append("| " + " | ".join([f"{row['better']} < {row['worse']}", row["paper"],
+                                         *cells, row["seen"]]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _loss_text(runs: Sequence[Mapping]) -> str:
@@ -118,4 +166,9 @@ def _verdict(cell: Cell, ref: Cell) -> str:
 
 
 def loss_curves(results: Mapping[str, Sequence[Mapping]]) -> Dict[str, List[List[float]]]:
-    return {name: [run["losses"] for run in runs] for name, runs in results.items() if runs}
+    """label -> per-seed loss curves from step 1. A run resumed from a checkpoint (first_step
+    > 1) holds only its last segment's losses and is left out of the curves (its held-out
+    figures and final-loss column are whole)."""
+    curves = {name: [run["losses"] for run in runs if run.get("first_step", 1) == 1]
+              for name, runs in results.items()}
+    return {name: runs for name, runs in curves.items() if runs}

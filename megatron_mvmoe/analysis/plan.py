@@ -23,6 +23,8 @@ Design choices:
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional
 
@@ -53,6 +55,38 @@ class Layout:
 
     def expert_dp(self) -> int:
         return self.world() // (self.ep * self.etp * self.pp)
+
+
+def planned_world_size(config_path: Optional[str], field: Optional[int],
+                       flag: Optional[int]) -> Optional[int]:
+    """The world size to plan for: --world-size, else the YAML's parallel.world_size, else
+    the "<N>gpu" in the YAML's file name; they must agree when several are given.
+    None = none given (the layout's smallest world)."""
+    named = None
+    if config_path is not None:
+        match = re.search(r"(\d+)gpus?(?![a-z])", os.path.basename(config_path).lower())
+        named = int(match.group(1)) if match else None
+    given = {"--world-size": flag, "parallel.world_size": field, "the file name": named}
+    values = {k: v for k, v in given.items() if v is not None}
+    if len(set(values.values())) > 1:
+        raise ValueError("world size: " + ", ".join(f"{k} says {v}" for k, v in values.items())
+                         + ". Fix: make them agree (set parallel.world_size in the YAML)")
+    return next(iter(values.values()), None)
+
+
+def check_layout(m: ModelShape, lay: Layout) -> None:
+    """Refuse a layout the trainer would refuse (same checks: ParallelLayout.validate and
+    the batch divisibility of RunConfig)."""
+    from megatron_mvmoe.parallel import ParallelLayout
+
+    world = lay.world()
+    ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp).validate(
+        world, m.num_layers, m.num_experts)
+    step = lay.micro_batch_size * lay.dp()
+    if lay.global_batch_size % step:
+        raise ValueError(f"training.global_batch_size: {lay.global_batch_size} is not "
+                         f"divisible by micro_batch_size * data-parallel size = "
+                         f"{lay.micro_batch_size} * {lay.dp()}. Fix: use a multiple of {step}")
 
 
 # ------------------------------------------------------------------------- parameters
@@ -195,13 +229,11 @@ def dry_run_build(m: ModelShape, lay: Layout) -> Dict[str, int]:
 
     from megatron_mvmoe.models.provider import (build_model_chunks, count_parameters,
                                                 transformer_config)
-    from megatron_mvmoe.parallel import ParallelLayout
     from megatron_mvmoe.platform import apply_cpu_patches
 
     apply_cpu_patches()
     world = lay.world()
-    ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp).validate(
-        world, m.num_layers, m.num_experts)
+    check_layout(m, lay)
     dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=world)
     try:
         parallel_state.initialize_model_parallel(

@@ -135,3 +135,12 @@ def run_per_model(tool: str, args, rank_fn: Callable) -> Tuple[Optional[list], D
     results = [single_rank(rank_fn, spec, args) for spec in specs]
     return results, {"results": results, "wall_s": round(time.time() - start, 1),
                      "command": " ".join(["python", tool, *sys.argv[1:]])}
+
+
+def write_json_atomic(path: str, payload: Dict) -> str:
+    """Write JSON via a temporary file and os.replace: a reader never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=1, default=str)
+    os.replace(tmp, path)
+    return path

@@ -7,6 +7,14 @@ Design choices:
   in {-1, 0, +1}; the matmul uses W_q * gamma. Activations: per-token absmax to signed
   `bits`-bit integers, x_q = RoundClip(x * Q / max|x|, -Q - 1, Q) with Q = 2^(bits-1) - 1,
   dequantized by the same scale. Both follow the BitNet b1.58 recipe.
+- Input normalisation: BitNet's BitLinear is y = W_q Quant(RMSNorm(x)); the norm sits inside
+  every BitLinear, right before the 8-bit activation quantizer, so each linear's input has
+  unit RMS whatever precedes it (attention output projection, fc2 after the activation,
+  latent up-projection, MH-MoE merge: none of these follows a block norm). Ours is the
+  parameter-free RMSNorm (no gain: parameter counts and checkpoints stay those of the
+  full-precision model; the block's own learnable norms stay where Megatron puts them, so
+  a linear after a block norm sees its gain, then the per-token re-normalisation).
+  `BitNetConfig.input_norm=False` restores quantization of the raw input.
 - Straight-through estimator: q(x) + (x - x.detach()): the forward sees the quantized value,
   the backward the identity, so the optimizer updates full-precision latent weights that
   stay the module's parameters (checkpoints, the distributed optimizer, DDP all see them).
@@ -36,6 +44,8 @@ from megatron_mvmoe.layers.builders import is_builder, parts, rebuilt
 
 EPS = 1e-5
 """Floor on scales: an all-zero matrix or token quantizes to zeros instead of NaN."""
+NORM_EPS = 1e-5
+"""RMSNorm epsilon inside BitLinear (Megatron's default layernorm_epsilon)."""
 
 
 def _group_size(group) -> int:
@@ -72,6 +82,32 @@ def absmax_activation(x_TN: torch.Tensor, bits: int = 8,
     return x_int_TN, scale_T1
 
 
+def rms_normalize(x_TN: torch.Tensor, group=None) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dim, x / sqrt(mean(x^2) + eps), differentiable.
+
+    With a TP group the last dim is sharded: the sum of squares is all-reduced (with the
+    autograd-aware all_reduce, whose backward sums the gradients over the group too), so
+    each shard is normalised by the RMS of the whole row."""
+    x = x_TN.float()
+    sum_sq_T1 = x.pow(2).sum(dim=-1, keepdim=True)
+    width = x.shape[-1]
+    if _group_size(group) > 1:
+        from torch.distributed.nn.functional import all_reduce
+
+        sum_sq_T1 = all_reduce(sum_sq_T1, group=group)
+        width *= group.size()
+    return (x * torch.rsqrt(sum_sq_T1 / width + NORM_EPS)).to(x_TN.dtype)
+
+
+def bitlinear_input(x_TN: torch.Tensor, bits: int = 8, input_norm: bool = True,
+                    group=None) -> torch.Tensor:
+    """What a BitLinear multiplies: Quant_bits(RMSNorm(x)) (STE), or Quant_bits(x) without
+    the norm. `group`: the TP group when the last dim is sharded over it, else None."""
+    if input_norm:
+        x_TN = rms_normalize(x_TN, group)
+    return quantize_activation_ste(x_TN, bits, group)
+
+
 def straight_through(x: torch.Tensor, x_quantized: torch.Tensor) -> torch.Tensor:
     """Forward value exactly x_quantized, gradient of the identity w.r.t. x.
 
@@ -95,11 +131,11 @@ def quantize_activation_ste(x_TN: torch.Tensor, bits: int = 8, group=None) -> to
 class BitLinear(torch.nn.Linear):
     """Drop-in `torch.nn.Linear` with BitNet b1.58 weights and int activations.
 
-    `input_norm=True` adds the parameter-free RMS normalisation BitNet applies before
-    quantizing (useful where no norm precedes the layer)."""
+    `input_norm=True` (default, as BitNet's BitLinear) applies the parameter-free RMS
+    normalisation before quantizing the input."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 activation_bits: int = 8, input_norm: bool = False, device=None, dtype=None):
+                 activation_bits: int = 8, input_norm: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if not 2 <= activation_bits <= 16:
             raise ValueError(f"activation_bits: must be in [2, 16], got {activation_bits}. "
@@ -108,13 +144,12 @@ class BitLinear(torch.nn.Linear):
         self.input_norm = input_norm
 
     def forward(self, x_TN: torch.Tensor) -> torch.Tensor:
-        if self.input_norm:
-            x_TN = F.rms_norm(x_TN, (x_TN.shape[-1],))
-        x_TN = quantize_activation_ste(x_TN, self.activation_bits)
+        x_TN = bitlinear_input(x_TN, self.activation_bits, self.input_norm)
         return F.linear(x_TN, quantize_weight_ste(self.weight), self.bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, activation_bits={self.activation_bits}"
+        return (f"{super().extra_repr()}, activation_bits={self.activation_bits}, "
+                f"input_norm={self.input_norm}")
 
 
 def _activation_bits(config) -> int:
@@ -122,13 +157,18 @@ def _activation_bits(config) -> int:
     return bitnet.activation_bits if bitnet is not None else 8
 
 
+def _input_norm(config) -> bool:
+    bitnet = getattr(config, "bitnet", None)
+    return bitnet.input_norm if bitnet is not None else True
+
+
 def _quantized_impl(layer, input_parallel_is_sharded: bool, impl, input, weight, *args,
                     **kwargs):
     """Quantize input and weight, then run Megatron's matmul + communication as is."""
     group = getattr(layer, "tp_group", None)
     weight = quantize_weight_ste(weight, group)
-    input = quantize_activation_ste(input, layer.activation_bits,
-                                    group if input_parallel_is_sharded else None)
+    input = bitlinear_input(input, layer.activation_bits, layer.input_norm,
+                            group if input_parallel_is_sharded else None)
     if "gradient_accumulation_fusion" in kwargs:
         # The quantized weight is not the parameter: let autograd carry its gradient to
         # the latent weight (DDP hooks then accumulate it into main_grad).
@@ -142,9 +182,10 @@ class BitColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.activation_bits = _activation_bits(self.config)
+        self.input_norm = _input_norm(self.config)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        # Column input holds whole rows (replicated or sequence-sharded): no max-reduce.
+        # Column input holds whole rows (replicated or sequence-sharded): no reduce.
         return _quantized_impl(self, False, super()._forward_impl, input, weight, *args,
                                **kwargs)
 
@@ -155,9 +196,11 @@ class BitRowParallelLinear(RowParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.activation_bits = _activation_bits(self.config)
+        self.input_norm = _input_norm(self.config)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        # Row input is split along the hidden dim over TP: each row's max spans the group.
+        # Row input is split along the hidden dim over TP: each row's RMS and max span the
+        # group.
         return _quantized_impl(self, True, super()._forward_impl, input, weight, *args,
                                **kwargs)
 

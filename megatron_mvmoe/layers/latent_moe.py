@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron_mvmoe.layers.bitnet import quantize_activation_ste, quantize_weight_ste
+from megatron_mvmoe.layers.bitnet import bitlinear_input, quantize_weight_ste
 from megatron_mvmoe.layers.builders import as_builder, build
 
 
@@ -67,11 +67,12 @@ class LatentProjection(torch.nn.Module):
         # replicated over TP: with SP the grads must be all-reduced across TP ranks
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
         self.bitnet_bits = bitnet_activation_bits(config)
+        self.bitnet_input_norm = config.bitnet.input_norm if self.bitnet_bits else False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bitnet_bits is None:
             return torch.nn.functional.linear(x, self.weight)
-        x = quantize_activation_ste(x, self.bitnet_bits)
+        x = bitlinear_input(x, self.bitnet_bits, self.bitnet_input_norm)
         return torch.nn.functional.linear(x, quantize_weight_ste(self.weight))
 
 

@@ -40,7 +40,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mvmoe.layers.bitnet import (
     maybe_bitnet_spec,
-    quantize_activation_ste,
+    bitlinear_input,
     quantize_weight_ste,
 )
 from megatron_mvmoe.layers.builders import as_builder, build, parts
@@ -72,11 +72,12 @@ class ReplicatedProjection(MegatronModule):
         bitnet = getattr(config, "bitnet", None)
         self.bitnet_bits = bitnet.activation_bits if bitnet is not None and bitnet.enabled \
             else None
+        self.bitnet_input_norm = bool(self.bitnet_bits) and bitnet.input_norm
 
     def forward(self, x_SBD: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.bitnet_bits is not None:
-            x_SBD = quantize_activation_ste(x_SBD, self.bitnet_bits)
+            x_SBD = bitlinear_input(x_SBD, self.bitnet_bits, self.bitnet_input_norm)
             weight = quantize_weight_ste(weight)
         return F.linear(x_SBD, weight)
 

@@ -8,16 +8,20 @@ Design choices:
 - Tiny presets (D = 64, 2 layers, vocab 4096 = the data engineer's small BPE) train at a
   few thousand tokens/s on 2 CPU cores; every variant keeps E = 4, top-2.
 - 10B-A1B (seed 000: "24-layer 10B-A1B backbone with top-8 routing and one always-active
-  shared expert", latent MoE, R = K = 2). The seed does not give D, L, E or the expert
-  width; we choose (tools/plan.py prints the breakdown):
+  shared expert", latent MoE, R = K = 2, parameter overheads ~0.06 % for Multi-Router and
+  ~0.19 % for Multi-View). The seed does not give D, L, E or the expert width; we derive
+  them from its figures (README "10B-A1B shape"; tools/plan.py prints the overheads):
     D = 2048, 16 heads with 4 KV groups (GQA), SwiGLU, RMSNorm, RoPE, vocab 50304
-    (GPT-2 BPE padded to a multiple of 128), untied embeddings, seq 4096;
-    every layer MoE, latent L = 1024 (D/2); E = 160 routed experts of width 768 in the
-    latent space; top-8; one shared expert of width 1024 on the full hidden state.
-  This gives 9.83 B total and 1.23 B active parameters (embeddings + LM head included in
-  both; 1.02 B active without them). A 2048-wide shared expert would push active to 1.38 B. Fine-grained (8 x 768 of latent width per token ~
-  one 6144-wide FFN) follows the DeepSeek-V3 / latent-MoE recipe; E = 160 keeps E
-  divisible by EP = 8, 16, 32 (and 160 = 5 x 32) for the 8 to 64+ GPU layouts below.
+    (GPT-2 BPE padded to a multiple of 128), untied embeddings, seq 4096, every layer MoE.
+    Multi-Router adds (R-1) E D per layer: 24 E D / 10 B = 0.06 % gives E ~ 122 -> E = 128
+    (a power of two: EP = 8 ... 128 all divide it).
+    Multi-View adds (R-1) E D + (K-1) L D per layer: 24 D (E + L) / 10 B = 0.19 % gives
+    E + L ~ 386 -> latent L = 256 (D / 8).
+    Expert width F then sets the total: 10 B = non-expert + 24 x 128 x 3 L F gives
+    F ~ 3970 -> 3968 (31 x 128). Shared expert 1024 wide on the full hidden state.
+  Result: 10.02 B total (latent baseline 10.00 B), 1.24 B active (1.04 B without
+  embeddings); overheads 0.063 % and 0.189 %. The earlier shape (L = 1024, 160 experts of width 768: 0.080 % / 0.595 %) stays
+  as `mvmoe_10b_a1b_wide_latent`.
 """
 
 from __future__ import annotations
@@ -43,13 +47,17 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "tiny_mh_moe": dict(_TINY_BASE, moe_variant="mh_moe", num_heads_mh=2),
     "mvmoe_10b_a1b": dict(
         moe_variant="multi_view", num_layers=24, hidden_size=2048, num_attention_heads=16,
-        num_query_groups=4, ffn_hidden_size=8192, num_experts=160, moe_ffn_hidden_size=768,
-        moe_router_topk=8, moe_shared_expert_intermediate_size=1024, latent_size=1024,
+        num_query_groups=4, ffn_hidden_size=8192, num_experts=128, moe_ffn_hidden_size=3968,
+        moe_router_topk=8, moe_shared_expert_intermediate_size=1024, latent_size=256,
         num_routers=2, num_views=2, gamma_ramp_steps=2000, vocab_size=50304,
         seq_length=4096),
 }
-PRESETS["mvmoe_10b_a1b_baseline"] = dict(PRESETS["mvmoe_10b_a1b"], moe_variant="latent",
-                                         num_routers=1, num_views=1, gamma_ramp_steps=0)
+PRESETS["mvmoe_10b_a1b_wide_latent"] = dict(PRESETS["mvmoe_10b_a1b"], num_experts=160,
+                                            moe_ffn_hidden_size=768, latent_size=1024)
+# ^ the shape before issue 15: 9.84 B / 1.23 B, but 0.080 % / 0.595 % overheads.
+for _name in ("mvmoe_10b_a1b", "mvmoe_10b_a1b_wide_latent"):
+    PRESETS[f"{_name}_baseline"] = dict(PRESETS[_name], moe_variant="latent", num_routers=1,
+                                        num_views=1, gamma_ramp_steps=0)
 
 # Layouts for the 10B-A1B model by GPU count: (tp, pp, ep). EP spans the data-parallel
 # ranks; TP stays inside a node; PP only when a replica no longer fits (see tools/plan.py).

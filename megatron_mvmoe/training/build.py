@@ -29,6 +29,7 @@ from megatron_mvmoe.models.presets import ModelShape, resolve_model
 from megatron_mvmoe.models.fast_paths import FastPath, choose_fast_paths, ddp_fields
 from megatron_mvmoe.models.provider import build_model_chunks, target_for, transformer_config
 from megatron_mvmoe.training.config import RunConfig
+from megatron_mvmoe.training.schedule_rule import scheduler_switches
 
 
 @dataclass
@@ -119,7 +120,7 @@ def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
         lr_decay_steps=decay, lr_decay_style="cosine", start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+        **scheduler_switches(t))
 
 
 def build_trainer(run: RunConfig, pg_collection) -> Trainer:

@@ -38,6 +38,7 @@ from megatron.core import dist_checkpointing
 
 from megatron_mvmoe.platform import is_cuda
 from megatron_mvmoe.training.build import Trainer
+from megatron_mvmoe.training.schedule_rule import restore_scheduler
 
 LATEST = "latest"
 RUN_STATE = "run_state.json"
@@ -258,7 +259,9 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True) ->
         with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(trainer.optimizer)
-    trainer.scheduler.load_state_dict(meta["scheduler"])
+    rule = restore_scheduler(trainer.scheduler, meta["scheduler"], trainer.run.training)
+    if rule is not None and dist.get_rank() == 0:
+        print(rule, flush=True)
     _restore_rng(directory, dist.get_world_size(), meta["world_size"])
     return ResumeState(step=meta["step"], consumed_samples=meta["consumed_samples"],
                        gamma=meta.get("gamma"))

@@ -23,6 +23,7 @@ from megatron_mvmoe.config import KERNEL_BACKENDS
 from megatron_mvmoe.errors import require as _require
 from megatron_mvmoe.models.warm_start import NEW_HEADS as WARM_START_NEW_HEADS
 from megatron_mvmoe.parallel import ParallelLayout
+from megatron_mvmoe.training.schedule_rule import validate_switches
 
 
 
@@ -91,6 +92,9 @@ class ParallelSection:
     """Virtual pipeline chunks per rank (interleaved 1F1B), or None."""
     distributed_timeout_seconds: float = 120.0
     """Collective timeout: a dead rank makes the others fail after at most this long."""
+    world_size: Optional[int] = None
+    """GPUs this layout is written for (tools/plan.py plans it); a launch with another world
+    size is refused. None = any world size the layout divides."""
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp)
@@ -151,6 +155,12 @@ class TrainingSection:
     """Checkpoint root to resume from (its `latest` pointer), or None."""
     load_optimizer: bool = True
     """Also restore optimizer, scheduler, step and data position (False = weights only)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, use this run's LR/WD schedule (lr, min_lr, warmup, decay length from
+    train_iters / decay_iters, weight decay) at the checkpoint's step (Megatron-LM's flag)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's schedule (also what happens with neither flag; a
+    warning names the fields of this run that differ). See training/schedule_rule.py."""
     ckpt_optimizer_format: str = "dp_reshardable"
     """Distributed-optimizer checkpoint format: dp_reshardable (each DP shard saved as is;
     loads at another DP size, but a TP/PP/EP change restarts the Adam moments) or
@@ -227,6 +237,7 @@ class RunConfig:
                  f"unknown {t.warm_start_new_heads!r}",
                  f"use one of {WARM_START_NEW_HEADS} (--warm-start-new-heads)")
         self._validate_model_switches()
+        validate_switches(t)
         _require(self.data.kind in ("indexed", "tokens"), "data.kind",
                  f"unknown {self.data.kind!r}", "use indexed or tokens")
         _require(self.parallel.distributed_timeout_seconds > 0,
@@ -243,6 +254,10 @@ class RunConfig:
                  f"must be > 0, got {m.gate_scale}", "use 1.0 for plain normalised gates")
 
     def _validate_layout(self, world_size: int, num_layers, num_experts) -> None:
+        planned = self.parallel.world_size
+        _require(planned is None or planned == world_size, "parallel.world_size",
+                 f"the config is written for {planned} ranks but {world_size} were launched",
+                 f"launch {planned} ranks or change parallel.world_size")
         layout = self.parallel.layout()
         layout.validate(world_size, num_layers, num_experts)
         dp = layout.data_parallel_size(world_size)

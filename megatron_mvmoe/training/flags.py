@@ -119,6 +119,13 @@ FLAGS: List[Flag] = [
     Flag("--load", "training", "load", str, "checkpoint root (or iter_* dir) to resume from"),
     Flag("--load-optimizer", "training", "load_optimizer", _bool,
          "with --load also restore optimizer, scheduler, step and data position; true/false"),
+    Flag("--override-opt-param-scheduler", "training", "override_opt_param_scheduler", _bool,
+         "on resume use this run's LR/WD schedule (lr, min-lr, warmup, decay length) at the "
+         "checkpoint's step"),
+    Flag("--use-checkpoint-opt-param-scheduler", "training",
+         "use_checkpoint_opt_param_scheduler", _bool,
+         "on resume keep the checkpoint's LR/WD schedule (the default; warns when this run's "
+         "differs)"),
     Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str,
          "dp_reshardable|fully_reshardable"),
     Flag("--save-interval", "training", "save_interval", int,

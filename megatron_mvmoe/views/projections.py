@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_mvmoe.config import MVMoETransformerConfig
-from megatron_mvmoe.layers.bitnet import quantize_activation_ste, quantize_weight_ste
+from megatron_mvmoe.layers.bitnet import bitlinear_input, quantize_weight_ste
 
 
 class MultiViewProjection(torch.nn.Module):
@@ -45,6 +45,7 @@ class MultiViewProjection(torch.nn.Module):
         bitnet = config.bitnet
         self.bitnet_bits = bitnet.activation_bits if bitnet.enabled else None
         """Activation bits of the BitNet views, None when full precision."""
+        self.bitnet_input_norm = bitnet.enabled and bitnet.input_norm
 
     def _reset_parameters(self, config: MVMoETransformerConfig) -> None:
         if config.perform_initialization:
@@ -70,9 +71,9 @@ class MultiViewProjection(torch.nn.Module):
 
     def _bitnet_views(self, hidden_TD: torch.Tensor, gamma: float) -> torch.Tensor:
         """BitNet b1.58: view m applies ONE ternary matrix, Q(P + gamma dP_m) (absmean scale,
-        STE), to the int-quantized token, so every view is a BitNet linear; at gamma = 0
+        STE), to the RMS-normalised, int-quantized token, so every view is a BitNet linear; at gamma = 0
         each Q(P + 0) is Q(P) exactly and every view equals the backbone view."""
-        hidden_TD = quantize_activation_ste(hidden_TD, self.bitnet_bits)
+        hidden_TD = bitlinear_input(hidden_TD, self.bitnet_bits, self.bitnet_input_norm)
         weight_KLD = torch.cat([self.weight.unsqueeze(0),
                                 self.weight.unsqueeze(0) + gamma * self.view_perturbations])
         quantized_KLD = torch.stack([quantize_weight_ste(w_LD) for w_LD in weight_KLD])

@@ -198,7 +198,8 @@ def test_bitnet_views_are_one_ternary_matrix_each_and_exact_at_gamma_zero():
     views = proj(h, 0.0)
     assert all(torch.equal(views[:, m], views[:, 0]) for m in range(3))
     views = proj(h, 0.5)
-    h_q = quantize_activation_ste(h, 8)
+    h_norm = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)  # BitLinear's RMSNorm
+    h_q = quantize_activation_ste(h_norm, 8)
     for m in range(1, 3):
         w = quantize_weight_ste(proj.weight + 0.5 * proj.view_perturbations[m - 1])
         torch.testing.assert_close(views[:, m], h_q @ w.t(), atol=1e-6, rtol=0)

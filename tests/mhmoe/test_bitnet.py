@@ -7,6 +7,7 @@ from megatron_mvmoe.layers.bitnet import (
     BitLinear,
     BitRowParallelLinear,
     absmax_activation,
+    bitlinear_input,
     bitnet_spec,
     quantize_weight_ste,
     ternary_weight,
@@ -42,7 +43,7 @@ def test_zero_input_and_weight_do_not_nan():
 
 def test_ste_gradients_pass_to_latent_weights():
     torch.manual_seed(2)
-    layer = BitLinear(8, 4)
+    layer = BitLinear(8, 4, input_norm=False)
     x = torch.randn(6, 8, requires_grad=True)
     grad_out = torch.randn(6, 4)
     layer(x).backward(grad_out)
@@ -51,6 +52,27 @@ def test_ste_gradients_pass_to_latent_weights():
     assert torch.allclose(layer.weight.grad, grad_out.t() @ (x_int / scale), atol=1e-5)
     assert torch.allclose(x.grad, grad_out @ w_q, atol=1e-5)
     assert layer.weight.dtype == torch.float32 and layer.weight.is_leaf  # latent stays fp32
+
+
+def test_bitlinear_normalises_its_input_before_int8_quantization():
+    """BitNet b1.58: y = W_q Quant8(RMSNorm(x)); naive reference written out here."""
+    gen = torch.Generator().manual_seed(3)
+    layer = BitLinear(16, 8)
+    x = torch.randn(4, 5, 16, generator=gen) * torch.rand(4, 5, 1, generator=gen) * 10
+    x_norm = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    scale = 127.0 / x_norm.abs().amax(-1, keepdim=True)
+    x_q = (x_norm * scale).round().clamp(-128, 127) / scale
+    w = layer.weight.detach()
+    w_q = (w / w.abs().mean()).round().clamp(-1, 1) * w.abs().mean()
+    assert torch.allclose(layer(x), x_q @ w_q.t(), atol=1e-5)
+    x_int, _ = absmax_activation(bitlinear_input(x))
+    assert x_int.min() >= -128 and x_int.max() <= 127  # still int8 after the norm
+    # The norm makes a linear blind to its input's scale; without it the output scales.
+    assert torch.allclose(layer(7.0 * x), layer(x), atol=1e-5)
+    raw = BitLinear(16, 8, input_norm=False)
+    raw.load_state_dict(layer.state_dict())
+    assert torch.allclose(raw(7.0 * x), 7.0 * raw(x), atol=1e-4)
+    assert not torch.allclose(raw(7.0 * x), layer(7.0 * x), atol=1e-2)
 
 
 def test_tiny_bitnet_model_learns_a_linear_map():
@@ -112,14 +134,14 @@ def _tp_pair(rank, world_size, tp):
         col.weight.copy_(w1[rank * shard:(rank + 1) * shard])
         row.weight.copy_(w2[:, rank * shard:(rank + 1) * shard])
     hidden, _ = col(x)
-    out, _ = row(F.silu(hidden))
+    out, _ = row(F.silu(hidden) * 3.0)  # scaled: the row input's RMS spans both shards
     out.sum().backward()
     # Reference: full-size BitLinear pair on one process.
     ref1, ref2 = BitLinear(16, 32), BitLinear(32, 16)
     with torch.no_grad():
         ref1.weight.copy_(w1)
         ref2.weight.copy_(w2)
-    ref = ref2(F.silu(ref1(x)))
+    ref = ref2(F.silu(ref1(x)) * 3.0)
     ref.sum().backward()
     return ((out - ref).abs().max().item(),
             (col.weight.grad - ref1.weight.grad[rank * shard:(rank + 1) * shard]).abs().max().item())

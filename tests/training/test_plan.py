@@ -1,12 +1,15 @@
 """Planner: the 10B-A1B preset lands in its budget, the analytic parameter count equals
 the built tiny models exactly (every variant), and the meta-device dry run agrees."""
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from megatron_mvmoe.analysis.plan import Layout, parameter_counts, plan
+from megatron_mvmoe.analysis.overheads import parameter_overheads
+from megatron_mvmoe.analysis.plan import Layout, parameter_counts, plan, planned_world_size
 from megatron_mvmoe.models.presets import resolve_model
 from megatron_mvmoe.testing.spawn import run_distributed
 from megatron_mvmoe.training.config import ModelSection
@@ -19,6 +22,67 @@ def test_10b_a1b_budget():
     counts = parameter_counts(resolve_model(ModelSection(preset="mvmoe_10b_a1b")))
     assert 9.5e9 <= counts["total"] <= 10.5e9
     assert 0.9e9 <= counts["active"] <= 1.3e9
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+YAML_64 = os.path.join(REPO, "examples", "configs", "mvmoe_10b_a1b_64gpu.yaml")
+
+
+def _plan_tool(*argv):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "plan.py"), *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_tool_10b_budget_and_paper_overheads():
+    out = _plan_tool("--config", YAML_64, "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    p, over = report["parameters"], report["parameter_overheads"]["variants"]
+    assert 9.5e9 <= p["total"] <= 10.5e9 and 0.9e9 <= p["active"] <= 1.3e9
+    assert 0.04 <= over["multi_router"]["percent"] <= 0.08
+    assert 0.17 <= over["multi_view"]["percent"] <= 0.21
+    assert over["multi_router"]["matches_paper"] and over["multi_view"]["matches_paper"]
+    assert report["layout"]["world_size"] == 64  # from the YAML, not the smallest world (32)
+
+
+def test_overheads_against_naive_count():
+    """Multi-Router adds (R-1) E D per layer, Multi-View also (K-1) L D (seed 000)."""
+    m = resolve_model(ModelSection(preset="mvmoe_10b_a1b"))
+    rows = parameter_overheads(m)["variants"]
+    D, E, L, layers = m.hidden_size, m.num_experts, m.latent_size, m.num_layers
+    assert rows["multi_router"]["extra"] == layers * E * D
+    assert rows["multi_view"]["extra"] == layers * D * (E + L)
+    wide = parameter_overheads(resolve_model(ModelSection(preset="mvmoe_10b_a1b_wide_latent")))
+    assert not wide["variants"]["multi_view"]["matches_paper"]  # 0.595 %: the old shape
+    mh_shape = resolve_model(ModelSection(preset="tiny_mh_moe"))
+    mh = parameter_overheads(mh_shape)
+    D, E, F, H = mh_shape.hidden_size, mh_shape.num_experts, mh_shape.moe_ffn_hidden_size, 2
+    per_layer = 2 * D * D + E * 3 * F * (D // H - D) + E * (D // H - D)  # head+merge, experts
+    assert mh["baseline"] == "smoe"                                       # and router see D/H
+    assert mh["variants"]["mh_moe"]["extra"] == mh_shape.num_layers * per_layer
+
+
+def test_every_documented_10b_layout_divides():
+    from megatron_mvmoe.analysis.plan import check_layout
+    from megatron_mvmoe.models.presets import LAYOUTS_10B
+
+    m = resolve_model(ModelSection(preset="mvmoe_10b_a1b"))
+    for world, sizes in LAYOUTS_10B.items():
+        check_layout(m, Layout(world_size=world, global_batch_size=1024, **sizes))
+
+
+def test_world_size_sources_and_refusals(tmp_path):
+    assert planned_world_size("x/cfg_64gpu.yaml", None, None) == 64
+    assert planned_world_size("x/cfg.yaml", 16, None) == 16
+    assert planned_world_size(None, None, None) is None
+    with pytest.raises(ValueError, match="world size"):
+        planned_world_size("x/cfg_64gpu.yaml", 32, None)
+    out = _plan_tool("--config", YAML_64, "--world-size", "48")
+    assert out.returncode == 2 and "world size" in out.stderr
+    out = _plan_tool("--config", "mvmoe_10b_a1b", "--ep", "12", "--world-size", "24")
+    assert out.returncode == 2 and "not divisible by ep 12" in out.stderr, out.stderr
+    out = _plan_tool("--config", "mvmoe_10b_a1b", "--pp", "5", "--world-size", "40")
+    assert out.returncode == 2 and "num_layers 24" in out.stderr, out.stderr
 
 
 def test_memory_shrinks_with_more_gpus():
