@@ -33,7 +33,7 @@ from megatron_mvmoe.analysis.link_time import LinkSpec, a2a_share, compute_time_
 from megatron_mvmoe.analysis.placement import EpPlacement
 from megatron_mvmoe.analysis.plan import flops_per_token
 from megatron_mvmoe.analysis.routing_load import max_over_mean, rank_loads, routing_maps
-from megatron_mvmoe.models.presets import LAYOUTS_10B, ModelShape, resolve_model
+from megatron_mvmoe.models.presets import LAYOUTS_10B, ModelShape, preset_shape
 
 VARIANTS = {"baseline": ("mvmoe_10b_a1b_baseline", {}),
             "multi_router": ("mvmoe_10b_a1b", {"moe_variant": "multi_router", "num_views": 1}),
@@ -60,10 +60,8 @@ class ScaleConfig:
 
 
 def model_shape(variant: str) -> ModelShape:
-    from megatron_mvmoe.training.config import ModelSection
-
     preset, overrides = VARIANTS[variant]
-    return resolve_model(ModelSection(preset=preset, **overrides))
+    return preset_shape(preset, **overrides)
 
 
 def _summary(matrices, placement: EpPlacement, links: LinkSpec, model: ModelShape,

@@ -119,6 +119,13 @@ def preset_names() -> List[str]:
     return sorted(PRESETS)
 
 
+def preset_shape(preset: str, **overrides: Any) -> ModelShape:
+    """A preset's ModelShape with field overrides, without a run config (analysis tools)."""
+    from types import SimpleNamespace
+
+    return resolve_model(SimpleNamespace(preset=preset, extra=None, **overrides))
+
+
 def resolve_model(section) -> ModelShape:
     """Merge `section.preset` with the section's non-None fields into a ModelShape."""
     values: Dict[str, Any] = dict(_DEFAULTS)
