@@ -195,7 +195,8 @@ def routing_summary(counts: Dict[int, List[float]], aux: Dict[str, List[float]],
 class RunLog:
     """JSONL + TensorBoard + console lines, written by global rank 0 only."""
 
-    def __init__(self, run_dir: Optional[str], tensorboard: bool, is_writer: bool) -> None:
+    def __init__(self, run_dir: Optional[str], tensorboard: bool, is_writer: bool,
+                 tensorboard_dir: Optional[str] = None) -> None:
         self.is_writer = is_writer and run_dir is not None
         self.console = is_writer
         self.jsonl = None
@@ -203,10 +204,11 @@ class RunLog:
         if self.is_writer:
             os.makedirs(run_dir, exist_ok=True)
             self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
+        tb_dir = tensorboard_dir or (os.path.join(run_dir, "tensorboard") if run_dir else None)
+        if is_writer and tensorboard and tb_dir:
+            from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.tb = SummaryWriter(tb_dir)
 
     def record(self, kind: str, step: int, values: Dict) -> None:
         if self.jsonl is not None:

@@ -32,7 +32,7 @@ from megatron_mvmoe import platform
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
 from megatron_mvmoe.training.config import RunConfig, dump_yaml
-from megatron_mvmoe.training.data import RunData
+from megatron_mvmoe.training.data import RunData, resolve_tokenizer
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, routing_summary)
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, check_loss
@@ -83,7 +83,8 @@ class _Loop:
         self.data = RunData(run, self.trainer.shape.seq_length, self.trainer.shape.vocab_size,
                             parallel_state.get_data_parallel_rank(),
                             parallel_state.get_data_parallel_world_size())
-        self.log = RunLog(run.logging.run_dir, run.logging.tensorboard, dist.get_rank() == 0)
+        self.log = RunLog(run.logging.run_dir, run.logging.tensorboard, dist.get_rank() == 0,
+                          tensorboard_dir=run.logging.tensorboard_dir)
         self.watch = NonFiniteWatch(self.trainer.unwrapped())
         self.routing = (RoutingMonitor(self.trainer.unwrapped(), self.trainer.shape.num_experts)
                         if run.logging.routing_metrics and self.trainer.shape.is_moe else None)
@@ -97,6 +98,11 @@ class _Loop:
         """--load (when it holds a checkpoint, or without a warm start), else the warm start."""
         t = self.run.training
         load = t.load
+        if load is not None and load == t.save and not has_checkpoint(load) and \
+                t.warm_start_from is None:
+            # Megatron-LM's resumable-job pattern (--save X --load X): nothing saved yet.
+            self.log.line(f"no checkpoint in {load} yet: starting from scratch")
+            return
         if load is None or (t.warm_start_from is not None and not has_checkpoint(load)):
             if t.warm_start_from is not None:
                 self.warm_start()
@@ -209,6 +215,7 @@ def pretrain(run: RunConfig, pg_collection,
     """Train `run` on the initialised layout; returns losses and final evaluation."""
     from megatron_mvmoe.models.presets import resolve_model
 
+    resolve_tokenizer(run)  # the tokenizer fixes the vocabulary (Megatron-LM conventions)
     shape = resolve_model(run.model)
     run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
     if run.training.warm_start_from is not None:
@@ -261,6 +268,7 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
     try:
         from megatron_mvmoe.models.presets import resolve_model
 
+        resolve_tokenizer(run)
         shape = resolve_model(run.model)
         run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
         pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts)
