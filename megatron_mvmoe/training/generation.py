@@ -71,16 +71,20 @@ def choose_next(logits_V: torch.Tensor, config: SamplingConfig, vocab_size: int,
 
 
 @torch.no_grad()
-def last_logits(model: torch.nn.Module, tokens: List[int], seq_length: int) -> torch.Tensor:
-    """Logits [V] of the next token after `tokens` (the last seq_length of them)."""
-    window = tokens[-seq_length:]
+def sequence_logits(model: torch.nn.Module, tokens: List[int]) -> torch.Tensor:
+    """Logits [S, V] after each of `tokens` (at most seq_length of them), gathered over TP."""
     device = platform.device()
-    tokens_BS = torch.tensor([window], dtype=torch.long, device=device)
-    positions_BS = torch.arange(len(window), device=device).unsqueeze(0)
+    tokens_BS = torch.tensor([tokens], dtype=torch.long, device=device)
+    positions_BS = torch.arange(len(tokens), device=device).unsqueeze(0)
     logits_BSV = model(tokens_BS, positions_BS, None)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         logits_BSV = gather_from_tensor_model_parallel_region(logits_BSV)
-    return logits_BSV[0, -1].float().cpu()
+    return logits_BSV[0].float().cpu()
+
+
+def last_logits(model: torch.nn.Module, tokens: List[int], seq_length: int) -> torch.Tensor:
+    """Logits [V] of the next token after `tokens` (the last seq_length of them)."""
+    return sequence_logits(model, tokens[-seq_length:])[-1]
 
 
 def generate(model: torch.nn.Module, prompt_ids: List[int], config: SamplingConfig,

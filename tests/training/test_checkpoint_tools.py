@@ -126,3 +126,39 @@ def test_generate_works_for_every_variant_at_ep2():
         tokens = per_rank[0][preset]
         assert tokens == per_rank[1][preset] and len(tokens) == 20, preset
         assert max(tokens) < 100  # padded vocabulary rows are never chosen (window > 16 too)
+
+
+def test_lm_eval_runs_the_local_task_offline(trained, tmp_path):
+    pytest.importorskip("lm_eval")
+    jsonl = trained["prefixes"]["jsonl"]["reference"]
+    result = _tool("lm_eval_run", "--load", trained["root"], "--task-source", jsonl,
+                   "--num-docs", "20", "--task-dir", str(tmp_path / "task"))
+    metrics = result["results"]["mvmoe_continuation"]
+    assert 0.0 <= metrics["acc"] <= 1.0 and 0.0 <= metrics["acc_norm"] <= 1.0
+    assert result["n_samples"]["mvmoe_continuation"]["effective"] == 20
+
+
+def test_lm_eval_scores_equal_a_direct_forward(trained, tmp_path):
+    """MVMoELM.score against log-softmax of one forward done here by hand."""
+    pytest.importorskip("lm_eval")
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    out = run_distributed(_score_both_ways, 1, timeout_s=200, args=(trained["root"],))[0]
+    assert abs(out["mine"] - out["naive"]) < 1e-4, out
+
+
+def _score_both_ways(rank, world_size, root):
+    from megatron_mvmoe.evaluation.lm_eval_model import MVMoELM
+
+    lm = MVMoELM(load=root)
+    context = lm.tokenizer.tokenize("The tutorial shows how")
+    target = lm.tokenizer.tokenize(" to write a function")
+    mine, _ = lm.score(context, target)
+    import torch
+
+    full = context + target
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([full[:-1]]), torch.arange(len(full) - 1)[None], None)
+    logp = torch.log_softmax(logits[0].float()[:, :lm.tokenizer.vocab_size], -1)
+    naive = sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
+    return {"mine": mine, "naive": naive}
