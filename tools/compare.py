@@ -31,7 +31,7 @@ REFERENCES = {"a": "latent", "b": "smoe"}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=["a", "b"], required=True)
     p.add_argument("--variants", nargs="+", default=None, help="subset of the suite")
