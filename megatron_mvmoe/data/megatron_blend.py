@@ -79,7 +79,7 @@ def _blend(tokens: Sequence[str], name: str) -> Optional[Blend]:
     if not tokens:
         return None
     tokens = [str(t) for t in tokens]
-    numeric = [_is_number(t) for t in tokens]
+    numeric = [is_number(t) for t in tokens]
     pairs = len(tokens) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2])
     if any(numeric) and not pairs:
         raise ValueError(f"--{name.replace('_', '-')}: {tokens} mixes weights and prefixes "
@@ -88,7 +88,7 @@ def _blend(tokens: Sequence[str], name: str) -> Optional[Blend]:
     return get_blend_from_list(tokens)
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
     try:
         float(text)
         return True

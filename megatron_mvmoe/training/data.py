@@ -35,19 +35,13 @@ def _saved_tokenizer_dir(run: RunConfig) -> Optional[str]:
     d = run.data
     tokens = list(d.path) if isinstance(d.path, (list, tuple)) else []
     tokens = tokens or list(d.train_path) or list(d.valid_path)
-    prefixes = [t for t in tokens if not _is_weight(t)]
+    from megatron_mvmoe.data.megatron_blend import is_number
+
+    prefixes = [t for t in tokens if not is_number(str(t))]
     if not prefixes:
         return None
     candidate = os.path.join(os.path.dirname(prefixes[0]), "tokenizer")
     return candidate if os.path.isfile(os.path.join(candidate, "vocab.json")) else None
-
-
-def _is_weight(token) -> bool:
-    try:
-        float(token)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def build_run_tokenizer(run: RunConfig):

@@ -52,3 +52,23 @@ def test_tool_cli_json_and_bad_line(jsonl, tmp_path):
     out = subprocess.run([sys.executable, TOOL, "--input", str(bad), "--output-prefix",
                           str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "line 2: has no string field 'text'" in out.stderr
+
+
+def test_domains_come_from_the_directory_not_a_fixed_list(data_dir, tmp_path):
+    import shutil
+
+    from megatron_mvmoe.data.loader import DataConfig, build_datasets
+
+    copy = tmp_path / "two_domains"
+    shutil.copytree(data_dir, copy)
+    meta_path = copy / "dataset_meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["prefixes"] = {k: v for k, v in meta["prefixes"].items() if not k.startswith("tech.")}
+    meta_path.write_text(json.dumps(meta))
+    config = DataConfig(data_dir=str(copy), seq_length=16, micro_batch_size=2,
+                        global_batch_size=4, train_samples=8, eval_samples=4)
+    bundle = build_datasets(config)
+    assert list(bundle.valid) == ["books", "reference"]
+    with pytest.raises(ValueError, match=r"\['tech'\] not in .*Fix: use some of"):
+        build_datasets(DataConfig(data_dir=str(copy), seq_length=16, micro_batch_size=2,
+                                  global_batch_size=4, train_samples=8, domains=("tech",)))
