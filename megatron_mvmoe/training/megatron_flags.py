@@ -34,8 +34,8 @@ ACCEPTED: Dict[str, Accepted] = {
         "embeddings and LM head are always untied here (Megatron-LM ties them without this "
         "flag; tied embeddings are not implemented)"),
     "--group-query-attention": Accepted("GQA follows --num-query-groups"),
-    "--no-masked-softmax-fusion": Accepted("fusions are off on CPU and the masked-softmax "
-                                           "fusion is off everywhere"),
+    "--no-masked-softmax-fusion": Accepted("fusions are chosen per platform "
+                                           "(models/fast_paths.py)"),
     "--no-bias-swiglu-fusion": Accepted("bias/activation fusion is off"),
     "--no-bias-dropout-fusion": Accepted("bias/dropout fusion is off"),
     "--no-rope-fusion": Accepted("RoPE fusion is off"),
@@ -43,12 +43,13 @@ ACCEPTED: Dict[str, Accepted] = {
     "--no-position-embedding": Accepted("RoPE only, no learned position embedding"),
     "--sequence-parallel": Accepted("sequence parallelism is on whenever TP > 1 (with TP = 1 "
                                     "Megatron-LM turns it off too)"),
-    "--moe-grouped-gemm": Accepted("experts run as Megatron-Core's SequentialMLP (local "
-                                   "spec, no TransformerEngine grouped GEMM)"),
-    "--overlap-grad-reduce": Accepted("ignored: gradients are reduced after the backward "
-                                      "(no overlap in this trainer)"),
-    "--overlap-param-gather": Accepted("ignored: parameters are gathered after the "
-                                       "optimizer step (no overlap in this trainer)"),
+    "--moe-grouped-gemm": Accepted("the platform picks it (models/fast_paths.py): "
+                                   "TEGroupedMLP on a GPU with TransformerEngine, "
+                                   "SequentialMLP elsewhere"),
+    "--overlap-grad-reduce": Accepted("the platform picks it (models/fast_paths.py): on "
+                                      "with NCCL, off with gloo (nothing to overlap with)"),
+    "--overlap-param-gather": Accepted("the platform picks it (models/fast_paths.py): on "
+                                       "with NCCL, off with gloo"),
     "--no-load-rng": Accepted("RNG states are restored only together with the optimizer "
                               "state; with --no-load-optim they are not"),
     "--log-throughput": Accepted("tokens/s is always in the progress line"),
@@ -56,12 +57,14 @@ ACCEPTED: Dict[str, Accepted] = {
     "--log-validation-ppl-to-tensorboard": Accepted("eval loss and ppl per component are "
                                                     "always logged"),
     "--log-memory-to-tensorboard": Accepted("peak memory is always logged"),
-    "--use-flash-attn": Accepted("attention is Megatron-Core's local DotProductAttention "
-                                 "(flash attention needs TransformerEngine)"),
+    "--use-flash-attn": Accepted("the platform picks it (models/fast_paths.py): TE "
+                                 "attention on a GPU with TransformerEngine, local "
+                                 "DotProductAttention elsewhere"),
     "--use-distributed-optimizer-overlap": Accepted("ignored (no overlap in this trainer)"),
     "--position-embedding-type": Accepted("RoPE is the only position embedding", ("rope",)),
     "--normalization": Accepted("RMSNorm is the only normalization", ("RMSNorm",)),
-    "--transformer-impl": Accepted("the local (non-TE) Megatron-Core spec is used",
+    "--transformer-impl": Accepted("the platform picks the spec (models/fast_paths.py): "
+                                   "TE on a GPU with TransformerEngine, local elsewhere",
                                    ("local", "transformer_engine")),
     "--ckpt-format": Accepted("checkpoints are Megatron dist-checkpointing (torch_dist)",
                               ("torch_dist",)),

@@ -42,8 +42,10 @@ def measured_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 512,
     from megatron_mvmoe import platform
 
     device = platform.device()
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
+    # A private generator: measuring must not move the run's RNG (seeded, checkpointed).
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, dtype=dtype, device=device, generator=generator)
+    b = torch.randn(size, size, dtype=dtype, device=device, generator=generator)
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline or best == 0.0:
         start = time.perf_counter()
