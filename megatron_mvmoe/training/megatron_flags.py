@@ -60,7 +60,6 @@ ACCEPTED: Dict[str, Accepted] = {
     "--use-flash-attn": Accepted("the platform picks it (models/fast_paths.py): TE "
                                  "attention on a GPU with TransformerEngine, local "
                                  "DotProductAttention elsewhere"),
-    "--use-distributed-optimizer-overlap": Accepted("ignored (no overlap in this trainer)"),
     "--position-embedding-type": Accepted("RoPE is the only position embedding", ("rope",)),
     "--normalization": Accepted("RMSNorm is the only normalization", ("RMSNorm",)),
     "--transformer-impl": Accepted("the platform picks the spec (models/fast_paths.py): "
