@@ -35,8 +35,12 @@ setup(
         "mpi": ["mpi4py"],
         "gpu": ["transformer-engine[pytorch]", "nvidia-dali-cuda120"],
         "dali": ["nvidia-dali-cuda120"],
+        # Researcher tools: the lm-eval harness (tools/lm_eval_task.py), sentencepiece
+        # (Megatron-LM's Llama2Tokenizer), wandb (offline logging).
+        "eval": ["lm-eval==0.4.13", "sentencepiece==0.2.3", "wandb==0.31.0"],
         # DALI runs its CPU pipelines here, so the test suite exercises the real loader.
-        "dev": ["pytest", "pytest-timeout", "triton", "mpi4py", "nvidia-dali-cuda120"],
+        "dev": ["pytest", "pytest-timeout", "triton", "mpi4py", "nvidia-dali-cuda120",
+                "lm-eval==0.4.13", "sentencepiece==0.2.3", "wandb==0.31.0"],
     },
     entry_points={
         "console_scripts": [

@@ -48,7 +48,7 @@ def load_kernels():
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=None,
                         help="T, tokens per call (default 16384 on GPU, 1024 on CPU)")
     parser.add_argument("--experts", type=int, default=64, help="E, routed experts")

@@ -25,7 +25,7 @@ from megatron_mvmoe.data.sources import SourcePaths
 
 def parse_args(argv=None) -> argparse.Namespace:
     defaults = SourcePaths()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--max-mb-per-domain", type=float, default=0.0,
                    help="cap text per domain in MB (0 = everything)")

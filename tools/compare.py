@@ -42,7 +42,7 @@ from megatron_mvmoe.analysis.compare_variants import REFERENCES, SUITES  # noqa:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=sorted(SUITES), required=True)
     p.add_argument("--variants", nargs="+", default=None, help="subset of the suite")

@@ -23,7 +23,7 @@ from megatron_mvmoe.analysis.interventions import POLICIES  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="[label=]preset | run.yaml | checkpoint dir")
     p.add_argument("--layer", type=int, default=None,
                    help="MoE layer number (default: the last MoE layer, as the paper)")

@@ -20,7 +20,7 @@ from megatron_mvmoe.analysis import tool_common  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True,
                    help="[label=]preset | run.yaml | checkpoint dir (repeatable)")
     p.add_argument("--ep-size", type=int, default=1,

@@ -24,7 +24,7 @@ from megatron_mvmoe.analysis import tool_common  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True,
                    help="[label=]preset | run.yaml | checkpoint dir (repeatable)")
@@ -44,8 +44,12 @@ def _analyse(rank, world_size, spec, args):
     by_domain = model_access.heldout_batches(opened.run, args.batches, args.batch_size,
                                              args.seed)
     batches = [b for domain in sorted(by_domain) for b in by_domain[domain]]
+    say = (lambda m: print(f"[{spec.label}] {m}", file=sys.stderr, flush=True)) \
+        if rank == 0 else None
     data = alignment_run.collect(opened.model, batches, model_access.gpt_token_nll,
-                                 loss_utility=args.loss_utility)
+                                 loss_utility=args.loss_utility, progress=say)
+    if say is not None:
+        say(f"bootstrap confidence intervals ({args.resamples} resamples)")
     reports = alignment_run.reports(data, args.resamples, args.level, args.seed)
     config = opened.trainer.config
     return {

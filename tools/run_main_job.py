@@ -134,7 +134,7 @@ def summarize(records: List[Dict], seconds: float, args, run_dir: str) -> Dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", default="main_job")
     p.add_argument("--config", default="examples/tiny_cpu.yaml")
     p.add_argument("--data-dir", default="data/main_job")

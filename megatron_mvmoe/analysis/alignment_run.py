@@ -44,15 +44,20 @@ class AlignmentData:
 
 @torch.no_grad()
 def collect(model: torch.nn.Module, batches: Sequence[object], nll_fn: NllFn,
-            loss_utility: bool = False, layers: Optional[Sequence[int]] = None) -> AlignmentData:
-    """Router scores and utilities of every (selected) MoE layer for every batch."""
+            loss_utility: bool = False, layers: Optional[Sequence[int]] = None,
+            progress: Optional[Callable[[str], None]] = None) -> AlignmentData:
+    """Router scores and utilities of every (selected) MoE layer for every batch;
+    `progress` (if given) hears one line per batch."""
     found = moe_probe.moe_layers(model)
     chosen = {k: found[k] for k in (layers or sorted(found))}
     was_training = model.training
     model.eval()
     data = AlignmentData()
     try:
-        for batch in batches:
+        for number, batch in enumerate(batches, start=1):
+            if progress is not None:
+                progress(f"batch {number}/{len(batches)}: scores and utilities of "
+                         f"{len(chosen)} MoE layers")
             with moe_probe.capture_inputs(chosen) as inputs:
                 nll_base_T = nll_fn(model, batch)
             for key, layer in chosen.items():

@@ -21,6 +21,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -35,7 +36,6 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_mvmoe.data.indexed import check_indexed, check_vocab, read_meta
 from megatron_mvmoe.data.preprocess import TOKENIZER_DIR, prefix_name
-from megatron_mvmoe.data.sources import DOMAINS
 from megatron_mvmoe.data.tokenize import Tokenizer, load_tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
@@ -66,8 +66,9 @@ class DataConfig:
     seed: int = 1234
     """Seed of Megatron's sample shuffling and blending."""
 
-    domains: tuple = DOMAINS
-    """Domains to train and evaluate on."""
+    domains: Optional[tuple] = None
+    """Domains to train and evaluate on (None = every domain in the directory's
+    dataset_meta.json: the names come from the data)."""
 
     domain_weights: Optional[List[float]] = None
     """Train blend weights, one per domain; None = equal weights."""
@@ -88,11 +89,8 @@ class DataConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"global_batch_size={self.global_batch_size} is not a multiple "
                              f"of micro_batch_size={self.micro_batch_size}. Fix: make it one")
-        unknown = set(self.domains) - set(DOMAINS)
-        if unknown:
-            raise ValueError(f"domains={self.domains}: unknown {sorted(unknown)}. Fix: use "
-                             f"a subset of {DOMAINS}")
-        if self.domain_weights is not None and len(self.domain_weights) != len(self.domains):
+        if self.domain_weights is not None and self.domains is not None and \
+                len(self.domain_weights) != len(self.domains):
             raise ValueError(f"domain_weights has {len(self.domain_weights)} entries for "
                              f"{len(self.domains)} domains. Fix: one weight per domain")
 
@@ -160,11 +158,27 @@ def build_datasets(config: DataConfig, model_vocab_size: Optional[int] = None) -
 
     Collective when torch.distributed is initialised: call it on every rank.
     """
+    meta = read_meta(config.data_dir)
+    config = dataclasses.replace(config, domains=_domains_in(config, meta))
     tokenizer = load_tokenizer(os.path.join(config.data_dir, TOKENIZER_DIR),
-                               read_meta(config.data_dir)["tokenizer"]["kind"])
+                               meta["tokenizer"]["kind"])
     check_data(config, model_vocab_size or tokenizer.vocab_size, tokenizer)
     with _process_group_for_build():
         return _build_bundle(config, tokenizer)
+
+
+def _domains_in(config: DataConfig, meta: dict) -> tuple:
+    """The requested domains, checked against those the directory holds (in its order)."""
+    available = tuple(dict.fromkeys(key.split(".")[0] for key in meta["prefixes"]))
+    unknown = sorted(set(config.domains or ()) - set(available))
+    if unknown:
+        raise ValueError(f"domains={config.domains}: {unknown} not in {config.data_dir}. "
+                         f"Fix: use some of {available}")
+    if config.domain_weights is not None and len(config.domain_weights) != \
+            len(config.domains or available):
+        raise ValueError(f"domain_weights has {len(config.domain_weights)} entries for "
+                         f"{len(config.domains or available)} domains. Fix: one per domain")
+    return tuple(config.domains or available)
 
 
 def _build_bundle(config: DataConfig, tokenizer: Tokenizer) -> DataBundle:

@@ -93,6 +93,8 @@ class ModelShape:
     vocab_size: int
     seq_length: int
     extra: Dict[str, Any]
+    rotary_base: int = 10000
+    """RoPE base (Megatron's --rotary-base)."""
 
     @property
     def variant(self) -> Variant:
@@ -110,7 +112,7 @@ class ModelShape:
 _DEFAULTS = dict(num_query_groups=None, moe_shared_expert_intermediate_size=None,
                  latent_size=None, num_routers=1, num_views=1, gamma_ramp_steps=0,
                  num_heads_mh=1, num_experts=None, moe_ffn_hidden_size=None,
-                 moe_router_topk=None, extra=None)
+                 moe_router_topk=None, extra=None, rotary_base=10000)
 _REQUIRED = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads",
              "ffn_hidden_size", "vocab_size", "seq_length")
 
@@ -141,6 +143,9 @@ def resolve_model(section) -> ModelShape:
         if value is not None:
             values[name] = value
     values["extra"] = dict(section.extra or {})
+    if values.get("moe_variant") is None and section.preset is None:
+        # Megatron-LM's rule: --num-experts makes the MLPs routed experts, else dense.
+        values["moe_variant"] = "smoe" if values.get("num_experts") else "dense"
     missing = [name for name in _REQUIRED if values.get(name) is None]
     if missing:
         raise ValueError(f"model: {missing} not set. Fix: set model.preset (one of "

@@ -109,6 +109,7 @@ def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelShape, pg_collec
                     vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    rotary_base=shape.rotary_base,
                     pg_collection=pg_collection, vp_stage=vp_stage)
 
 

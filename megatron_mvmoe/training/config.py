@@ -26,6 +26,7 @@ from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.training.schedule_rule import validate_switches
 
 
+LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
 
 
 @dataclass
@@ -72,6 +73,8 @@ class ModelSection:
     """BitNet b1.58 quantization-aware training of the linear layers (None = False)."""
     vocab_size: Optional[int] = None
     seq_length: Optional[int] = None
+    rotary_base: Optional[int] = None
+    """RoPE base (None = 10000, Megatron's default)."""
     extra: Dict[str, Any] = field(default_factory=dict)
     """Further MVMoETransformerConfig keyword arguments, passed through unchanged."""
 
@@ -120,21 +123,54 @@ class OptimizerSection:
     adam_eps: float = 1e-8
     use_distributed_optimizer: bool = True
     """Shard optimizer states over the data-parallel ranks (ZeRO-1)."""
+    lr_decay_style: str = "cosine"
+    """cosine, linear, constant or inverse-square-root (Megatron's scheduler)."""
 
 
 @dataclass
 class DataSection:
-    """Where the tokens come from."""
+    """Where the tokens come from: our preprocessed directory, or Megatron-LM's conventions
+    (prefixes and blends, per-split paths, mock data; megatron_mvmoe/data/megatron_blend.py)."""
 
     kind: str = "indexed"
-    """indexed: Megatron .bin/.idx datasets via megatron_mvmoe.data.loader;
-    tokens: .npy token arrays per domain and split (tests and tiny demos)."""
-    path: Optional[str] = None
-    """Preprocessed data directory (indexed) or directory of <domain>_<split>.npy (tokens)."""
+    """indexed: Megatron .bin/.idx datasets; tokens: .npy token arrays per domain and split
+    (tests and tiny demos)."""
+    path: Any = None
+    """A preprocessed directory of tools/preprocess_data.py (indexed / tokens), or
+    Megatron-LM's --data-path: a list of prefixes, or of weight prefix pairs."""
     train_blend: Dict[str, float] = field(default_factory=dict)
     """Domain -> sampling weight for training (empty = every domain, equal weights)."""
     eval_domains: List[str] = field(default_factory=list)
     """Domains evaluated separately (empty = the training domains)."""
+    split: Optional[str] = None
+    """Megatron-LM --split for --data-path prefixes (None = 969,30,1)."""
+    train_path: List[str] = field(default_factory=list)
+    """--train-data-path (prefixes or weight prefix pairs)."""
+    valid_path: List[str] = field(default_factory=list)
+    """--valid-data-path; each prefix is evaluated as its own component."""
+    test_path: List[str] = field(default_factory=list)
+    """--test-data-path."""
+    cache_path: Optional[str] = None
+    """--data-cache-path: GPTDataset index cache (None = beside the data)."""
+    mock: bool = False
+    """--mock-data: Megatron-Core's MockGPTDataset, no files."""
+    tokenizer_type: Optional[str] = None
+    """GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, Llama2Tokenizer (None = the
+    tokenizer saved in the preprocessed directory)."""
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    null_vocab_size: Optional[int] = None
+    """NullTokenizer's ordinary ids (Megatron-LM's --vocab-size with NullTokenizer)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the model vocabulary to a multiple of this times TP (Megatron-LM's rule)."""
+    loader: str = "torch"
+    """torch (DataLoader) or dali (NVIDIA DALI pipeline; CPU pipelines work without a GPU)."""
+
+    def megatron_conventions(self) -> bool:
+        """True when the data is given the Megatron-LM way (not as our directory)."""
+        return bool(self.mock or self.train_path or self.valid_path or self.test_path or
+                    isinstance(self.path, (list, tuple)))
 
 
 @dataclass
@@ -199,6 +235,13 @@ class LoggingSection:
     """Steps traced before the hooks are removed."""
     moe_routing_trace_capture_logits: bool = False
     """Also write the pre-top-k logits (MultiRouter: all R heads, [T, R*E]) as bf16 sidecars."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard event directory (None = <run_dir>/tensorboard)."""
+    wandb_project: Optional[str] = None
+    """Log to Weights & Biases in offline mode under this project (None = off)."""
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    """Where the offline wandb run goes (None = <run_dir>/wandb)."""
 
 
 @dataclass
@@ -240,6 +283,10 @@ class RunConfig:
         validate_switches(t)
         _require(self.data.kind in ("indexed", "tokens"), "data.kind",
                  f"unknown {self.data.kind!r}", "use indexed or tokens")
+        _require(self.data.loader in ("torch", "dali"), "data.loader",
+                 f"unknown {self.data.loader!r}", "use torch or dali (--data-loader)")
+        _require(o.lr_decay_style in LR_DECAY_STYLES, "optimizer.lr_decay_style",
+                 f"unknown {o.lr_decay_style!r}", f"use one of {LR_DECAY_STYLES}")
         _require(self.parallel.distributed_timeout_seconds > 0,
                  "parallel.distributed_timeout_seconds", "must be > 0", "use e.g. 120")
         if world_size is not None:

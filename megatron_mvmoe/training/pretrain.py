@@ -19,7 +19,6 @@ Design choices:
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,11 +30,12 @@ from megatron.core import parallel_state
 from megatron_mvmoe import platform
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
-from megatron_mvmoe.training.config import RunConfig, dump_yaml
-from megatron_mvmoe.training.data import RunData
+from megatron_mvmoe.training.config import RunConfig
+from megatron_mvmoe.training.data import RunData, resolve_tokenizer
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, routing_summary)
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, check_loss
+from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
 
@@ -83,7 +83,11 @@ class _Loop:
         self.data = RunData(run, self.trainer.shape.seq_length, self.trainer.shape.vocab_size,
                             parallel_state.get_data_parallel_rank(),
                             parallel_state.get_data_parallel_world_size())
-        self.log = RunLog(run.logging.run_dir, run.logging.tensorboard, dist.get_rank() == 0)
+        self.log = RunLog(run.logging.run_dir, run.logging.tensorboard, dist.get_rank() == 0,
+                          tensorboard_dir=run.logging.tensorboard_dir,
+                          wandb=run.logging if run.logging.wandb_project else None)
+        self.efficiency = Efficiency(run, self.trainer.shape, world,
+                                     self.trainer.config.bf16)
         self.watch = NonFiniteWatch(self.trainer.unwrapped())
         self.routing = (RoutingMonitor(self.trainer.unwrapped(), self.trainer.shape.num_experts)
                         if run.logging.routing_metrics and self.trainer.shape.is_moe else None)
@@ -97,6 +101,11 @@ class _Loop:
         """--load (when it holds a checkpoint, or without a warm start), else the warm start."""
         t = self.run.training
         load = t.load
+        if load is not None and load == t.save and not has_checkpoint(load) and \
+                t.warm_start_from is None:
+            # Megatron-LM's resumable-job pattern (--save X --load X): nothing saved yet.
+            self.log.line(f"no checkpoint in {load} yet: starting from scratch")
+            return
         if load is None or (t.warm_start_from is not None and not has_checkpoint(load)):
             if t.warm_start_from is not None:
                 self.warm_start()
@@ -156,6 +165,8 @@ class _Loop:
         tokens = steps * t.global_batch_size * shape.seq_length
         metrics = dict(metrics, tokens_per_s=tokens / max(seconds, 1e-9),
                        consumed_samples=self.state.consumed_samples)
+        metrics.update(self.efficiency.figures(metrics["tokens_per_s"], seconds / max(steps, 1),
+                                               self.state.step))
         if self.routing is not None:
             metrics["routing"] = routing_summary(self.routing.reduce(),
                                                  aux_losses(steps * self.num_microbatches,
@@ -165,7 +176,8 @@ class _Loop:
         gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
         self.log.line(f"step {self.state.step:6d}/{t.train_iters} | loss {metrics['loss']:.4f} "
                       f"| lr {metrics['lr']:.3e} | grad norm {metrics['grad_norm']:.3f} | "
-                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}")
+                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}"
+                      f"{self.efficiency.text(metrics)}")
 
     def evaluate(self) -> Dict[str, float]:
         # eval_iters global batches: the same samples whatever the layout.
@@ -209,6 +221,7 @@ def pretrain(run: RunConfig, pg_collection,
     """Train `run` on the initialised layout; returns losses and final evaluation."""
     from megatron_mvmoe.models.presets import resolve_model
 
+    resolve_tokenizer(run)  # the tokenizer fixes the vocabulary (Megatron-LM conventions)
     shape = resolve_model(run.model)
     run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
     if run.training.warm_start_from is not None:
@@ -217,8 +230,9 @@ def pretrain(run: RunConfig, pg_collection,
     t = run.training
     try:
         loop.resume()
-        if run.logging.run_dir and dist.get_rank() == 0:
-            dump_yaml(run, os.path.join(run.logging.run_dir, "config.yaml"))
+        if dist.get_rank() == 0:  # banner; versions.json, config.yaml in the run dir
+            write_run_files(run.logging.run_dir, run, loop.trainer.shape, loop.efficiency,
+                            dist.get_world_size(), loop.log.line)
         loop.result.first_step = loop.state.step + 1
         iterators = loop.iterators()
         window_start, window_steps = time.perf_counter(), 0
@@ -261,6 +275,7 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
     try:
         from megatron_mvmoe.models.presets import resolve_model
 
+        resolve_tokenizer(run)
         shape = resolve_model(run.model)
         run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
         pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-IMAGE_EXTRAS = ("gpu", "mpi", "kernels")
+IMAGE_EXTRAS = ("gpu", "mpi", "kernels", "eval")
 NGC_PYTORCH = re.compile(r"^nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3$")
 
 

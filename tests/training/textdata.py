@@ -38,3 +38,39 @@ def build_token_dir(out_dir: str) -> str:
             np.save(os.path.join(out_dir, f"{domain}_{split}.npy"), ids)
     open(os.path.join(out_dir, "done"), "w").close()
     return out_dir
+
+
+def build_megatron_prefixes(out_dir: str) -> dict:
+    """The same two domains as Megatron-LM users bring them: `<domain>_text_document`
+    .bin/.idx prefixes written by Megatron-Core's own IndexedDatasetBuilder (one document
+    per blank-line paragraph, EOD appended), the 512-token BPE as a HF tokenizer.json, and
+    the raw text as JSONL ({"text": ...} per line). Idempotent; returns the paths."""
+    import json
+
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from tokenizers import ByteLevelBPETokenizer
+
+    paths = {d: os.path.join(out_dir, f"{d}_text_document") for d in _SOURCES}
+    paths["tokenizer"] = os.path.join(out_dir, "tokenizer.json")
+    paths["jsonl"] = {d: os.path.join(out_dir, f"{d}.jsonl") for d in _SOURCES}
+    if os.path.exists(os.path.join(out_dir, "done")):
+        return paths
+    os.makedirs(out_dir, exist_ok=True)
+    texts = {d: load()[:MAX_CHARS] for d, load in _SOURCES.items()}
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(list(texts.values()), vocab_size=VOCAB, min_frequency=2,
+                            special_tokens=["<|endoftext|>"])
+    tok.save(paths["tokenizer"])
+    eod = tok.token_to_id("<|endoftext|>")
+    for domain, text in texts.items():
+        docs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 40]
+        builder = IndexedDatasetBuilder(paths[domain] + ".bin",
+                                        dtype=DType.optimal_dtype(tok.get_vocab_size()))
+        for enc in tok.encode_batch(docs):
+            builder.add_document(enc.ids + [eod], [len(enc.ids) + 1])
+        builder.finalize(paths[domain] + ".idx")
+        with open(paths["jsonl"][domain], "w") as fh:
+            for doc in docs:
+                fh.write(json.dumps({"text": doc}) + "\n")
+    open(os.path.join(out_dir, "done"), "w").close()
+    return paths

@@ -1,0 +1,1 @@
+"""Evaluation harness integrations (lm-eval) for trained checkpoints."""

@@ -1,0 +1,116 @@
+"""An lm-eval (EleutherAI lm-evaluation-harness) model class for our checkpoints.
+
+Legend: S tokens of a window, V vocabulary (padded).
+
+Design choices:
+- The checkpoint is rebuilt exactly as tools/generate.py and tools/evaluate.py rebuild it
+  (training/from_checkpoint.py): the run's own model and tokenizer, any layout it reshards
+  to. Every process answers every request (so EP/TP ranks run their forwards together) and
+  tells lm-eval it is rank 0 of 1; only global rank 0 should print the results.
+- loglikelihood: context and continuation are tokenized separately (the continuation keeps
+  its leading space, lm-eval's convention) and scored in one window of at most seq_length
+  tokens, truncated from the left; an empty context starts from the EOD token.
+- loglikelihood_rolling: disjoint windows of seq_length predicted tokens, each conditioned
+  on the window's own preceding tokens (the first on EOD), as lm-eval's rolling windows do
+  with context length 1.
+- generate_until: greedy, cut at the first stop string.
+- Padded vocabulary rows are excluded from the softmax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List, Tuple
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from megatron_mvmoe.training.generation import SamplingConfig, generate, sequence_logits
+
+
+@register_model("megatron_mvmoe")
+class MVMoELM(LM):
+    """`lm_eval --model megatron_mvmoe --model_args load=<checkpoint>` (after importing this
+    module), or `MVMoELM(load=...)` passed to `lm_eval.simple_evaluate`."""
+
+    def __init__(self, load: str, tp: int = 1, ep: int = 1, etp: int = 1,
+                 max_gen_toks: int = 32, **_unused) -> None:
+        super().__init__()
+        import argparse
+
+        from megatron_mvmoe.training.from_checkpoint import (load_trainer, run_tokenizer,
+                                                             tool_session)
+        from megatron_mvmoe.training.tool_flags import run_from_flags
+
+        flags = argparse.Namespace(load=load, tp=int(tp), pp=1, ep=int(ep), etp=int(etp),
+                                   tokenizer_type=None, vocab_file=None, merge_file=None,
+                                   tokenizer_model=None)
+        run = run_from_flags(flags)
+        self._stack = contextlib.ExitStack()
+        pgs = self._stack.enter_context(tool_session(run))
+        trainer, _ = load_trainer(run, load, pgs)
+        self.model = trainer.unwrapped()[0].eval()
+        self.tokenizer = run_tokenizer(run)
+        self.seq_length = trainer.shape.seq_length
+        self.max_gen_toks = int(max_gen_toks)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    # ------------------------------------------------------------------ scoring
+    def _logprobs_SV(self, tokens: List[int]) -> torch.Tensor:
+        logits_SV = sequence_logits(self.model, tokens)
+        logits_SV[:, self.tokenizer.vocab_size:] = float("-inf")
+        return torch.log_softmax(logits_SV, dim=-1)
+
+    def score(self, context_ids: List[int], target_ids: List[int]) -> Tuple[float, bool]:
+        """(sum of log p(target | context), whether greedy decoding gives the target)."""
+        context_ids = context_ids or [self.tokenizer.eod]
+        window = (context_ids + target_ids)[-(self.seq_length + 1):]
+        logprobs_SV = self._logprobs_SV(window[:-1])
+        n = min(len(target_ids), len(window) - 1)  # a target longer than the window: its tail
+        targets = torch.tensor(window[-n:])
+        rows = logprobs_SV[-n:]
+        picked = rows.gather(1, targets.unsqueeze(1)).squeeze(1)
+        return float(picked.sum()), bool((rows.argmax(dim=-1) == targets).all())
+
+    def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
+        out = []
+        for request in requests:
+            context, continuation = request.args
+            out.append(self.score(self.tokenizer.tokenize(context),
+                                  self.tokenizer.tokenize(continuation)))
+        return out
+
+    def loglikelihood_rolling(self, requests) -> List[float]:
+        out = []
+        for request in requests:
+            ids = self.tokenizer.tokenize(request.args[0])
+            total, previous = 0.0, [self.tokenizer.eod]
+            for start in range(0, len(ids), self.seq_length):
+                chunk = ids[start:start + self.seq_length]
+                total += self.score(previous[-1:], chunk)[0]
+                previous = chunk
+            out.append(total)
+        return out
+
+    def generate_until(self, requests) -> List[str]:
+        out = []
+        for request in requests:
+            context, kwargs = request.args
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            config = SamplingConfig(max_new_tokens=int(kwargs.get("max_gen_toks",
+                                                                  self.max_gen_toks)))
+            ids = generate(self.model, self.tokenizer.tokenize(context) or
+                           [self.tokenizer.eod], config, self.seq_length,
+                           self.tokenizer.vocab_size, eod_id=self.tokenizer.eod)
+            text = self.tokenizer.detokenize(ids)
+            out.append(_cut(text, until))
+        return out
+
+
+def _cut(text: str, until: List[str]) -> str:
+    cuts = [text.index(stop) for stop in until if stop and stop in text]
+    return text[:min(cuts)] if cuts else text

@@ -1,0 +1,140 @@
+"""Megatron-LM flags that are not one-to-one run-config fields: what this trainer accepts as
+already true, what it checks, and what it refuses with the reason and the alternative.
+
+Design choices:
+- `ACCEPTED`: switches and values in Megatron-LM launch scripts that describe what this
+  trainer always does (Megatron-Core models, SwiGLU, RMSNorm, RoPE, no biases, untied
+  embeddings, ...) or performance hints it does not act on. They are parsed, checked
+  against the values we implement, and a note per flag is printed at start-up, so a
+  Megatron-LM script runs unchanged and the user sees what each such flag meant here.
+- `UNSUPPORTED`: flags we know and do not implement; each gives "not supported: why.
+  Use instead: ...". A flag in neither table, nor in flags.FLAGS, gets the closest known
+  names. Both are ValueErrors (exit 2 with one line), never an argparse usage dump.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
+
+
+class Accepted(NamedTuple):
+    note: str
+    values: Optional[Tuple[str, ...]] = None
+    """Allowed values when the flag takes one (None = a bare switch)."""
+    any_value: bool = False
+    """The flag takes a value and any value is fine (e.g. --num-workers)."""
+
+
+ACCEPTED: Dict[str, Accepted] = {
+    "--use-mcore-models": Accepted("models are always Megatron-Core GPTModel"),
+    "--disable-bias-linear": Accepted("linear layers never have biases here"),
+    "--swiglu": Accepted("MLPs and experts are always SwiGLU"),
+    "--untie-embeddings-and-output-weights": Accepted(
+        "embeddings and LM head are always untied here (Megatron-LM ties them without this "
+        "flag; tied embeddings are not implemented)"),
+    "--group-query-attention": Accepted("GQA follows --num-query-groups"),
+    "--no-masked-softmax-fusion": Accepted("fusions are chosen per platform "
+                                           "(models/fast_paths.py)"),
+    "--no-bias-swiglu-fusion": Accepted("bias/activation fusion is off"),
+    "--no-bias-dropout-fusion": Accepted("bias/dropout fusion is off"),
+    "--no-rope-fusion": Accepted("RoPE fusion is off"),
+    "--no-gradient-accumulation-fusion": Accepted("gradient-accumulation fusion is off"),
+    "--no-position-embedding": Accepted("RoPE only, no learned position embedding"),
+    "--sequence-parallel": Accepted("sequence parallelism is on whenever TP > 1 (with TP = 1 "
+                                    "Megatron-LM turns it off too)"),
+    "--moe-grouped-gemm": Accepted("the platform picks it (models/fast_paths.py): "
+                                   "TEGroupedMLP on a GPU with TransformerEngine, "
+                                   "SequentialMLP elsewhere"),
+    "--overlap-grad-reduce": Accepted("the platform picks it (models/fast_paths.py): on "
+                                      "with NCCL, off with gloo (nothing to overlap with)"),
+    "--overlap-param-gather": Accepted("the platform picks it (models/fast_paths.py): on "
+                                       "with NCCL, off with gloo"),
+    "--no-load-rng": Accepted("RNG states are restored only together with the optimizer "
+                              "state; with --no-load-optim they are not"),
+    "--log-throughput": Accepted("tokens/s is always in the progress line"),
+    "--log-timers-to-tensorboard": Accepted("timers are not logged separately"),
+    "--log-validation-ppl-to-tensorboard": Accepted("eval loss and ppl per component are "
+                                                    "always logged"),
+    "--log-memory-to-tensorboard": Accepted("peak memory is always logged"),
+    "--use-flash-attn": Accepted("the platform picks it (models/fast_paths.py): TE "
+                                 "attention on a GPU with TransformerEngine, local "
+                                 "DotProductAttention elsewhere"),
+    "--position-embedding-type": Accepted("RoPE is the only position embedding", ("rope",)),
+    "--normalization": Accepted("RMSNorm is the only normalization", ("RMSNorm",)),
+    "--transformer-impl": Accepted("the platform picks the spec (models/fast_paths.py): "
+                                   "TE on a GPU with TransformerEngine, local elsewhere",
+                                   ("local", "transformer_engine")),
+    "--ckpt-format": Accepted("checkpoints are Megatron dist-checkpointing (torch_dist)",
+                              ("torch_dist",)),
+    "--distributed-backend": Accepted("the platform picks NCCL on GPU, gloo on CPU",
+                                      ("nccl", "gloo")),
+    "--attention-backend": Accepted("attention is Megatron-Core's local implementation",
+                                    any_value=True),
+    "--num-workers": Accepted("samples are read in the training process", any_value=True),
+    "--timing-log-level": Accepted("no timers beyond the progress line", any_value=True),
+    "--max-position-embeddings": Accepted("checked to be >= --seq-length; RoPE needs no "
+                                          "table", any_value=True),
+    "--context-parallel-size": Accepted("context parallel size 1 only", ("1",)),
+}
+
+UNSUPPORTED: Dict[str, Tuple[str, str]] = {
+    "--fp16": ("fp16 needs loss scaling, which this trainer does not wire",
+               "--bf16 (or fp32, the CPU default)"),
+    "--fp8-format": ("FP8 needs TransformerEngine, which this build does not use",
+                     "--bf16"),
+    "--num-layers-per-virtual-pipeline-stage": (
+        "virtual stages are given by count here", "--virtual-pipeline-model-parallel-size N"),
+    "--multi-latent-attention": ("MLA is not wired into our decoder-block spec",
+                                 "standard attention with --num-query-groups"),
+    "--qk-layernorm": ("QK layer norm is not wired into our decoder-block spec",
+                       "drop the flag"),
+    "--mtp-num-layers": ("multi-token prediction is not wired", "drop the flag"),
+    "--per-split-data-args-path": ("data arguments come from flags here",
+                                   "--train-data-path/--valid-data-path/--test-data-path"),
+    "--data-args-path": ("data arguments come from flags here", "--data-path"),
+    "--dataloader-type": ("samples always follow Megatron's pretraining sampler order "
+                          "('single')", "drop the flag"),
+    "--rampup-batch-size": ("the global batch size is constant", "--global-batch-size"),
+    "--use-torch-fsdp2": ("FSDP is not wired", "--use-distributed-optimizer (ZeRO-1)"),
+    "--use-megatron-fsdp": ("FSDP is not wired", "--use-distributed-optimizer (ZeRO-1)"),
+    "--tp-comm-overlap": ("needs TransformerEngine userbuffers", "drop the flag"),
+    "--squared-relu": ("MLPs are SwiGLU", "drop the flag"),
+    "--apply-layernorm-1p": ("normalization is RMSNorm", "drop the flag"),
+    "--moe-layer-recompute": ("MoE recompute is not wired", "--recompute-granularity"),
+    "--moe-use-upcycling": ("upcycling is not wired",
+                            "--warm-start-from (latent baseline -> Multi-View)"),
+    "--vocab-extra-ids": ("extra ids are not added to tokenizers here", "drop the flag"),
+    "--no-persist-layer-norm": ("accepted by Megatron only with TE", "drop the flag"),
+    "--legacy-tokenizer": ("tokenizers are built from local files by this package",
+                           "--tokenizer-type with --vocab-file/--merge-file/--tokenizer-model"),
+}
+
+
+def check_accepted(name: str, value) -> None:
+    """Refuse a value we do not implement (e.g. --normalization LayerNorm)."""
+    rule = ACCEPTED[name]
+    if rule.values is not None and str(value) not in rule.values:
+        raise ValueError(f"{name} {value}: not supported: {rule.note}. Use instead: "
+                         f"{name} {rule.values[0]} (or drop the flag)")
+
+
+def notes(given: Iterable[str]) -> List[str]:
+    """One line per accepted-as-is flag the user gave."""
+    return [f"{name}: {ACCEPTED[name].note}" for name in given if ACCEPTED[name].note]
+
+
+def unknown_flag_error(tokens: List[str], known: Iterable[str]) -> ValueError:
+    """The error for command-line tokens argparse did not recognise."""
+    flags = [t.split("=")[0] for t in tokens if t.startswith("--")]
+    if not flags:
+        return ValueError(f"unexpected arguments {tokens}. Fix: every value follows its flag")
+    for name in flags:
+        if name in UNSUPPORTED:
+            why, instead = UNSUPPORTED[name]
+            return ValueError(f"{name}: not supported: {why}. Use instead: {instead}")
+    name = flags[0]
+    close = difflib.get_close_matches(name, list(known) + list(UNSUPPORTED), n=3)
+    hint = f"did you mean {', '.join(close)}?" if close else "see --help for every flag"
+    return ValueError(f"{name}: unknown flag (neither ours nor a Megatron-LM flag we know). "
+                      f"Fix: {hint}")
