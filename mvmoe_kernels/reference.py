@@ -25,6 +25,7 @@ from typing import NamedTuple, Union
 import torch
 
 from megatron_mvmoe.functional import gates, mixing_weights, select_topk
+from megatron_mvmoe.functional.permute import DispatchRows, expert_major_rows  # noqa: F401
 
 
 class RouterOutput(NamedTuple):
@@ -38,17 +39,6 @@ class RouterOutput(NamedTuple):
     """fp32 [T, S, R]: view mixing weights (Eq. 4), each [t, s, :] sums to 1."""
     summed_TE: torch.Tensor
     """fp32 [T, E]: unbiased summed scores (Eq. 2), for balancing losses and statistics."""
-
-
-class DispatchRows(NamedTuple):
-    """Megatron's expert-major dispatch order written as (token, slot) per output row."""
-
-    row_token_N: torch.Tensor
-    """int64 [N]: token of each dispatched row."""
-    row_slot_N: torch.Tensor
-    """int64 [N]: slot (index into topk_idx_TS[token]) of each dispatched row."""
-    tokens_per_expert_E: torch.Tensor
-    """int64 [E]: rows per expert (rows are grouped by expert, experts ascending)."""
 
 
 def reference_multi_router(
@@ -75,24 +65,6 @@ def reference_multi_router(
     gates_TS = gates(summed_TE, topk_idx_TS, alpha, eps, num_heads)
     mix_TSR = mixing_weights(scores_TRE, topk_idx_TS)
     return RouterOutput(topk_idx_TS, gates_TS, mix_TSR, summed_TE)
-
-
-def expert_major_rows(topk_idx_TS: torch.Tensor, num_experts: int) -> DispatchRows:
-    """The (token, slot) behind each row of Megatron's permute, without dropping.
-
-    Megatron's `permute` transposes the [T, E] routing map and masked-selects an arange of
-    tokens, so rows run expert by expert (ascending) and, within an expert, token by token
-    (ascending). Each token picks an expert at most once, so (expert, token) keys are unique
-    and one sort reproduces that order exactly.
-    """
-    num_tokens, num_slots = topk_idx_TS.shape
-    with torch.no_grad():
-        flat_idx = topk_idx_TS.reshape(-1).long()
-        token_of_flat = torch.arange(num_tokens, device=flat_idx.device).repeat_interleave(
-            num_slots)
-        order_N = torch.argsort(flat_idx * num_tokens + token_of_flat)
-        tokens_per_expert_E = torch.bincount(flat_idx, minlength=num_experts)
-        return DispatchRows(order_N // num_slots, order_N % num_slots, tokens_per_expert_E)
 
 
 def reference_mix_and_permute(

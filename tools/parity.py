@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from megatron_mvmoe.analysis.parity import (
+from megatron_mvmoe.functional.parity import (
     FLOPS_TOLERANCE,
     PARAMS_TOLERANCE,
     MoELayerShape,
@@ -27,7 +27,7 @@ from megatron_mvmoe.analysis.parity import (
     layer_params,
     leading_flops_per_token,
 )
-from megatron_mvmoe.analysis.parity_model import parity_row
+from megatron_mvmoe.functional.parity_model import parity_row
 from megatron_mvmoe.models.seed2_presets import SIZES, all_presets, get_preset
 
 COLUMNS = [

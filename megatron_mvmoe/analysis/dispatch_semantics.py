@@ -38,6 +38,7 @@ from typing import Dict, Tuple
 import torch
 
 from megatron_mvmoe.analysis.placement import LINKS, EpPlacement
+from megatron_mvmoe.functional.mixing import views_are_cheaper
 
 SEMANTICS = ("row", "rank", "node")
 KINDS = ("token", "multi_view", "naive_multi_view")
@@ -71,12 +72,6 @@ class PayloadShape:
     @property
     def row_bytes(self) -> int:
         return self.width * self.dtype_bytes
-
-
-def views_are_cheaper(n, views: int, width: int, dtype_bytes: int, weight_bytes: int):
-    """True where K views + n*K weights are strictly smaller than n blended rows (the rule
-    the dedup dispatcher applies per (token, destination); ties send blends)."""
-    return views * width * dtype_bytes + n * views * weight_bytes < n * width * dtype_bytes
 
 
 def _pair_cost(n: torch.Tensor, shape: PayloadShape, views_allowed=None):

@@ -65,21 +65,22 @@ def override_mixing(layer, policy: str) -> Iterator[RoutingLog]:
     _require_multi_view(layer)
     replace_mixing(torch.full((1, 1, layer.config.multi_view.num_views), 0.5), policy)
     log = RoutingLog()
-    original_route, original_rows = layer.route, layer.expert_rows
 
-    def route(hidden_states, padding_mask=None):
-        probs_TE, routing_map_TE = original_route(hidden_states, padding_mask)
-        log.calls.append((probs_TE.detach().clone(), routing_map_TE.clone()))
-        return probs_TE, routing_map_TE
+    def record(routing) -> None:  # a MultiRouter observer: every routing step
+        log.calls.append((routing.probs_TE.detach().clone(), routing.routing_map_TE.clone()))
 
-    def expert_rows(views_TRL, mix_TSR):
-        return original_rows(views_TRL, replace_mixing(mix_TSR, policy))
+    def transform(mix_TSR):
+        return replace_mixing(mix_TSR, policy)
 
-    layer.route, layer.expert_rows = route, expert_rows
+    # both hooks are declared by the classes they observe (router.observers,
+    # layer.mix_transforms): nothing is patched on the instances
+    layer.router.observers.append(record)
+    layer.mix_transforms.append(transform)
     try:
         yield log
     finally:
-        del layer.route, layer.expert_rows  # back to the class's methods
+        layer.router.observers.remove(record)
+        layer.mix_transforms.remove(transform)
 
 
 def _require_multi_view(layer) -> None:

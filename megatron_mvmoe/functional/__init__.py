@@ -4,7 +4,12 @@ kernels' references and the analysis tools all compute Eq. 2-5 with the same cod
 
 - routing (seed 000, Eq. 2-3): multi_router_logits, sigmoid_scores, sum_over_routers,
   select_topk, gates, gate_denominator, alpha_for_slots, to_megatron
-- mixing (seed 000, Eq. 4-5): mixing_weights, mix_views
+- mixing (seed 000, Eq. 4-5): mixing_weights, mix_views, blend_views, views_are_cheaper
+- permute: expert_major_rows, permute_rows (Megatron's dispatch order for (token, slot) rows)
+- parity, parity_model (seed 001, Eq. 6-9): MH-MoE FLOPs and parameter parity, whole-model
+  counts (pure python)
+- quantize (seed 001, BitNet b1.58): ternary_weight, absmax_activation, rms_normalize,
+  bitlinear_input, straight-through quantizers
 """
 
 from megatron_mvmoe.functional.mixing import mix_views, mixing_weights

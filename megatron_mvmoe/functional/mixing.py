@@ -62,3 +62,20 @@ def mix_views(
     if stop_grad_mixing:
         mix_TSR = mix_TSR.detach()
     return torch.bmm(mix_TSR.to(views_TRL.dtype), views_TRL)
+
+
+def blend_views(views_TRL: torch.Tensor, mix_TSR: torch.Tensor) -> torch.Tensor:
+    """rows_TSL = v_0 + sum_m a_m (v_m - v_0), equal to sum_m a_m v_m (the weights sum to 1).
+
+    At gamma = 0 the differences are exactly zero, so every row is the backbone view P h
+    bit for bit (a warm start reproduces the baseline exactly) while every parameter stays
+    in the autograd graph. Works for any leading row count (T tokens, or N dispatched rows
+    with one slot each)."""
+    backbone_T1L = views_TRL[:, :1, :]
+    return backbone_T1L + mix_views(views_TRL - backbone_T1L, mix_TSR)
+
+
+def views_are_cheaper(n, views: int, width: int, dtype_bytes: int, weight_bytes: int):
+    """True where K views + n*K weights are strictly smaller than n blended rows (the rule
+    the dedup dispatcher applies per (token, destination); ties send blends)."""
+    return views * width * dtype_bytes + n * views * weight_bytes < n * width * dtype_bytes

@@ -41,10 +41,9 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import all_to_all
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_mvmoe.analysis.dispatch_semantics import views_are_cheaper
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.layers.per_row_dispatcher import validate_per_row_config
-from megatron_mvmoe.views import mix_views
+from megatron_mvmoe.functional.mixing import blend_views, views_are_cheaper
 
 SHARED, VIEWS, BLEND = 0, 1, 2
 DEDUP_SEMANTICS = ("rank", "node")
@@ -84,9 +83,9 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
 
 
 def blend(views_NKL: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-    """v_0 + sum_m a_m (v_m - v_0): the Multi-View layer's `expert_rows` for N rows."""
-    backbone_N1L = views_NKL[:, :1]
-    return (backbone_N1L + mix_views(views_NKL - backbone_N1L, weights_NK.unsqueeze(1)))[:, 0]
+    """v_0 + sum_m a_m (v_m - v_0) for N rows (functional.blend_views, one slot each): the
+    same arithmetic as the Multi-View layer's `expert_rows`."""
+    return blend_views(views_NKL, weights_NK.unsqueeze(1))[:, 0]
 
 
 def selection_rows(items: _Items, num_views: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional
 
 import mvmoe_kernels
 import torch
@@ -44,7 +44,8 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.layers.latent_moe import LatentMoELayer
 from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
-from megatron_mvmoe.views import GammaRamp, MultiViewProjection, mix_views
+from megatron_mvmoe.functional.mixing import blend_views
+from megatron_mvmoe.views import GammaRamp, MultiViewProjection
 
 
 class MultiViewMoELayer(LatentMoELayer):
@@ -70,6 +71,9 @@ class MultiViewMoELayer(LatentMoELayer):
             [self.gamma_ramp.ramp_steps, 0], dtype=torch.int64))
         self.kernels = config.multi_view.kernels
         self._pending = None  # (mix_TSR, topk_idx_TS) from route, taken by preprocess
+        self.mix_transforms: List[Callable[[torch.Tensor], torch.Tensor]] = []
+        """Applied in order to the mixing weights mix_TSR before the blend, on every backend
+        (analysis.interventions swaps the mixing proportions this way); empty in training."""
 
     def build_down_projection(self, config) -> torch.nn.Module:
         """K views: view 0 is the backbone P (`fc1_latent_proj.weight`), others P + gamma dP_m."""
@@ -106,6 +110,8 @@ class MultiViewMoELayer(LatentMoELayer):
                    routing_map: torch.Tensor):
         """Views -> per-(token, slot) blends -> per-row permute (same metadata as baseline)."""
         (mix_TSR, topk_idx_TS), self._pending = self._pending, None
+        for transform in self.mix_transforms if mix_TSR is not None else ():
+            mix_TSR = transform(mix_TSR)
         if mix_TSR is not None and self.stop_grad_mixing:
             mix_TSR = mix_TSR.detach()
         hidden_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -125,12 +131,7 @@ class MultiViewMoELayer(LatentMoELayer):
             rows_TSL, routing_map, probs, token_shape)
 
     def kernel_backend(self, device: torch.device) -> str:
-        """"triton" or "reference" for this call (multi_view.kernels, else MVMOE_KERNELS).
-
-        An `expert_rows` replaced on the instance (analysis.interventions hooks it to swap
-        the mixing weights) is honoured by taking the torch path, which calls it."""
-        if "expert_rows" in self.__dict__:
-            return "reference"
+        """"triton" or "reference" for this call (multi_view.kernels, else MVMOE_KERNELS)."""
         return mvmoe_kernels.resolve_backend(
             None if self.kernels == "auto" else self.kernels, device)
 
@@ -143,10 +144,9 @@ class MultiViewMoELayer(LatentMoELayer):
         parameter stays in the autograd graph (Megatron's overlapped grad reduce needs it).
         """
         num_tokens, _, latent = views_TRL.shape
-        backbone_T1L = views_TRL[:, :1, :]
         if mix_TSR is None:  # one view: every slot sees the backbone view, as the baseline
-            return backbone_T1L.expand(num_tokens, self.config.moe_router_topk, latent)
-        return backbone_T1L + mix_views(views_TRL - backbone_T1L, mix_TSR)
+            return views_TRL[:, :1, :].expand(num_tokens, self.config.moe_router_topk, latent)
+        return blend_views(views_TRL, mix_TSR)
 
     def permuted_expert_rows(self, views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor],
                              topk_idx_TS: torch.Tensor):

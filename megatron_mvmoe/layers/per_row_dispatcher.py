@@ -26,28 +26,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_mvmoe.errors import require
-
-
-def permute_rows(
-    rows_TSL: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row version of Megatron's `permute` (moe_utils.permute, dropless, unfused).
-
-    Returns:
-        permuted_NL: rows in Megatron's expert-major order (tokens ascending per expert);
-        permuted_probs_N: the gates in the same order (differentiable);
-        token_ids_N: the token of each permuted row (Megatron's `sorted_indices`, used by
-            the combine's scatter-add).
-    """
-    num_tokens, num_slots, latent = rows_TSL.shape
-    map_ET = routing_map_TE.T.contiguous()
-    slot_TE = routing_map_TE.long().cumsum(dim=1) - 1  # s-th True of row t -> slot s
-    token_T1 = torch.arange(num_tokens, device=rows_TSL.device).unsqueeze(1)
-    row_ids_N = (token_T1 * num_slots + slot_TE).T.masked_select(map_ET)
-    token_ids_N = token_T1.T.expand(map_ET.shape).masked_select(map_ET)
-    permuted_NL = rows_TSL.reshape(num_tokens * num_slots, latent).index_select(0, row_ids_N)
-    permuted_probs_N = probs_TE.T.contiguous().masked_select(map_ET)
-    return permuted_NL, permuted_probs_N, token_ids_N
+from megatron_mvmoe.functional.permute import permute_rows  # noqa: F401 (re-exported)
 
 
 class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):

@@ -31,8 +31,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_mvmoe.analysis.parity import MoELayerShape
-from megatron_mvmoe.analysis.parity_model import ModelShape
+from megatron_mvmoe.functional.parity import MoELayerShape
+from megatron_mvmoe.functional.parity_model import ParityModelDims
 
 SIZES = {
     # hidden, layers, attention heads, vocab, seq length
@@ -98,7 +98,7 @@ class Seed2Preset:
     """True when the paper claims FLOPs and parameter parity with the reference."""
     paper_row: str
     """Where the paper reports it."""
-    model: ModelShape
+    model: ParityModelDims
     """Dimensions used for the parity numbers and the config."""
     num_attention_heads: int
     """Attention heads."""
@@ -173,7 +173,7 @@ def get_preset(name: str, size: str = "paper", bitnet: bool = False,
         dims["hidden_size"] = hidden_size
     d = dims["hidden_size"]
     moe = None if recipe is None else _moe_shape(recipe, d, shared)
-    model = ModelShape(num_layers=dims["num_layers"], hidden_size=d,
+    model = ParityModelDims(num_layers=dims["num_layers"], hidden_size=d,
                        vocab_size=dims["vocab_size"], seq_length=dims["seq_length"],
                        dense_ffn=_scaled(d, DENSE_FFN_OVER_D, "dense ffn"), moe=moe)
     if reference is not None and shared:
@@ -193,5 +193,5 @@ def all_presets(size: str = "paper", bitnet: bool = False) -> list[Seed2Preset]:
 
 
 def with_overrides(preset: Seed2Preset, **model_fields) -> Seed2Preset:
-    """A copy whose ModelShape fields are replaced (e.g. num_layers=2 for a quick test)."""
+    """A copy whose ParityModelDims fields are replaced (e.g. num_layers=2 for a quick test)."""
     return dataclasses.replace(preset, model=dataclasses.replace(preset.model, **model_fields))

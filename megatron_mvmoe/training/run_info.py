@@ -111,11 +111,12 @@ def _version(module: str) -> Optional[str]:
 
 
 def versions(world_size: int) -> Dict[str, object]:
-    import megatron.core
     import numpy
 
+    from megatron_mvmoe.platform.cpu_patches import installed_megatron_version
+
     return {"python": py_platform.python_version(), "torch": torch.__version__,
-            "megatron_core": megatron.core.__version__, "numpy": numpy.__version__,
+            "megatron_core": installed_megatron_version(), "numpy": numpy.__version__,
             "triton": _version("triton"), "megatron_mvmoe": _version("megatron_mvmoe"),
             "git": _git_commit(), "host": socket.gethostname(),
             "cuda": torch.version.cuda if torch.cuda.is_available() else None,

@@ -39,7 +39,8 @@ def _interventions_rank(rank, world_size):
         assert effect.delta == 0.0
     for policy in ("view1", "view2", "uniform", "swapped"):
         assert any(abs(e.delta) > 1e-6 for e in results[policy].domains), policy
-    # the wrappers are removed afterwards: the class's methods are back
+    # the hooks are removed afterwards, and nothing was patched on the instance
+    assert layer.mix_transforms == [] and layer.router.observers == []
     assert "route" not in layer.__dict__ and "expert_rows" not in layer.__dict__
     # the override does change what the experts see
     with torch.no_grad(), override_mixing(layer, "view1"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_mvmoe.analysis.parity import MoELayerShape, all_to_all_bytes_per_token
+from megatron_mvmoe.functional.parity import MoELayerShape, all_to_all_bytes_per_token
 from megatron_mvmoe.layers.builders import build
 from megatron_mvmoe.layers.mh_reference import mh_test_config
 from megatron_mvmoe.layers.multi_head_moe import mh_moe_spec

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mvmoe.analysis.parity import (
+from megatron_mvmoe.functional.parity import (
     MoELayerShape,
     derive_mh_moe,
     exact_flops_per_token,

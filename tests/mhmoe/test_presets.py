@@ -1,8 +1,8 @@
 """Seed-2 presets: paper configurations, parity within the stated tolerance, configs build."""
 import pytest
 
-from megatron_mvmoe.analysis.parity import FLOPS_TOLERANCE, PARAMS_TOLERANCE, layer_params
-from megatron_mvmoe.analysis.parity_model import model_params, parity_row
+from megatron_mvmoe.functional.parity import FLOPS_TOLERANCE, PARAMS_TOLERANCE, layer_params
+from megatron_mvmoe.functional.parity_model import model_params, parity_row
 from megatron_mvmoe.models.seed2_presets import all_presets, get_preset, preset_names
 
 SIZES = ("paper", "tiny")

@@ -3,7 +3,7 @@ tiny presets (Megatron's decoder-block spec, MoE slots swapped for MH-MoE)."""
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.parity_model import model_params
+from megatron_mvmoe.functional.parity_model import model_params
 from megatron_mvmoe.models.seed2_presets import get_preset
 from megatron_mvmoe.testing.spawn import run_distributed
 

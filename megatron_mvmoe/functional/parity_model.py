@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_mvmoe.analysis.parity import (
+from megatron_mvmoe.functional.parity import (
     FLOPS_TOLERANCE,
     PARAMS_TOLERANCE,
     MoELayerShape,
@@ -28,7 +28,7 @@ from megatron_mvmoe.analysis.parity import (
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ParityModelDims:
     """Dimensions of a decoder-only model whose every `moe_layer_freq`-th FFN is an MoE layer."""
 
     num_layers: int
@@ -61,7 +61,7 @@ class ModelShape:
         return self.num_layers - self.num_moe_layers
 
 
-def _backbone_params(model: ModelShape) -> int:
+def _backbone_params(model: ParityModelDims) -> int:
     """Everything but the FFN/MoE blocks: embeddings, attention, norms."""
     d = model.hidden_size
     embeddings = model.vocab_size * d * (1 if model.tied_embeddings else 2)
@@ -69,7 +69,7 @@ def _backbone_params(model: ModelShape) -> int:
     return embeddings + model.num_layers * per_layer + d
 
 
-def model_params(model: ModelShape) -> dict:
+def model_params(model: ParityModelDims) -> dict:
     """Total and active (per token) parameters of the whole model."""
     dense = model.num_dense_layers * model.ffn_matrices * model.hidden_size * model.dense_ffn
     base = _backbone_params(model) + dense
@@ -80,7 +80,7 @@ def model_params(model: ModelShape) -> dict:
             "active": base + model.num_moe_layers * moe.active}
 
 
-def model_flops_per_token(model: ModelShape) -> int:
+def model_flops_per_token(model: ParityModelDims) -> int:
     """Leading-term FLOPs per token of the whole model (forward only)."""
     d = model.hidden_size
     attention = model.num_layers * (2 * 4 * d * d + 2 * 2 * model.seq_length * d)
@@ -89,7 +89,7 @@ def model_flops_per_token(model: ModelShape) -> int:
     return attention + dense + moe + 2 * d * model.vocab_size
 
 
-def parity_row(name: str, model: ModelShape, reference: Optional[ModelShape],
+def parity_row(name: str, model: ParityModelDims, reference: Optional[ParityModelDims],
                matched: bool) -> dict:
     """One report row: per-MoE-layer and whole-model params and FLOPs, deviation from the
     reference (its SMoE baseline) in %, and whether a claimed parity holds."""
