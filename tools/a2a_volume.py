@@ -291,7 +291,7 @@ def _counted_plot(results, path, args):
 
 
 def main_counted(args) -> int:
-    from megatron_mvmoe.testing.spawn import run_distributed
+    from megatron_mvmoe.launch.local_ranks import run_distributed
 
     start = time.time()
     results = []

@@ -198,7 +198,7 @@ def report(args, results) -> Dict:
 def _init_process_group(platform) -> None:
     import torch.distributed as dist
 
-    from megatron_mvmoe.testing.spawn import free_port
+    from megatron_mvmoe.launch.local_ranks import free_port
 
     platform.apply_cpu_patches() if not platform.is_cuda() else None
     platform.set_local_device(0)

@@ -72,7 +72,7 @@ def single_rank(fn: Callable, *args, timeout_s: float = 1800.0):
     The rank is NON-daemonic: Megatron's async dist-checkpoint writer starts a
     multiprocessing Manager, which a daemonic process may not do.
     """
-    from megatron_mvmoe.testing.spawn import run_distributed
+    from megatron_mvmoe.launch.local_ranks import run_distributed
 
     return run_distributed(fn, 1, timeout_s=timeout_s, args=args, daemon=False)[0]
 
