@@ -234,6 +234,7 @@ class _Loop:
             path = ckpt.save_checkpoint(self.trainer, self.run.training.save, self.state)
             self.published(path)
             return
+        self.published(self.saver.wait())  # one background save in flight at a time
         path = self.saver.save(self.trainer, self.run.training.save, self.state)
         self.log.line(f"started background save of {path}")
         if wait:

@@ -82,5 +82,7 @@ def test_hung_rank_makes_survivor_exit_within_timeout(tmp_path):
     assert proc.returncode != 0
     stopped = float((stamps / "stopped").read_text())
     survivor = float((stamps / "exit_rank_0").read_text())
+    print(f"hung rank: survivor exited {survivor - stopped:.1f} s after rank 1 stopped "
+          f"(timeout {timeout_s} s)")
     assert timeout_s * 0.5 <= survivor - stopped <= timeout_s + margin_s, \
         (survivor - stopped, (proc.stdout + proc.stderr)[-3000:])
