@@ -205,14 +205,18 @@ def _collective_write(root: str, tmp: str, write) -> None:
     failure = integrity.first_failure(error, root)
     if failure is None:
         return
+    raise _save_failed(root, tmp, *failure) from error
+
+
+def _save_failed(root: str, tmp: str, disk_full: bool, message: str) -> CheckpointError:
+    """Remove the unfinished `tmp` (rank 0) and say what failed and what was kept."""
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    disk_full, message = failure
     what = (f"no space left on device writing {tmp}" if disk_full
             else f"saving {tmp} failed ({message})")
-    raise CheckpointError(f"{what}; {_kept(root)}. Fix: "
-                          + ("free space there, --save elsewhere, or --keep-last N"
-                             if disk_full else "check the --save file system")) from error
+    return CheckpointError(f"{what}; {_kept(root)}. Fix: "
+                           + ("free space there, --save elsewhere, or --keep-last N"
+                              if disk_full else "check the --save file system"))
 
 
 def _publish(trainer: Trainer, root: str, name: str) -> None:
@@ -295,9 +299,7 @@ class AsyncSaver:
     def poll(self) -> Optional[str]:
         """Collective (one all-reduce) while a save is in flight: finalize it if every rank
         is done. Returns the directory just published, if any."""
-        if self.pending is None:
-            return None
-        if not self.queue.maybe_finalize_async_calls(blocking=False):
+        if self.pending is None or not self._finalize(blocking=False):
             return None
         done, self.pending = self.pending, None
         return done
@@ -306,9 +308,21 @@ class AsyncSaver:
         """Collective: block until the save in flight is published."""
         if self.pending is None:
             return None
-        self.queue.maybe_finalize_async_calls(blocking=True)
+        self._finalize(blocking=True)
         done, self.pending = self.pending, None
         return done
+
+    def _finalize(self, blocking: bool) -> bool:
+        """Megatron raises a background writer's failure on every rank at finalize: turn it
+        into our one-line CheckpointError, with the temp dir removed."""
+        try:
+            return bool(self.queue.maybe_finalize_async_calls(blocking=blocking))
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - same on all ranks
+            root, name = os.path.split(self.pending)
+            self.pending = None
+            raise _save_failed(root, os.path.join(root, f".tmp_{name}"),
+                               integrity.is_disk_full(err, root),
+                               str(err).strip().splitlines()[0][:200]) from err
 
     def close(self) -> None:
         self.queue.close()

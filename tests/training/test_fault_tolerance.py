@@ -189,7 +189,9 @@ def test_damaged_checkpoint_is_one_line_naming_file_and_fix(data_dir, saved, tmp
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
-def test_full_disk_names_path_and_keeps_the_previous_checkpoint(data_dir, saved, tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_full_disk_names_path_and_keeps_the_previous_checkpoint(data_dir, saved, tmp_path,
+                                                                background):
     size = sum(os.path.getsize(os.path.join(b, f)) for b, _, fs in
                os.walk(os.path.join(saved, "iter_0000002")) for f in fs)
     mount = tmp_path / "small"
@@ -199,7 +201,8 @@ def test_full_disk_names_path_and_keeps_the_previous_checkpoint(data_dir, saved,
     try:
         root = str(mount / "ck")
         with pytest.raises(DistributedTestError) as info:
-            train(_run(data_dir, train_iters=4, save=root, save_interval=2), 1)
+            train(_run(data_dir, train_iters=4, save=root, save_interval=2,
+                       async_save=background), 1)
         line = next((l for l in str(info.value).splitlines() if "CheckpointError:" in l),
                     str(info.value))
         assert f"no space left on device writing {root}/.tmp_iter_0000004; the previous " \
