@@ -23,6 +23,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -87,11 +88,19 @@ def _variant(raw: Dict, variant: str, root: str, interval: int) -> Dict:
 
 def measure(args) -> Dict:
     sys.path.insert(0, str(REPO / "tests" / "training"))
-    from textdata import build_token_dir
+    work = args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_")
+    try:
+        return _measure_in(args, work)
+    finally:
+        if args.workdir is None:  # 9 runs of checkpoints: do not leave them in /tmp
+            shutil.rmtree(work, ignore_errors=True)
 
+
+def _measure_in(args, work: str) -> Dict:
     from megatron_mvmoe.testing.spawn import run_distributed
 
-    work = args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_")
+    from textdata import build_token_dir
+
     raw = _raw(args, build_token_dir(os.path.join(work, "tokens")))
     saves = args.steps // args.save_interval  # the final save coincides with the last interval
     rounds = []
@@ -115,7 +124,7 @@ def measure(args) -> Dict:
     return {"rounds": rounds, "saves_per_run": saves, "checkpoint_bytes": size,
             "world": args.world, "median_async_over_sync": statistics.median(ratios)
             if ratios else None, "ratio_min": min(ratios, default=None),
-            "ratio_max": max(ratios, default=None), "workdir": work}
+            "ratio_max": max(ratios, default=None)}
 
 
 def main(argv: List[str]) -> int:

@@ -274,10 +274,15 @@ class AsyncSaver:
     finalize step once every rank's writer is done. One save in flight at a time."""
 
     def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.queue = AsyncCallsQueue()
         self.pending: Optional[str] = None
+        # Start the writer's results Manager (a spawned process, ~2 s) now, before step 1,
+        # instead of inside the first save.
+        _cross_process_write_results()
+        filesystem_async.get_write_results_queue()
 
     def save(self, trainer: Trainer, root: str, state: ResumeState) -> str:
         """Collective: finish the previous save, then start this one; returns its future dir."""
