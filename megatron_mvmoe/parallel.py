@@ -7,6 +7,8 @@ Design choices:
 - Megatron's own `initialize_model_parallel` builds the groups; we hand back its
   `ProcessGroupCollection` so layers receive process groups explicitly instead of reading
   global state deep inside forward.
+- Every subgroup gets the run's collective timeout (`timeout_s`), so a hung rank stalls its
+  peers in a subgroup collective no longer than in a world one.
 - `destroy_layout` tears the groups down: leaked gloo subgroups pile up threads (notes).
 """
 
@@ -75,10 +77,16 @@ class ParallelLayout:
                 f"Fix: pick ep among {_divisors(num_experts)}.")
 
 
+DEFAULT_TIMEOUT_S = 600.0
+"""Collective timeout of every subgroup unless the run gives its own (Megatron's default,
+30 minutes, would let a hung rank stall the job that long)."""
+
+
 def initialize_layout(layout: ParallelLayout, num_layers: Optional[int] = None,
-                      num_experts: Optional[int] = None,
-                      training: bool = True) -> ProcessGroupCollection:
-    """Build Megatron's parallel state for `layout` on the initialised default group.
+                      num_experts: Optional[int] = None, training: bool = True,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroupCollection:
+    """Build Megatron's parallel state for `layout` on the initialised default group; every
+    subgroup (TP, PP, DP, EP, their gloo twins) gets the collective timeout `timeout_s`.
 
     `training=False` admits layouts that are only valid for forward/backward without the
     data-parallel gradient reduction (layer-level tests)."""
@@ -92,6 +100,7 @@ def initialize_layout(layout: ParallelLayout, num_layers: Optional[int] = None,
         virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        distributed_timeout_minutes=timeout_s / 60.0,
     )
     return ProcessGroupCollection.use_mpu_process_groups()
 

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(bible-kjv bible-kjv-text dict-gcide dict-foldoc dict-jargon python3.11-doc
-              openmpi-bin libopenmpi-dev slurm-wlm munge)
+              openmpi-bin libopenmpi-dev slurm-wlm munge iproute2)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -4,6 +4,9 @@
     export SLURM_CONF=/tmp/mvmoe_slurm/slurm.conf  # printed by start; sbatch/srun/sinfo need it
     python tools/slurm_local.py status [--json]
     python tools/slurm_local.py stop [--json]     # kills only the daemons start recorded
+    python tools/slurm_local.py start --nodes 2    # two nodes n1, n2 in network namespaces
+    python tools/slurm_local.py exec -- sbatch ... # a client command in n1's namespace
+    python tools/slurm_local.py stop --nodes 2     # daemons by PID, namespaces, veth, mounts
 
 Design choices (see docs/ENVIRONMENT.md, "MPI and Slurm"):
 - Every file lives in one state dir (default /tmp/mvmoe_slurm): slurm.conf, spool,
@@ -242,19 +245,123 @@ def start(state_dir: Path = DEFAULT_STATE_DIR, timeout_s: float = 60.0) -> Dict[
     return {**status(state_dir), "already_running": False}
 
 
+# ---------------------------------------------------------------- two nodes (slurm_netns.py)
+DEFAULT_STATE_DIR_2 = Path(os.environ.get("MVMOE_SLURM2_STATE", "/tmp/mvmoe_slurm2"))
+DAEMONS_2 = ("munged", "slurmctld", "slurmd_n1", "slurmd_n2")
+
+
+def _program(name: str) -> str:
+    return name.split("_")[0]
+
+
+def status2(state_dir: Path = DEFAULT_STATE_DIR_2) -> Dict[str, object]:
+    import slurm_netns as ns
+
+    record = _read_pids(state_dir)
+    pids = {k: v for k, v in record.items() if k in DAEMONS_2}
+    alive = {name: _runs(pid, _program(name)) for name, pid in pids.items() if pid}
+    nodes = ns.node_states(state_dir) if alive.get("slurmctld") else None
+    running = (len(alive) == len(DAEMONS_2) and all(alive.values()) and nodes is not None
+               and all(nodes.get(n) in ("idle", "mixed", "allocated") for n in ns.NODES))
+    return {"running": running, "nodes": 2, "state_dir": str(state_dir),
+            "slurm_conf": str(ns.paths(state_dir)["conf"]), "pids": pids, "alive": alive,
+            "node_states": nodes, "netns": ns.namespaces_exist(),
+            "addresses": {n: ns.address(n) for n in ns.NODES}, "partition": ns.PARTITION,
+            "veth": ns.veth_counters(), "client_prefix": ns.client_prefix(),
+            "env": {"SLURM_CONF": str(ns.paths(state_dir)["conf"])}}
+
+
+def stop2(state_dir: Path = DEFAULT_STATE_DIR_2) -> Dict[str, object]:
+    """Kill the recorded daemons (reverse order), then delete namespaces, veth and mounts."""
+    import slurm_netns as ns
+
+    record = _read_pids(state_dir)
+    for name in reversed(DAEMONS_2):
+        if record.get(name):
+            _kill(record[name], _program(name))
+    ns.delete_network(bool(record.get("run_netns_was_mounted", True)))
+    _paths(state_dir)["daemons"].unlink(missing_ok=True)
+    return {**status2(state_dir), "stopped": {k: v for k, v in record.items()
+                                              if k in DAEMONS_2 and v}}
+
+
+def start2(state_dir: Path = DEFAULT_STATE_DIR_2, timeout_s: float = 60.0) -> Dict[str, object]:
+    """Namespaces + veth, munged, slurmctld and slurmd n1 in n1, slurmd n2 in n2; waits
+    until both nodes are idle."""
+    import slurm_netns as ns
+
+    _require_tools()
+    current = status2(state_dir)
+    if current["running"]:
+        return {**current, "already_running": True}
+    stop2(state_dir)
+    if any(ns.namespaces_exist().values()):
+        raise SlurmLocalError(f"network namespaces {ns.namespaces_exist()} exist but no "
+                              f"daemons are recorded in {state_dir}: remove them with "
+                              "`ip netns del mvmoe_n1 mvmoe_n2` (another state dir?)")
+    logs = ns.paths(state_dir)["logs"]
+    ns.write_files(state_dir, _node_resources())
+    record: Dict[str, object] = {}
+    try:
+        record["run_netns_was_mounted"] = ns.create_network()
+        _write_pids(state_dir, record)
+        record["munged"] = _spawn(ns.munged_cmd(state_dir), logs / "munged.out")
+        _write_pids(state_dir, record)
+        if not ns.wait_for(lambda: ns.munge_answers(state_dir), 20):
+            raise SlurmLocalError(f"munged did not answer; see {logs / 'munged.out'}")
+        record["slurmctld"] = _spawn(ns.slurmctld_cmd(state_dir), logs / "slurmctld.out")
+        _write_pids(state_dir, record)
+        for node in ns.NODES:
+            record[f"slurmd_{node}"] = _spawn(ns.slurmd_cmd(state_dir, node),
+                                              logs / f"slurmd_{node}.out")
+            _write_pids(state_dir, record)
+        if not ns.wait_for(lambda: status2(state_dir)["running"], timeout_s):
+            raise SlurmLocalError(f"timed out after {timeout_s:.0f} s waiting for nodes "
+                                  f"{ns.NODES} to be idle; see {logs}")
+    except BaseException:
+        stop2(state_dir)
+        raise
+    return {**status2(state_dir), "already_running": False}
+
+
+def exec2(command: List[str], state_dir: Path = DEFAULT_STATE_DIR_2) -> int:
+    """Run a Slurm client command in n1's network namespace with SLURM_CONF set."""
+    import slurm_netns as ns
+
+    env = {**os.environ, "SLURM_CONF": str(ns.paths(state_dir)["conf"])}
+    return subprocess.run([*ns.client_prefix(), *command], env=env).returncode
+
+
+def _dispatch(args) -> Dict[str, object]:
+    if args.nodes == 2 or args.command == "exec":
+        state = (args.state_dir or DEFAULT_STATE_DIR_2).resolve()
+        return {"start": lambda: start2(state, args.timeout_s), "stop": lambda: stop2(state),
+                "status": lambda: status2(state)}[args.command]()
+    state = (args.state_dir or DEFAULT_STATE_DIR).resolve()
+    if args.command == "start":
+        return start(state, args.timeout_s)
+    return (stop if args.command == "stop" else status)(state)
+
+
 def main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(description="One-node local Slurm cluster (start/stop/status).")
-    parser.add_argument("command", choices=["start", "stop", "status"])
-    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                        help="where slurm.conf, logs, state and recorded PIDs live")
+    parser = argparse.ArgumentParser(
+        description="Local Slurm cluster: one node on localhost, or (--nodes 2) two nodes in "
+        "network namespaces joined by a veth pair. `exec -- CMD...` runs a Slurm client "
+        "command (sbatch, srun, scontrol) where the 2-node cluster's controller is reachable.")
+    parser.add_argument("command", choices=["start", "stop", "status", "exec"])
+    parser.add_argument("rest", nargs="*", help="exec: the command to run (after --)")
+    parser.add_argument("--nodes", type=int, choices=[1, 2], default=1,
+                        help="1: one-node cluster on localhost; 2: two namespaced nodes")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="where slurm.conf, logs, state and recorded PIDs live (default "
+                        f"{DEFAULT_STATE_DIR}, or {DEFAULT_STATE_DIR_2} with --nodes 2)")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="start: wait this long for 'idle'")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.command == "exec":
+        return exec2(args.rest, (args.state_dir or DEFAULT_STATE_DIR_2).resolve())
     try:
-        if args.command == "start":
-            result = start(args.state_dir.resolve(), args.timeout_s)
-        else:
-            result = (stop if args.command == "stop" else status)(args.state_dir.resolve())
+        result = _dispatch(args)
     except (SlurmLocalError, subprocess.SubprocessError, OSError) as err:
         if args.json:
             print(json.dumps({"error": str(err), "command": args.command}))
@@ -264,10 +371,13 @@ def main(argv: List[str]) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"running={result['running']} node={result['node']} state={result['node_state']} "
+        state = result.get("node_states") or result.get("node_state")
+        print(f"running={result['running']} nodes={result.get('nodes', 1)} state={state} "
               f"pids={result['pids']}")
         if result["running"]:
             print(f"export SLURM_CONF={result['slurm_conf']}")
+            if result.get("client_prefix"):
+                print(f"clients: {' '.join(result['client_prefix'])} sbatch ...")
     return 0 if args.command == "stop" or result["running"] or args.command == "status" else 1
 
 

@@ -9,6 +9,8 @@ Design choices:
 - Parsing is a pure function of a mapping (default os.environ) so every launcher is
   unit-tested with a dict; the one collective (MPI address broadcast) is injected.
 - Errors are ValueErrors that name the environment variable and say what to fix.
+- Slurm's rendezvous host is MASTER_ADDR, else the first node's name when it resolves,
+  else that node's NodeAddr from `scontrol show node` (names need not be in DNS).
 - Slurm's rendezvous port is MASTER_PORT when set, else derived from SLURM_JOB_ID
   (every task of a job derives the same one without talking to each other).
 
@@ -19,6 +21,10 @@ process would use; `--field slurm_master` works in an sbatch script before srun.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import socket
+import subprocess
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Literal, Mapping, Optional, Sequence, Tuple
 
@@ -159,7 +165,39 @@ def _from_torchrun(env: Env) -> Rendezvous:
     )
 
 
-def slurm_master(env: Env) -> Tuple[str, int]:
+HostLookup = Callable[[str], Optional[str]]
+"""Node name -> an address this process can connect to, or None when nothing resolves it."""
+
+
+def _resolves(name: str) -> bool:
+    try:
+        socket.getaddrinfo(name, None)
+        return True
+    except (socket.gaierror, UnicodeError):
+        return False
+
+
+def scontrol_node_addr(name: str) -> Optional[str]:
+    """NodeAddr of `name` as Slurm knows it (`scontrol show node`), or None."""
+    if shutil.which("scontrol") is None:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "node", name, "--oneliner"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\bNodeAddr=(\S+)", out.stdout) if out.returncode == 0 else None
+    return found.group(1) if found else None
+
+
+def slurm_node_address(name: str) -> Optional[str]:
+    """The name itself when it resolves here; else Slurm's NodeAddr for it (clusters whose
+    node names are not in DNS or /etc/hosts); else None. Only unresolvable names cost a
+    slurmctld query, so large jobs do not flood the controller."""
+    return name if _resolves(name) else scontrol_node_addr(name)
+
+
+def slurm_master(env: Env, host_lookup: Optional[HostLookup] = None) -> Tuple[str, int]:
     """Rank 0's host (first node of the step/job) and the job's rendezvous port.
 
     Also usable in the batch script itself, before srun (see the sbatch examples).
@@ -172,7 +210,14 @@ def slurm_master(env: Env) -> Tuple[str, int]:
                 "Slurm launch: neither MASTER_ADDR nor SLURM_JOB_NODELIST/SLURM_NODELIST is set; "
                 "run under srun/sbatch or export MASTER_ADDR"
             )
-        addr = (nodes[0], expand_hostlist(nodes[1])[0])
+        first = expand_hostlist(nodes[1])[0]
+        found = (host_lookup or slurm_node_address)(first)
+        if found is None:
+            raise ValueError(
+                f"Slurm launch: rank 0's node {first!r} (first of {nodes[0]}) does not resolve "
+                f"here and `scontrol show node {first}` gave no NodeAddr. Fix: export "
+                f"MASTER_ADDR=<address of {first}> to every task")
+        addr = (nodes[0], found)
     port = _first(env, ["MASTER_PORT"])
     if port is not None:
         return addr[1], _as_int(*port)
@@ -220,7 +265,7 @@ def _check_not_batch_script(env: Env, world: int) -> None:
         )
 
 
-def _from_slurm(env: Env) -> Rendezvous:
+def _from_slurm(env: Env, host_lookup: Optional[HostLookup]) -> Rendezvous:
     src: Sources = {}
     rank = _require_int(env, ["SLURM_PROCID"], "rank", src, "Slurm")
     world = _require_int(env, ["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"],
@@ -228,7 +273,7 @@ def _from_slurm(env: Env) -> Rendezvous:
     _check_not_batch_script(env, world)
     local_rank = _require_int(env, ["SLURM_LOCALID"], "local_rank", src, "Slurm")
     local_world = _slurm_local_world(env, src)
-    addr, port = slurm_master(env)
+    addr, port = slurm_master(env, host_lookup)
     src.update(master_addr="SLURM_JOB_NODELIST/MASTER_ADDR", master_port="MASTER_PORT/SLURM_JOB_ID")
     return _validate(Rendezvous(rank, world, local_rank, local_world, addr, port, "slurm"), src)
 
@@ -288,19 +333,21 @@ def detect_launcher(env: Env) -> Launcher:
 
 
 def rendezvous_from_env(
-    env: Optional[Env] = None, mpi_world: Callable[[], MpiWorld] = _mpi4py_world
+    env: Optional[Env] = None, mpi_world: Callable[[], MpiWorld] = _mpi4py_world,
+    host_lookup: Optional[HostLookup] = None,
 ) -> Rendezvous:
     """Read this process's Rendezvous from the launcher's environment.
 
     env defaults to os.environ. mpi_world is the collective used only for an MPI launch
-    without MASTER_ADDR/MASTER_PORT (all ranks call it); tests inject a fake.
+    without MASTER_ADDR/MASTER_PORT (all ranks call it); tests inject a fake. host_lookup
+    turns Slurm's first node name into an address (name, else NodeAddr from scontrol).
     """
     env = os.environ if env is None else env
     launcher = detect_launcher(env)
     if launcher == "torchrun":
         return _from_torchrun(env)
     if launcher == "slurm":
-        return _from_slurm(env)
+        return _from_slurm(env, host_lookup)
     if launcher == "mpi":
         return _from_mpi(env, mpi_world)
     return _single(env)

@@ -5,11 +5,14 @@ Layout of a checkpoint root:
     iter_0000100/           Megatron dist-checkpoint (model + optimizer shards) plus
         run_state.json      step, consumed samples, gamma, scheduler, model fingerprint, config
         rng/rank_<r>.pt     per-rank RNG states (tensors only; torch.load weights_only=True)
+        manifest.json       every file's size and SHA-256, written last (ckpt_integrity.py)
 
 Design choices:
 - A save writes into `.tmp_iter_N`, then renames it to `iter_N`, then replaces `latest`
   through a temp file + os.replace: a crash at any point leaves the previous `latest` and
   its directory intact.
+- A save refuses non-finite weights; a failed write (disk full) on any rank raises the
+  same error on every rank, removes the temp dir and keeps the previous checkpoint.
 - Tensors (model, optimizer) go through dist-checkpointing, so a checkpoint saved at one
   TP/PP/EP layout loads at another; the distributed optimizer uses the
   `dp_reshardable` format (the default errors on CPU, MCORE notes).
@@ -35,8 +38,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_mvmoe.platform import is_cuda
+from megatron_mvmoe.training import ckpt_integrity as integrity
+from megatron_mvmoe.training.ckpt_integrity import write_json_atomic
 from megatron_mvmoe.training.build import Trainer
 from megatron_mvmoe.training.schedule_rule import restore_scheduler
 
@@ -58,6 +64,8 @@ class ResumeState:
     step: int = 0
     consumed_samples: int = 0
     gamma: Optional[float] = None
+    skipped_iters: int = 0
+    """Updates skipped so far because the loss or gradient norm was NaN/inf."""
 
 
 def fingerprint(trainer: Trainer) -> Dict:
@@ -126,15 +134,6 @@ def _rng_state() -> Dict:
             "numpy_pos": int(np_state[2])}
 
 
-def _write_json_atomic(path: str, payload) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=1) if not isinstance(payload, str) else fh.write(payload)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _in_process_write_results() -> None:
     """Megatron 0.16.1's file writer collects write results through a module-level queue
     that it creates as `Manager().Queue()`: a helper *process* that outlives a rank killed
@@ -146,40 +145,204 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_checkpoint(trainer: Trainer, root: str, state: ResumeState) -> str:
-    """Collective: save to root/iter_<step>, then point `latest` at it. Returns the dir."""
-    _in_process_write_results()
-    name = f"iter_{state.step:07d}"
-    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp_{name}")
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
+def _refuse_nonfinite(trainer: Trainer, step: int, root: str) -> None:
+    bad = integrity.first_nonfinite_parameter(trainer.unwrapped())
+    if bad is not None:
+        raise CheckpointError(f"refusing to save step {step}: parameter {bad[1]} on rank "
+                              f"{bad[0]} is NaN/inf; {_kept(root)}. Fix: lower --lr or use "
+                              "--skip-nonfinite, and resume from that checkpoint")
+
+
+def _kept(root: str) -> str:
+    pointer = os.path.join(root, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as fh:
+            return f"the previous checkpoint {os.path.join(root, fh.read().strip())} is kept"
+    return "no earlier checkpoint exists"
+
+
+def _run_state(trainer: Trainer, state: ResumeState, optimizer_format: Optional[str]) -> Dict:
+    return {"format": FORMAT, "step": state.step, "consumed_samples": state.consumed_samples,
+            "gamma": state.gamma, "skipped_iters": state.skipped_iters,
+            "world_size": dist.get_world_size(),
+            "layout": _layout(trainer), "optimizer_format": optimizer_format,
+            "scheduler": trainer.scheduler.state_dict(), "fingerprint": fingerprint(trainer),
+            "config": trainer.run.to_dict()}
+
+
+def _start_shards(trainer: Trainer, tmp: str, state: ResumeState, background: bool):
+    """Write (or, with `background`, stage and start writing) the tensors and RNG states;
+    returns (Megatron's AsyncRequest or None, the run_state payload as of now)."""
     # Before the first step the optimizer holds no state (Megatron cannot serialise it):
     # such a checkpoint carries the weights only.
     optimizer_format = trainer.run.training.ckpt_optimizer_format if state.step > 0 else None
-    dist_checkpointing.save(_sharded_state_dict(trainer, False, optimizer_format), tmp)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    # async_strategy "mcore": Megatron's own writer (the default, "nvrx", needs the
+    # nvidia-resiliency-ext package).
+    extra = {"async_sharded_save": True, "async_strategy": "mcore"} if background else {}
+    request = dist_checkpointing.save(_sharded_state_dict(trainer, False, optimizer_format),
+                                      tmp, **extra)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
+    return request, _run_state(trainer, state, optimizer_format)
+
+
+def _finish_shards(tmp: str, run_state: Dict) -> None:
+    """Collective, after every rank's tensors are on disk: run_state.json, then the manifest."""
     dist.barrier()
-    if rank == 0:
-        _write_json_atomic(os.path.join(tmp, RUN_STATE), {
-            "format": FORMAT, "step": state.step, "consumed_samples": state.consumed_samples,
-            "gamma": state.gamma, "world_size": dist.get_world_size(),
-            "layout": _layout(trainer), "optimizer_format": optimizer_format,
-            "scheduler": trainer.scheduler.state_dict(), "fingerprint": fingerprint(trainer),
-            "config": trainer.run.to_dict()})
+    if dist.get_rank() == 0:
+        write_json_atomic(os.path.join(tmp, RUN_STATE), run_state)
+    dist.barrier()
+    integrity.write_manifest(tmp)
+
+
+def _collective_write(root: str, tmp: str, write) -> None:
+    """Run `write()` (filling `tmp`); on a failure on any rank, every rank raises one
+    CheckpointError (disk full named as such) and `tmp` is removed."""
+    error: Optional[BaseException] = None
+    try:
+        write()
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised below on
+        error = err  # every rank, with the path (CheckpointException is a BaseException)
+    failure = integrity.first_failure(error, root)
+    if failure is None:
+        return
+    raise _save_failed(root, tmp, *failure) from error
+
+
+def _save_failed(root: str, tmp: str, disk_full: bool, message: str) -> CheckpointError:
+    """Remove the unfinished `tmp` (rank 0) and say what failed and what was kept."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    what = (f"no space left on device writing {tmp}" if disk_full
+            else f"saving {tmp} failed ({message})")
+    return CheckpointError(f"{what}; {_kept(root)}. Fix: "
+                           + ("free space there, --save elsewhere, or --keep-last N"
+                              if disk_full else "check the --save file system"))
+
+
+def _publish(trainer: Trainer, root: str, name: str) -> None:
+    """Rank 0: rename the finished temp dir into place, point `latest` at it, prune."""
+    if dist.get_rank() == 0:
+        final, tmp = os.path.join(root, name), os.path.join(root, f".tmp_{name}")
         if os.path.exists(final):  # re-saving a step: keep the old one until the swap
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _write_json_atomic(os.path.join(root, LATEST), name + "\n")
+        write_json_atomic(os.path.join(root, LATEST), name + "\n")
+        integrity.prune(root, trainer.run.training.keep_last, name)
     dist.barrier()
-    return final
+
+
+def _cross_process_write_results() -> None:
+    """A background save writes from a forked process: its results must travel through
+    Megatron's Manager queue, so drop the in-process one a sync save installed (the Manager
+    is shut down by close_writer_processes)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
+        filesystem_async._results_queue = None
+
+
+def _prepare(trainer: Trainer, root: str, state: ResumeState, background: bool = False) -> str:
+    (_cross_process_write_results if background else _in_process_write_results)()
+    _refuse_nonfinite(trainer, state.step, root)
+    name = f"iter_{state.step:07d}"
+    if dist.get_rank() == 0:
+        tmp = os.path.join(root, f".tmp_{name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    return name
+
+
+def save_checkpoint(trainer: Trainer, root: str, state: ResumeState) -> str:
+    """Collective: save to root/iter_<step>, then point `latest` at it. Returns the dir.
+    Refuses non-finite weights; keeps the newest `keep_last` checkpoints."""
+    name = _prepare(trainer, root, state)
+    tmp = os.path.join(root, f".tmp_{name}")
+
+    def write():
+        _, run_state = _start_shards(trainer, tmp, state, background=False)
+        _finish_shards(tmp, run_state)
+    _collective_write(root, tmp, write)
+    _publish(trainer, root, name)
+    return os.path.join(root, name)
+
+
+class AsyncSaver:
+    """Checkpoints written in the background through Megatron's dist-checkpointing async
+    path (`async_sharded_save` + AsyncCallsQueue): the step pays for staging the state and
+    forking the writer; run_state.json, the manifest, the rename and `latest` follow in the
+    finalize step once every rank's writer is done. One save in flight at a time."""
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+        self.pending: Optional[str] = None
+        # Start the writer's results Manager (a spawned process, ~2 s) now, before step 1,
+        # instead of inside the first save.
+        _cross_process_write_results()
+        filesystem_async.get_write_results_queue()
+
+    def save(self, trainer: Trainer, root: str, state: ResumeState) -> str:
+        """Collective: finish the previous save, then start this one; returns its future dir."""
+        self.wait()
+        name = _prepare(trainer, root, state, background=True)
+        tmp = os.path.join(root, f".tmp_{name}")
+        box = {}
+
+        def start():
+            box["request"], box["run_state"] = _start_shards(trainer, tmp, state, True)
+        _collective_write(root, tmp, start)
+        request = box["request"]
+        request.add_finalize_fn(lambda: _finish_shards(tmp, box["run_state"]))
+        request.add_finalize_fn(lambda: _publish(trainer, root, name))
+        self.queue.schedule_async_request(request)
+        self.pending = os.path.join(root, name)
+        return self.pending
+
+    def poll(self) -> Optional[str]:
+        """Collective (one all-reduce) while a save is in flight: finalize it if every rank
+        is done. Returns the directory just published, if any."""
+        if self.pending is None or not self._finalize(blocking=False):
+            return None
+        done, self.pending = self.pending, None
+        return done
+
+    def wait(self) -> Optional[str]:
+        """Collective: block until the save in flight is published."""
+        if self.pending is None:
+            return None
+        self._finalize(blocking=True)
+        done, self.pending = self.pending, None
+        return done
+
+    def _finalize(self, blocking: bool) -> bool:
+        """Megatron raises a background writer's failure on every rank at finalize: turn it
+        into our one-line CheckpointError, with the temp dir removed."""
+        try:
+            return bool(self.queue.maybe_finalize_async_calls(blocking=blocking))
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - same on all ranks
+            root, name = os.path.split(self.pending)
+            self.pending = None
+            raise _save_failed(root, os.path.join(root, f".tmp_{name}"),
+                               integrity.is_disk_full(err, root),
+                               str(err).strip().splitlines()[0][:200]) from err
+
+    def close(self) -> None:
+        self.queue.close()
 
 
 # ------------------------------------------------------------------------------- load
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory from a root (via `latest`) or a checkpoint dir itself."""
+def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
+    """A checkpoint directory from a root (via `latest`, or iter_<step> when `step` is
+    given, Megatron-LM's --ckpt-step) or a checkpoint dir itself."""
+    if step is not None:
+        directory = os.path.join(path, f"iter_{step:07d}")
+        if not os.path.isfile(os.path.join(directory, RUN_STATE)):
+            raise CheckpointError(f"--ckpt-step {step}: {directory} is missing or incomplete. "
+                                  f"Fix: use one of {list_checkpoints(path) or 'none here'}")
+        return directory
     if os.path.isfile(os.path.join(path, RUN_STATE)):
         return path
     pointer = os.path.join(path, LATEST)
@@ -195,6 +358,25 @@ def resolve_checkpoint(path: str) -> str:
                               f"or has no {RUN_STATE} (deleted or corrupt). Fix: point "
                               f"'{LATEST}' at an intact iter_* directory")
     return directory
+
+
+def _earlier_fix(directory: str) -> str:
+    root, name = os.path.split(os.path.normpath(directory))
+    others = [d for d in list_checkpoints(root) if d < name]
+    if others:
+        return (f"load an earlier checkpoint with --load {root} --ckpt-step "
+                f"{int(others[-1][5:])} (or delete {directory})")
+    return f"delete {directory} and start fresh (no earlier checkpoint in {root})"
+
+
+def _verify(directory: str) -> None:
+    try:
+        verified = integrity.verify_manifest(directory, _earlier_fix(directory))
+    except integrity.IntegrityError as err:
+        raise CheckpointError(str(err)) from None
+    if not verified and dist.get_rank() == 0:
+        print(f"warning: {directory} has no {integrity.MANIFEST} (written before manifests "
+              "existed): its files are not verified", flush=True)
 
 
 def read_run_state(directory: str) -> Dict:
@@ -232,9 +414,12 @@ def _restore_rng(directory: str, run_world_size: int, saved_world_size: int) -> 
     return True
 
 
-def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True) -> ResumeState:
-    """Collective: restore model (+ optimizer, scheduler, RNG, position) from `path`."""
-    directory = resolve_checkpoint(path)
+def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
+                    step: Optional[int] = None) -> ResumeState:
+    """Collective: restore model (+ optimizer, scheduler, RNG, position) from `path`
+    (iter_<step> when given), after checking every file against its manifest."""
+    directory = resolve_checkpoint(path, step)
+    _verify(directory)
     meta = read_run_state(directory)
     check_fingerprint(meta["fingerprint"], fingerprint(trainer), directory)
     optimizer_format = _loadable_optimizer_format(trainer, meta, load_optimizer)
@@ -243,9 +428,10 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True) ->
         with torch.no_grad():  # the distributed optimizer's fp32 params need it (notes)
             loaded = dist_checkpointing.load(sharded, directory)
     except Exception as err:
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         raise CheckpointError(f"{directory}: reading the tensors failed ({type(err).__name__}: "
-                              f"{err}). The checkpoint is corrupt or incomplete. Fix: load an "
-                              "earlier iter_* directory") from err
+                              f"{first}): the checkpoint is corrupt or incomplete. Fix: "
+                              f"{_earlier_fix(directory)}") from err
     for i, chunk in enumerate(trainer.unwrapped()):
         chunk.load_state_dict(loaded[f"model{i}"], strict=True)
     if optimizer_format is None:
@@ -264,7 +450,7 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True) ->
         print(rule, flush=True)
     _restore_rng(directory, dist.get_world_size(), meta["world_size"])
     return ResumeState(step=meta["step"], consumed_samples=meta["consumed_samples"],
-                       gamma=meta.get("gamma"))
+                       gamma=meta.get("gamma"), skipped_iters=meta.get("skipped_iters", 0))
 
 
 def close_writer_processes() -> None:

@@ -14,6 +14,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -216,6 +217,22 @@ class TrainingSection:
     warm_start_new_heads: str = "fresh"
     """Routing heads 1..R-1 of a warm start: fresh (own initialisation, the paper) or copy
     (copies of the baseline head: the first forward equals the baseline's)."""
+    # --- fault tolerance: NaN/inf, checkpoint retention, preemption (README "Long runs")
+    skip_nonfinite: bool = False
+    """On a NaN/inf loss or gradient norm (checked on every rank before the optimizer step),
+    skip that update, count it and go on (Megatron's skipped iterations) instead of stopping."""
+    keep_last: int = 0
+    """Keep only the newest this many checkpoints under `save` (0 = keep all); the one
+    `latest` points at is never deleted."""
+    ckpt_step: Optional[int] = None
+    """Load iter_<ckpt_step> of `load` instead of the one `latest` points at."""
+    exit_duration_in_mins: Optional[float] = None
+    """Save and exit (status 3, requeue) once the run has lasted this many minutes."""
+    exit_interval: Optional[int] = None
+    """Save and exit (status 3) after a step that is a multiple of this."""
+    async_save: bool = False
+    """Write checkpoints in the background through Megatron's dist-checkpointing async
+    path; training waits only for the state to be staged (finalised before the next save)."""
 
 
 @dataclass
@@ -287,6 +304,15 @@ class RunConfig:
                  f"unknown {self.data.loader!r}", "use torch or dali (--data-loader)")
         _require(o.lr_decay_style in LR_DECAY_STYLES, "optimizer.lr_decay_style",
                  f"unknown {o.lr_decay_style!r}", f"use one of {LR_DECAY_STYLES}")
+        _require(t.keep_last >= 0, "training.keep_last", f"got {t.keep_last}",
+                 "use --keep-last 0 (keep every checkpoint) or N >= 1")
+        _require(t.exit_interval is None or t.exit_interval > 0, "training.exit_interval",
+                 f"got {t.exit_interval}", "use --exit-interval N >= 1")
+        _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
+                 "training.exit_duration_in_mins", f"got {t.exit_duration_in_mins}",
+                 "use --exit-duration-in-mins X > 0")
+        _require(t.ckpt_step is None or t.load is not None, "training.ckpt_step",
+                 "set without training.load", "pass --load DIR with --ckpt-step")
         _require(self.parallel.distributed_timeout_seconds > 0,
                  "parallel.distributed_timeout_seconds", "must be > 0", "use e.g. 120")
         if world_size is not None:
@@ -323,12 +349,66 @@ class RunConfig:
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
 
 
+_TYPE_NAMES = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _checked_value(where: str, value: Any, hint: Any) -> Any:
+    """`value` if it has the field's declared type (ints widen to floats), else ValueError.
+    YAML gives strings for quoted booleans ("false") and numbers ("10"): never coerced, since
+    a string "false" would otherwise read as true."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and type(None) in args:
+        if value is None:
+            return None
+        if value == "" and str in args:
+            raise ValueError(f"{where}: empty string. Fix: omit the field or write null to "
+                             "leave it unset")
+        hint = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(hint) or hint
+    if origin in (dict, list):
+        if not isinstance(value, origin):
+            raise ValueError(f"{where}: expected a {'mapping' if origin is dict else 'list'}, "
+                             f"got {value!r}. Fix: write it as YAML {origin.__name__}")
+        return value
+    if hint is Any:
+        return value
+    ok = (isinstance(value, bool) if hint is bool else
+          isinstance(value, int) and not isinstance(value, bool) if hint is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if hint is float else
+          isinstance(value, hint))
+    if not ok:
+        unquote = " (without quotes)" if isinstance(value, str) else ""
+        raise ValueError(f"{where}: expected {_TYPE_NAMES.get(hint, hint)}, got "
+                         f"{value!r}. Fix: write {_TYPE_NAMES.get(hint, hint)}{unquote}")
+    return float(value) if hint is float else value
+
+
+def _check_extra(values: Dict[str, Any]) -> None:
+    """model.extra goes to MVMoETransformerConfig as keyword arguments: names must exist."""
+    from megatron_mvmoe.config import MVMoETransformerConfig
+
+    known = {f.name for f in dataclasses.fields(MVMoETransformerConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"model.extra: unknown MVMoETransformerConfig field(s) {unknown}. "
+                         "Fix: use names of megatron.core TransformerConfig / "
+                         "MVMoETransformerConfig fields (e.g. moe_aux_loss_coeff)")
+
+
 def _section_from_dict(cls, values: Dict[str, Any], where: str):
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: expected a mapping of fields, got {values!r}. Fix: write "
+                         f"'{where}:' followed by indented 'field: value' lines")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}. Fix: use one of {sorted(known)}")
-    return cls(**values)
+    hints = typing.get_type_hints(cls)
+    checked = {name: _checked_value(f"{where}.{name}", value, hints[name])
+               for name, value in values.items()}
+    if cls is ModelSection and checked.get("extra"):
+        _check_extra(checked["extra"])
+    return cls(**checked)
 
 
 def config_from_dict(raw: Dict[str, Any]) -> RunConfig:

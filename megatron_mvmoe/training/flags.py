@@ -219,6 +219,21 @@ FLAGS: List[Flag] = [
          const="bf16"),
     Flag("--exit-on-nonfinite", "training", "exit_on_nonfinite", _bool,
          "stop with an error naming the step on a NaN/inf loss; true/false"),
+    # --- fault tolerance (NaN/inf, retention, preemption, async save)
+    Flag("--skip-nonfinite", "training", "skip_nonfinite", _bool,
+         "skip (count and log) an update whose loss or grad norm is NaN/inf instead of "
+         "stopping; bare flag = true"),
+    Flag("--keep-last", "training", "keep_last", int,
+         "keep the newest N checkpoints (0 = all); the one 'latest' names is never deleted"),
+    Flag("--ckpt-step", "training", "ckpt_step", int,
+         "with --load: load iter_<N> instead of the one 'latest' points at"),
+    Flag("--exit-duration-in-mins", "training", "exit_duration_in_mins", float,
+         "save and exit with status 3 (requeue) after this many minutes"),
+    Flag("--exit-interval", "training", "exit_interval", int,
+         "save and exit with status 3 after a step that is a multiple of N"),
+    Flag("--async-save", "training", "async_save", _bool,
+         "write checkpoints in the background (Megatron dist-checkpointing async); "
+         "bare flag = true"),
     # --- logging
     Flag("--log-interval", "logging", "log_interval", int, "steps between progress lines"),
     Flag("--run-dir", "logging", "run_dir", str,

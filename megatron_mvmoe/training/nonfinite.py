@@ -1,4 +1,5 @@
-"""Stop on a NaN/inf loss with the step and the first layer whose output went non-finite.
+"""Name the step and the first layer whose output went non-finite when a step's loss or
+gradient norm is NaN/inf (step.py decides that on all ranks before the update).
 
 Design choices:
 - Forward hooks on every TransformerLayer (and the embedding / final norm) OR a
@@ -80,14 +81,16 @@ class NonFiniteWatch:
             handle.remove()
 
 
-def check_loss(loss: float, step: int, watch: Optional[NonFiniteWatch]) -> None:
-    """Raise NonFiniteLoss naming the step (and layer) if the loss is NaN/inf (collective)."""
-    if torch.isfinite(torch.tensor(loss)):
-        if watch is not None:
-            watch.reset()
-        return
+def nonfinite_error(loss: float, grad_norm: float, step: int,
+                    watch: Optional[NonFiniteWatch], last_checkpoint: Optional[str]
+                    ) -> NonFiniteLoss:
+    """The error for a non-finite step (collective when `watch` is given: it gathers the
+    first bad layer). The update was not applied, so the weights are still finite."""
     where = watch.first_bad_global() if watch is not None else None
     detail = (f"; first non-finite output: {where}" if where
-              else "; every layer output was finite (the loss or LM head overflowed)")
-    raise NonFiniteLoss(f"training loss is {loss} at step {step}{detail}. Fix: lower --lr, "
-                        f"check the data, or resume from an earlier checkpoint")
+              else "; every layer output was finite (the loss, LM head or backward overflowed)")
+    kept = (f"the weights were not updated and {last_checkpoint} holds finite weights"
+            if last_checkpoint else "the weights were not updated")
+    return NonFiniteLoss(f"training loss is {loss}, grad norm {grad_norm} at step {step}"
+                         f"{detail}; {kept}. Fix: lower --lr, check the data, or pass "
+                         "--skip-nonfinite to skip such updates")

@@ -30,12 +30,15 @@ from megatron.core import parallel_state
 from megatron_mvmoe import platform
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
+from megatron_mvmoe.training.ckpt_integrity import remove_stale_tmp, write_json_atomic
 from megatron_mvmoe.training.config import RunConfig
 from megatron_mvmoe.training.data import RunData, resolve_tokenizer
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, routing_summary)
-from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, check_loss
+from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, nonfinite_error
 from megatron_mvmoe.training.run_info import Efficiency, write_run_files
+from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
+                                              StopConditions, StopFlags)
 from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
 
@@ -51,6 +54,10 @@ class RunResult:
     """Final per-domain held-out loss."""
     tokens_per_second: float = 0.0
     last_checkpoint: Optional[str] = None
+    stopped: Optional[str] = None
+    """Why the run stopped before train_iters (signal, time budget, exit interval), or None."""
+    skipped_iters: int = 0
+    """Updates skipped over the whole run (resumes included) for a NaN/inf loss/grad norm."""
 
 
 def _gamma_controls(trainer: Trainer):
@@ -96,23 +103,41 @@ class _Loop:
         self.tracer = self._start_router_trace()
         self.state = ckpt.ResumeState()
         self.result = RunResult()
+        self.stops = StopConditions(run.training.exit_duration_in_mins,
+                                    run.training.exit_interval)
+        self.saver = ckpt.AsyncSaver() if run.training.async_save else None
 
     def resume(self) -> None:
         """--load (when it holds a checkpoint, or without a warm start), else the warm start."""
         t = self.run.training
         load = t.load
-        if load is not None and load == t.save and not has_checkpoint(load) and \
-                t.warm_start_from is None:
-            # Megatron-LM's resumable-job pattern (--save X --load X): nothing saved yet.
-            self.log.line(f"no checkpoint in {load} yet: starting from scratch")
-            return
+        self._remove_stale_saves()
+        if load is not None and _same_dir(load, t.save) and not has_checkpoint(load):
+            # The requeue pattern: one command line for the first launch and every restart.
+            self.log.line(f"--load {load}: no checkpoint yet (first launch of --save {t.save}): "
+                          "starting fresh")
+            load = None
         if load is None or (t.warm_start_from is not None and not has_checkpoint(load)):
             if t.warm_start_from is not None:
                 self.warm_start()
             return
-        self.state = ckpt.load_checkpoint(self.trainer, load, self.run.training.load_optimizer)
-        self.log.line(f"resumed from {ckpt.resolve_checkpoint(load)} at step "
+        self.state = ckpt.load_checkpoint(self.trainer, load, t.load_optimizer, t.ckpt_step)
+        self.result.last_checkpoint = ckpt.resolve_checkpoint(load, t.ckpt_step)
+        self.log.line(f"resumed from {self.result.last_checkpoint} at step "
                       f"{self.state.step} (consumed samples {self.state.consumed_samples})")
+
+    def _remove_stale_saves(self) -> None:
+        save = self.run.training.save
+        if save is None:
+            return
+        removed = []
+        if dist.get_rank() == 0:
+            removed = remove_stale_tmp(save)
+            if os.path.exists(os.path.join(save, STOPPED_MARKER)):  # this run continues it
+                os.remove(os.path.join(save, STOPPED_MARKER))
+        if removed:
+            self.log.line(f"removed {len(removed)} unfinished save(s) in {save}: {removed}")
+        dist.barrier()
 
     def warm_start(self) -> None:
         t = self.run.training
@@ -148,17 +173,33 @@ class _Loop:
         step = self.state.step + 1
         if self.on_step is not None:
             self.on_step(step, self.trainer)
-        metrics = train_step(self.trainer, iterators, self.num_microbatches)
+        metrics = train_step(self.trainer, iterators, self.num_microbatches,
+                             self.stops.local_flags().as_list())
         if self.tracer is not None:
             self.tracer.advance_step(step)
-        check_loss(metrics["loss"], step, self.watch if self.run.training.exit_on_nonfinite
-                   else None)
+        if metrics["nonfinite"]:
+            self._on_nonfinite(step, metrics)
+        self.watch.reset()
         gamma = self.advance_gamma()
         self.state.step = step
         self.state.consumed_samples += self.run.training.global_batch_size
         self.state.gamma = gamma
         metrics["gamma"] = gamma
+        metrics["skipped_iters"] = self.state.skipped_iters
+        self.result.stopped = self.stops.reason(step, StopFlags(*metrics.pop("stop")))
         return metrics
+
+    def _on_nonfinite(self, step: int, metrics: Dict) -> None:
+        """The update was not applied (step.py): skip it (counted, logged) or stop."""
+        t = self.run.training
+        if not t.skip_nonfinite:
+            raise nonfinite_error(metrics["loss"], metrics["grad_norm"], step,
+                                  self.watch if t.exit_on_nonfinite else None,
+                                  self.result.last_checkpoint)
+        self.state.skipped_iters += 1
+        self.log.line(f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}: "
+                      f"update skipped (--skip-nonfinite); number of skipped iterations: "
+                      f"{self.state.skipped_iters}")
 
     def report(self, metrics: Dict, seconds: float, steps: int) -> None:
         t, shape = self.run.training, self.trainer.shape
@@ -174,9 +215,11 @@ class _Loop:
                                                  self.routing.reduce_diversity())
         self.log.record("train", self.state.step, metrics)
         gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
+        skipped = (f" | skipped iterations {self.state.skipped_iters}"
+                   if self.state.skipped_iters else "")
         self.log.line(f"step {self.state.step:6d}/{t.train_iters} | loss {metrics['loss']:.4f} "
                       f"| lr {metrics['lr']:.3e} | grad norm {metrics['grad_norm']:.3f} | "
-                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}"
+                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}{skipped}"
                       f"{self.efficiency.text(metrics)}")
 
     def evaluate(self) -> Dict[str, float]:
@@ -189,16 +232,50 @@ class _Loop:
             f"{d} loss {v:.4f} ppl {_ppl(v):.1f}" for d, v in losses.items()))
         return losses
 
-    def save(self) -> None:
+    def save(self, wait: bool = False) -> None:
+        """Save now (sync), or start a background save (--async-save; `wait` blocks until
+        it is published, as the last save of a run must)."""
         if self.run.training.save is None:
             return
-        path = ckpt.save_checkpoint(self.trainer, self.run.training.save, self.state)
-        self.result.last_checkpoint = path
-        self.log.line(f"saved checkpoint {path}")
+        if self.saver is None:
+            path = ckpt.save_checkpoint(self.trainer, self.run.training.save, self.state)
+            self.published(path)
+            return
+        self.published(self.saver.wait())  # one background save in flight at a time
+        path = self.saver.save(self.trainer, self.run.training.save, self.state)
+        self.log.line(f"started background save of {path}")
+        if wait:
+            self.published(self.saver.wait())
+
+    def poll_saves(self) -> None:
+        if self.saver is not None:
+            self.published(self.saver.poll())
+
+    def published(self, path: Optional[str]) -> None:
+        if path is not None:
+            self.result.last_checkpoint = path
+            self.log.line(f"saved checkpoint {path}")
+
+    def stop_early(self) -> None:
+        """A signal, the time budget or the exit interval: save this step and stop, leaving
+        the marker the sbatch recipes requeue on."""
+        self.log.line(f"stopping after step {self.state.step}: {self.result.stopped}")
+        save = self.run.training.save
+        if save is None:
+            self.log.line("warning: no --save, so nothing was saved before stopping")
+            return
+        self.save(wait=True)
+        if dist.get_rank() == 0:
+            write_json_atomic(os.path.join(save, STOPPED_MARKER), {
+                "step": self.state.step, "reason": self.result.stopped,
+                "checkpoint": self.result.last_checkpoint, "exit_status": EXIT_REQUEUE})
 
     def close(self) -> None:
         if self.tracer is not None:
             self.tracer.flush()
+        self.stops.restore()
+        if self.saver is not None:
+            self.saver.close()
         ckpt.close_writer_processes()
         self.watch.close()
         if self.routing is not None:
@@ -210,6 +287,10 @@ def _ppl(loss: float) -> float:
     import math
 
     return math.exp(min(loss, 50.0))
+
+
+def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 def _due(step: int, interval: int) -> bool:
@@ -228,6 +309,7 @@ def pretrain(run: RunConfig, pg_collection,
         check_target(shape)  # before any weight is built
     loop = _Loop(run, pg_collection, on_step)
     t = run.training
+    loop.stops.install()
     try:
         loop.resume()
         if dist.get_rank() == 0:  # banner; versions.json, config.yaml in the run dir
@@ -239,6 +321,7 @@ def pretrain(run: RunConfig, pg_collection,
         total_start, total_steps = window_start, 0
         while loop.state.step < t.train_iters:
             metrics = loop.one_step(iterators)
+            loop.poll_saves()
             loop.result.losses.append(metrics["loss"])
             window_steps += 1
             total_steps += 1
@@ -248,14 +331,21 @@ def pretrain(run: RunConfig, pg_collection,
                 window_start, window_steps = time.perf_counter(), 0
             if _due(step, t.eval_interval) and step < t.train_iters:
                 loop.evaluate()
+            if loop.result.stopped and step < t.train_iters:
+                loop.stop_early()
+                break
             if _due(step, t.save_interval) and step < t.train_iters:
                 loop.save()
+        loop.result.skipped_iters = loop.state.skipped_iters
+        if loop.result.stopped and loop.state.step < t.train_iters:
+            return loop.result
+        loop.result.stopped = None  # a stop request at the last step changes nothing
         elapsed = time.perf_counter() - total_start
         loop.result.tokens_per_second = (total_steps * t.global_batch_size *
                                          loop.trainer.shape.seq_length / max(elapsed, 1e-9))
         if t.eval_iters > 0:
             loop.result.eval = loop.evaluate()
-        loop.save()
+        loop.save(wait=True)
         return loop.result
     finally:
         loop.close()
@@ -278,7 +368,8 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
         resolve_tokenizer(run)
         shape = resolve_model(run.model)
         run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
-        pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts)
+        pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts,
+                                timeout_s=run.parallel.distributed_timeout_seconds)
         result = pretrain(run, pgs, on_step=on_step)
         destroy_layout()
         return result
@@ -302,11 +393,17 @@ def _exit_cleanly_on_sigterm() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit status: 0 finished, 2 user error / bad checkpoint / NaN stop, 3 (EXIT_REQUEUE)
+    stopped early by a signal, --exit-duration-in-mins or --exit-interval after saving."""
     try:
-        run_from_args(argv)
+        result = run_from_args(argv)
     except (ValueError, ckpt.CheckpointError, NonFiniteLoss) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_USER_ERROR
+    if result.stopped:
+        print(f"stopped early ({result.stopped}) at checkpoint {result.last_checkpoint}: exit "
+              f"status {EXIT_REQUEUE} (requeue to continue)", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
     return 0
 
 

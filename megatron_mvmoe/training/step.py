@@ -8,14 +8,17 @@ Design choices:
   the number of microbatches, DDP averages over data-parallel ranks, so the loss (and the
   gradients) are the global-batch mean whatever the layout: the basis of layout parity.
 - The reported loss lives on the last pipeline stage; it is averaged over the DP ranks and
-  broadcast over the pipeline group, so every rank sees the same number and a non-finite
-  loss stops all ranks at the same step.
+  broadcast over the pipeline group, so every rank sees the same number.
+- Before the optimizer step, one all-reduce over the world ORs "loss or grad norm is
+  NaN/inf" with the preemption flags (stopping.py): a non-finite step is never applied,
+  and every rank skips or stops at the same step.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Dict, Iterator, List
+import math
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,17 +75,49 @@ def _run_schedule(trainer: Trainer, iterators, num_microbatches: int, forward_on
                     micro_batch_size=run.training.micro_batch_size, forward_only=forward_only)
 
 
-def train_step(trainer: Trainer, iterators, num_microbatches: int) -> Dict[str, float]:
-    """Forward/backward over the global batch, then the optimizer and scheduler steps."""
+def _verdict_all_ranks(loss: float, grad_norm: float, stop_flags: Sequence[float]
+                       ) -> Tuple[bool, List[float]]:
+    """(non-finite anywhere, stop flags OR-ed over ranks): ONE all-reduce over the world, so
+    every rank skips/stops at the same step whatever it saw locally."""
+    bad = 0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0
+    values = torch.tensor([bad, *stop_flags], dtype=torch.float64, device=platform.device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    values = values.cpu().tolist()
+    return values[0] > 0, values[1:]
+
+
+def _assert_no_grad_scaler(optimizer) -> None:
+    # prepare_grads() is called twice (here and inside step()): idempotent only without a
+    # loss scaler, which would unscale twice. bf16/fp32 runs have none (fp16 is unsupported).
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        assert getattr(inner, "grad_scaler", None) is None, "fp16 loss scaling unsupported"
+
+
+def train_step(trainer: Trainer, iterators, num_microbatches: int,
+               stop_flags: Sequence[float] = ()) -> Dict:
+    """Forward/backward over the global batch; then, only when the loss and the gradient
+    norm are finite on every rank, the optimizer and scheduler steps.
+
+    Returns loss, grad_norm, lr, updated, nonfinite and `stop` (the stop flags OR-ed over
+    all ranks). The gradient norm is computed before the update (one extra pass over the
+    gradients) so a NaN/inf never reaches the weights or the Adam moments."""
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     losses = _run_schedule(trainer, iterators, num_microbatches, forward_only=False)
     loss = _mean_loss(trainer, losses)
-    updated, grad_norm, _ = trainer.optimizer.step()
+    _assert_no_grad_scaler(trainer.optimizer)
+    trainer.optimizer.prepare_grads()
+    grad_norm = float(trainer.optimizer.get_grad_norm() or 0.0)
+    nonfinite, stop = _verdict_all_ranks(loss, grad_norm, stop_flags)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite, "stop": stop,
+               "lr": trainer.optimizer.param_groups[0]["lr"], "updated": False}
+    if nonfinite:
+        return metrics
+    updated, _, _ = trainer.optimizer.step()
     trainer.scheduler.step(increment=1)
-    return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-            "lr": trainer.optimizer.param_groups[0]["lr"], "updated": bool(updated)}
+    metrics["updated"] = bool(updated)
+    return metrics
 
 
 @torch.no_grad()

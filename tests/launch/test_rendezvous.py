@@ -8,6 +8,7 @@ from megatron_mvmoe.launch.rendezvous import (
     SLURM_PORT_BASE,
     SLURM_PORT_SPAN,
     Rendezvous,
+    slurm_node_address,
     detect_launcher,
     rendezvous_from_env,
 )
@@ -43,6 +44,33 @@ def test_torchrun_hand_made_env_defaults_to_one_node():
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
     r = rendezvous_from_env(env)
     assert (r.local_rank, r.local_world_size) == (1, 2)
+
+
+REAL_LOOKUP = slurm_node_address
+
+
+@pytest.fixture(autouse=True)
+def node_names_resolve(monkeypatch):
+    """The fake node names here (gpu07, vm) stand for names that resolve on a cluster."""
+    from megatron_mvmoe.launch import rendezvous
+
+    monkeypatch.setattr(rendezvous, "slurm_node_address", lambda name: name)
+
+
+def test_unresolvable_node_name_uses_slurm_node_addr_or_says_what_to_set(monkeypatch):
+    from megatron_mvmoe.launch import rendezvous
+
+    asked = []
+    monkeypatch.setattr(rendezvous, "_resolves", lambda name: False)
+    monkeypatch.setattr(rendezvous, "scontrol_node_addr",
+                        lambda name: asked.append(name) or "10.1.2.3")
+    monkeypatch.setattr(rendezvous, "slurm_node_address", REAL_LOOKUP)
+    assert rendezvous_from_env(SLURM).master_addr == "10.1.2.3" and asked == ["gpu07"]
+    monkeypatch.setattr(rendezvous, "scontrol_node_addr", lambda name: None)
+    with pytest.raises(ValueError, match=r"^Slurm launch: rank 0's node 'gpu07' \(first of "
+                       r"SLURM_JOB_NODELIST\) does not resolve here and `scontrol show node "
+                       r"gpu07` gave no NodeAddr\. Fix: export MASTER_ADDR="):
+        rendezvous_from_env(SLURM)
 
 
 def test_slurm_master_is_first_host_and_port_from_job_id():

@@ -4,7 +4,7 @@ on the real-text token set of textdata.py."""
 from __future__ import annotations
 
 import copy
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from megatron_mvmoe.testing.spawn import run_distributed
 from megatron_mvmoe.training.config import config_from_dict
@@ -23,27 +23,66 @@ def tiny_run(data_dir: str, preset: str = "tiny_multi_view", parallel: Optional[
                 training=base, logging=dict(log_interval=5, tensorboard=False))
 
 
-def _train(rank, world_size, raw, corrupt_at_step):
+def _nan_loss_once(step_to_poison: int):
+    """on_step hook: the model's per-token losses are multiplied by NaN in step
+    `step_to_poison` only (the weights stay finite), so that step's loss and grads are NaN."""
+    handles = []
+
+    def on_step(step, trainer):
+        while handles:
+            handles.pop().remove()
+        if step == step_to_poison:
+            for chunk in trainer.unwrapped():
+                handles.append(chunk.register_forward_hook(
+                    lambda mod, args, out: out * float("nan") if out is not None else out))
+    return on_step
+
+
+def _signal_at(step_to_signal: int, signum: int, rank: int):
+    """on_step hook: `rank` sends itself `signum` at the start of that step."""
+    import os
+
+    import torch.distributed as dist
+
+    def on_step(step, trainer):
+        if step == step_to_signal and dist.get_rank() == rank:
+            os.kill(os.getpid(), signum)
+    return on_step
+
+
+def _corrupt_at(corrupt_at_step: int):
+    def on_step(step, trainer):
+        if step == corrupt_at_step:  # poison layer 2's attention output projection
+            for name, param in trainer.unwrapped()[-1].named_parameters():
+                if "layers.1.self_attention.linear_proj" in name:
+                    param.data.fill_(float("inf"))
+    return on_step
+
+
+def _train(rank, world_size, raw, hook):
     from megatron_mvmoe.parallel import initialize_layout
     from megatron_mvmoe.training.pretrain import pretrain
 
     run = config_from_dict(copy.deepcopy(raw))
-    pgs = initialize_layout(run.parallel.layout())
+    pgs = initialize_layout(run.parallel.layout(),
+                            timeout_s=run.parallel.distributed_timeout_seconds)
     on_step = None
-    if corrupt_at_step is not None:
-        def on_step(step, trainer):
-            if step == corrupt_at_step:  # poison layer 2's attention output projection
-                for name, param in trainer.unwrapped()[-1].named_parameters():
-                    if "layers.1.self_attention.linear_proj" in name:
-                        param.data.fill_(float("inf"))
+    if hook is not None:
+        on_step = {"corrupt": _corrupt_at, "nan": _nan_loss_once,
+                   "signal": _signal_at}[hook[0]](*hook[1:])
     result = pretrain(run, pgs, on_step=on_step)
-    return {"losses": result.losses, "eval": result.eval, "first_step": result.first_step}
+    return {"losses": result.losses, "eval": result.eval, "first_step": result.first_step,
+            "stopped": result.stopped, "skipped_iters": result.skipped_iters,
+            "last_checkpoint": result.last_checkpoint}
 
 
 def train(raw: Dict, world_size: int, corrupt_at_step: Optional[int] = None,
-          timeout_s: float = 240) -> Dict:
-    """Rank 0's RunResult fields (every rank sees the same losses)."""
+          timeout_s: float = 240, hook: Optional[Tuple] = None) -> Dict:
+    """Rank 0's RunResult fields (every rank sees the same losses). `hook`: ("nan", step),
+    ("signal", step, signum, rank) or ("corrupt", step), see the functions above."""
     # daemon=False: Megatron's checkpoint writer starts helper processes of its own
     # (pretrain() stops them before returning).
+    if corrupt_at_step is not None:
+        hook = ("corrupt", corrupt_at_step)
     return run_distributed(_train, world_size, timeout_s=timeout_s,
-                           args=(raw, corrupt_at_step), daemon=False)[0]
+                           args=(raw, hook), daemon=False)[0]

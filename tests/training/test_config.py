@@ -95,3 +95,42 @@ def test_help_documents_every_flag():
     text = build_parser().format_help()
     for flag in FLAGS:
         assert flag.name in text and f"[{flag.section}.{flag.field}]" in text, flag.name
+
+
+@pytest.mark.parametrize("yaml_text,match", [
+    ("training: {exit_on_nonfinite: 'false'}",
+     r"^training\.exit_on_nonfinite: expected true/false, got 'false'\. Fix: write true/false "
+     r"\(without quotes\)$"),
+    ("training: {save: ''}", r"^training\.save: empty string\. Fix: omit the field or write null"),
+    ("training: {train_iters: ten}", r"^training\.train_iters: expected an integer, got 'ten'"),
+    ("training: {train_iters: true}", r"^training\.train_iters: expected an integer, got True"),
+    ("model: {num_experts: 4.5}", r"^model\.num_experts: expected an integer, got 4\.5"),
+    ("optimizer: {lr: '1e-3'}", r"^optimizer\.lr: expected a number, got '1e-3'"),
+    ("model: {extra: {moe_aux_los_coeff: 0.1}}",
+     r"^model\.extra: unknown MVMoETransformerConfig field\(s\) \['moe_aux_los_coeff'\]"),
+    ("data: {train_blend: [a, b]}", r"^data\.train_blend: expected a mapping"),
+    ("training: 5", r"^training: expected a mapping of fields, got 5"),
+], ids=["bool-string", "empty-save", "int-string", "int-bool", "int-float", "float-string",
+        "extra-key", "dict-list", "section-scalar"])
+def test_wrong_yaml_types_name_the_field(tmp_path, yaml_text, match):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml_text + "\n")
+    with pytest.raises(ValueError, match=match) as info:
+        load_yaml(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_valid_yaml_types_pass_and_ints_widen_to_floats(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer: {lr: 1}\ntraining: {save: null, exit_on_nonfinite: false}\n"
+                    "model: {extra: {moe_aux_loss_coeff: 0.01}}\n")
+    run = load_yaml(str(path))
+    assert run.optimizer.lr == 1.0 and isinstance(run.optimizer.lr, float)
+    assert run.training.save is None and run.training.exit_on_nonfinite is False
+
+
+def test_every_example_yaml_passes_the_type_checks():
+    import glob
+
+    for path in sorted(glob.glob("examples/**/*.yaml", recursive=True)):
+        load_yaml(path)

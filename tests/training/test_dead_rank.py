@@ -16,9 +16,9 @@ from megatron_mvmoe.training.checkpoint import CheckpointError, resolve_checkpoi
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _yaml(tmp_path, data_dir) -> str:
+def _yaml(tmp_path, data_dir, timeout_s: float = 30) -> str:
     raw = dict(model=dict(preset="tiny_smoe", vocab_size=512, seq_length=32),
-               parallel=dict(ep=2, distributed_timeout_seconds=30),
+               parallel=dict(ep=2, distributed_timeout_seconds=timeout_s),
                data=dict(kind="tokens", path=data_dir),
                optimizer=dict(lr=3e-3, min_lr=3e-4),
                training=dict(train_iters=4, global_batch_size=8, micro_batch_size=2,
@@ -30,8 +30,8 @@ def _yaml(tmp_path, data_dir) -> str:
     return str(path)
 
 
-def _torchrun(config: str, kill_at: str, extra=()):
-    env = dict(os.environ, KILL_AT_STEP=kill_at, OMP_NUM_THREADS="1")
+def _torchrun(config: str, kill_at: str, extra=(), **env_vars):
+    env = dict(os.environ, KILL_AT_STEP=kill_at, OMP_NUM_THREADS="1", **env_vars)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(HERE, "kill_rank_job.py"), "--config", config, *extra]
     start = time.monotonic()
@@ -66,3 +66,23 @@ def test_half_written_save_keeps_latest(tmp_path):
     (root / "latest").write_text("iter_0000004\n")  # pointer to a directory never renamed
     with pytest.raises(CheckpointError, match="points at 'iter_0000004', which is missing"):
         resolve_checkpoint(str(root))
+
+
+@pytest.mark.timeout(300)
+def test_hung_rank_makes_survivor_exit_within_timeout(tmp_path):
+    """SIGSTOP rank 1 at step 2: rank 0 blocks in the expert-parallel all-to-all (a
+    Megatron subgroup, so this needs the run's timeout on every group, not Megatron's
+    30 minutes) and must exit within distributed_timeout_seconds + a margin."""
+    timeout_s, margin_s = 10, 20
+    data_dir = build_token_dir(str(tmp_path / "tokens"))
+    config = _yaml(tmp_path, data_dir, timeout_s=timeout_s)
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    proc, _ = _torchrun(config, kill_at="2", STOP_MODE="stop", EXIT_TIMES_DIR=str(stamps))
+    assert proc.returncode != 0
+    stopped = float((stamps / "stopped").read_text())
+    survivor = float((stamps / "exit_rank_0").read_text())
+    print(f"hung rank: survivor exited {survivor - stopped:.1f} s after rank 1 stopped "
+          f"(timeout {timeout_s} s)")
+    assert timeout_s * 0.5 <= survivor - stopped <= timeout_s + margin_s, \
+        (survivor - stopped, (proc.stdout + proc.stderr)[-3000:])

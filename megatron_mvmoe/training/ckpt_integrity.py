@@ -1,0 +1,168 @@
+"""What keeps a checkpoint root trustworthy: manifests, retention, stale temp dirs, disk full.
+
+Design choices:
+- Every checkpoint directory gets `manifest.json` (each file's relative path, size and
+  SHA-256 from hashlib), written last and atomically, just before the directory is renamed
+  into place: a checkpoint with a manifest is complete by construction.
+- Hashing and verifying are split over the ranks (file i goes to rank i % world), so each
+  byte is read once per save/load whatever the world size; the verdict is gathered so every
+  rank raises the same one-line error, naming the first bad file and the fix.
+- A checkpoint without a manifest (written before manifests existed) loads with a warning.
+- Retention (`--keep-last N`) never deletes the directory `latest` names, whatever N is.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "megatron_mvmoe.manifest/1"
+TMP_PREFIX = ".tmp_iter_"
+
+
+class IntegrityError(RuntimeError):
+    """A checkpoint file is missing, truncated or altered (message: one line with the fix)."""
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _files(directory: str) -> List[str]:
+    found = []
+    for base, _, names in os.walk(directory):
+        for name in names:
+            rel = os.path.relpath(os.path.join(base, name), directory)
+            if rel != MANIFEST and not rel.endswith(".tmp"):
+                found.append(rel)
+    return sorted(found)
+
+
+def _my_share(items: List[str]) -> List[str]:
+    return items[dist.get_rank()::dist.get_world_size()]
+
+
+def write_manifest(directory: str) -> None:
+    """Collective: hash every file of `directory` (split over ranks); rank 0 writes it."""
+    names = _files(directory) if dist.get_rank() == 0 else None
+    box = [names]
+    dist.broadcast_object_list(box, src=0)
+    local = {n: {"size": os.path.getsize(os.path.join(directory, n)),
+                 "sha256": _sha256(os.path.join(directory, n))} for n in _my_share(box[0])}
+    gathered: List[Optional[Dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    if dist.get_rank() == 0:
+        files = {k: v for part in gathered for k, v in part.items()}
+        write_json_atomic(os.path.join(directory, MANIFEST),
+                          {"format": MANIFEST_FORMAT, "algorithm": "sha256",
+                           "files": dict(sorted(files.items()))})
+
+
+def _check_file(directory: str, name: str, entry: Dict) -> Optional[str]:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        return f"{path} is missing"
+    size = os.path.getsize(path)
+    if size != entry["size"]:
+        return f"{path} has {size} bytes, the manifest says {entry['size']} (truncated or grown)"
+    if _sha256(path) != entry["sha256"]:
+        return f"{path} does not match its SHA-256 in {MANIFEST} (bytes altered)"
+    return None
+
+
+def verify_manifest(directory: str, fix: str) -> bool:
+    """Collective: check sizes and checksums (split over ranks). False when there is no
+    manifest (an old checkpoint); raises IntegrityError naming the first bad file."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path) as fh:
+            files = json.load(fh)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        raise IntegrityError(f"{path} is unreadable ({err}). Fix: {fix}") from None
+    problems = [p for n in _my_share(sorted(files))
+                if (p := _check_file(directory, n, files[n])) is not None]
+    gathered: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    found = sorted(p for part in gathered for p in part)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise IntegrityError(f"corrupt checkpoint: {found[0]}{more}. Fix: {fix}")
+    return True
+
+
+def write_json_atomic(path: str, payload) -> None:
+    """Write, fsync, then rename over `path`: readers see the old file or the whole new one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=1) if not isinstance(payload, str) else fh.write(payload)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def remove_stale_tmp(root: str) -> List[str]:
+    """Delete `.tmp_iter_*` dirs that interrupted saves left in `root` (rank 0, at start-up,
+    before this run saves anything). Returns what was removed."""
+    if not os.path.isdir(root):
+        return []
+    stale = sorted(d for d in os.listdir(root) if d.startswith(TMP_PREFIX))
+    for name in stale:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return stale
+
+
+def prune(root: str, keep_last: int, latest: str) -> List[str]:
+    """Delete all but the newest `keep_last` iter_* dirs (0 = keep all), never `latest`."""
+    if keep_last <= 0:
+        return []
+    names = sorted(d for d in os.listdir(root) if d.startswith("iter_"))
+    doomed = [n for n in names[:-keep_last] if n != latest]
+    for name in doomed:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return doomed
+
+
+def is_disk_full(err: BaseException, root: str) -> bool:
+    """ENOSPC anywhere in the exception chain, or (writers such as torch's zip writer wrap
+    it as "unexpected pos ...") less than 1 MiB left on the file system of `root`."""
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left" in str(err):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    try:
+        return shutil.disk_usage(root).free < 2 ** 20
+    except OSError:
+        return False
+
+
+def first_nonfinite_parameter(chunks) -> Optional[Tuple[int, str]]:
+    """Collective: (rank, name) of a non-finite parameter on any rank (None: all finite)."""
+    local = next((name for chunk in chunks for name, p in chunk.named_parameters()
+                  if not torch.isfinite(p.detach()).all()), None)
+    gathered: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return next(((r, n) for r, n in enumerate(gathered) if n is not None), None)
+
+
+def first_failure(err: Optional[BaseException], root: str) -> Optional[Tuple[bool, str]]:
+    """Collective: (disk full?, message) of the first rank whose save failed, or None.
+    Every rank gets the same answer, so all raise together."""
+    mine = None if err is None else (is_disk_full(err, root),
+                                     f"{type(err).__name__}: {str(err).splitlines()[0]}"[:300])
+    gathered: List[Optional[Tuple[bool, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return next((g for g in gathered if g is not None), None)

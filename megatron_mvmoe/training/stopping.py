@@ -1,0 +1,90 @@
+"""When a run stops early on purpose: preemption signals, a wall-clock budget, a step interval.
+
+Design choices:
+- SIGTERM (Slurm preemption, scancel, time limit), SIGUSR1 (`#SBATCH --signal=USR1@120`) and
+  SIGINT (Ctrl-C) only set a flag: the step in progress finishes, the loop saves and the
+  process exits with EXIT_REQUEUE; rank 0 leaves STOPPED_MARKER in the save dir, which the
+  sbatch recipes turn into `scontrol requeue` (torchrun reports any non-zero worker status
+  as 1, so the recipes read the marker, not the status).
+- A second SIGINT (Ctrl-C twice) exits at once (SystemExit: `finally` blocks still run).
+  Repeated SIGTERM/SIGUSR1 are only noted: under torchrun a worker gets Slurm's SIGTERM
+  and then torchrun's copy of it, and must still save.
+- Ranks decide together: the local flags ride in the one all-reduce per step that also
+  checks the loss and gradient norm (step.py), so every rank stops after the same step
+  even when the signal reached only some of them (or their clocks differ).
+- `--exit-interval` is a pure function of the step; `--exit-duration-in-mins` counts from
+  the construction of StopConditions (the start of `pretrain`), as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+EXIT_REQUEUE = 3
+"""Process exit status after a deliberate early stop with a checkpoint saved: requeue me."""
+EXIT_USER_ERROR = 2
+"""Process exit status for a bad config, a bad checkpoint or a NaN/inf stop."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOPPED_MARKER = "stopped_early.json"
+"""In the save dir while the newest checkpoint is from a deliberate early stop."""
+
+
+@dataclass
+class StopFlags:
+    """This rank's reasons to stop after the current step, as numbers for a MAX reduction."""
+
+    signal: float = 0.0
+    """The signal number received (0: none)."""
+    time_up: float = 0.0
+    """1.0 once the --exit-duration-in-mins budget is spent."""
+
+    def as_list(self) -> List[float]:
+        return [self.signal, self.time_up]
+
+
+class StopConditions:
+    """Signal handlers plus the time budget; `install` in the main thread, `restore` after."""
+
+    def __init__(self, exit_duration_in_mins: Optional[float], exit_interval: Optional[int]):
+        self.exit_duration_s = None if exit_duration_in_mins is None else exit_duration_in_mins * 60
+        self.exit_interval = exit_interval
+        self.start = time.monotonic()
+        self.received: Optional[int] = None
+        self._previous: Dict[int, object] = {}
+
+    def install(self) -> None:
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise SystemExit(f"second signal {signal.Signals(signum).name}: exiting without "
+                             "saving (the first one asked for a save after the current step)")
+        if self.received is not None:
+            return
+        self.received = signum
+        print(f"received {signal.Signals(signum).name}: saving after the current step, then "
+              f"exiting with status {EXIT_REQUEUE}", flush=True)
+
+    def local_flags(self) -> StopFlags:
+        time_up = (self.exit_duration_s is not None and
+                   time.monotonic() - self.start >= self.exit_duration_s)
+        return StopFlags(signal=float(self.received or 0), time_up=float(time_up))
+
+    def reason(self, step: int, reduced: StopFlags) -> Optional[str]:
+        """Why the run stops after `step` (the same on every rank), or None to go on."""
+        if reduced.signal:  # the largest signal number any rank received
+            return f"{signal.Signals(int(reduced.signal)).name} received"
+        if reduced.time_up:
+            return f"--exit-duration-in-mins {self.exit_duration_s / 60:g} reached"
+        if self.exit_interval and step % self.exit_interval == 0:
+            return f"--exit-interval {self.exit_interval} reached at step {step}"
+        return None
