@@ -19,6 +19,7 @@ Design choices:
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
