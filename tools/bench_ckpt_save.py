@@ -36,7 +36,8 @@ VARIANTS = ("none", "sync", "async")
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each runs all three variants)")
     p.add_argument("--world", type=int, default=2, help="gloo ranks (EP = world)")
     p.add_argument("--steps", type=int, default=12, help="training steps per run")
