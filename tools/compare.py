@@ -69,8 +69,9 @@ def parse_args(argv=None):
                         "smallest domain (indexed data only)")
     p.add_argument("--out-dir", default="examples/results",
                    help="where compare_<suite>.md/.json/_loss.png are written")
-    p.add_argument("--runs-dir", default="runs/compare",
-                   help="resumable store of finished runs (one JSON per run)")
+    p.add_argument("--runs-dir", default="examples/results/compare_runs",
+                   help="resumable store of finished runs (one JSON per run; the default is "
+                        "committed, so comparisons continue across sessions and machines)")
     p.add_argument("--fresh", action="store_true",
                    help="retrain every run even when --runs-dir holds it")
     p.add_argument("--save-dir", default=None,
