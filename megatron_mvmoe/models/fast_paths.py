@@ -39,10 +39,11 @@ class Target:
 
     @classmethod
     def here(cls) -> "Target":
-        import torch
         from megatron.core.models.gpt import gpt_layer_specs
 
-        return cls(cuda=torch.cuda.is_available(), te=bool(gpt_layer_specs.HAVE_TE))
+        from megatron_mvmoe import platform
+
+        return cls(cuda=platform.is_cuda(), te=bool(gpt_layer_specs.HAVE_TE))
 
 
 @dataclass(frozen=True)

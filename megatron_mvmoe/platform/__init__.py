@@ -49,6 +49,16 @@ def seed_all(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def device_name() -> str:
+    """The CUDA device's name, or "cpu"."""
+    return torch.cuda.get_device_name() if is_cuda() else "cpu"
+
+
+def cuda_version():
+    """torch's CUDA version when a device is usable, else None."""
+    return torch.version.cuda if is_cuda() else None
+
+
 def synchronize() -> None:
     """Wait for queued device work (timing); CPU work is already synchronous."""
     if is_cuda():

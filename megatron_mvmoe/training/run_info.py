@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import platform as py_platform
-import resource
 import socket
 import subprocess
 import sys
@@ -29,6 +28,8 @@ import time
 from typing import Dict, Optional
 
 import torch
+
+from megatron_mvmoe import platform
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from NVIDIA's datasheets.
 GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12,
@@ -51,29 +52,26 @@ def measured_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 512,
         start = time.perf_counter()
         for _ in range(4):
             a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        platform.synchronize()
         best = max(best, 4 * 2 * size ** 3 / max(time.perf_counter() - start, 1e-9))
     return best
 
 
 def device_peak_flops(use_bf16: bool) -> Dict[str, object]:
     """{'flops': peak FLOP/s of one rank, 'source': 'datasheet <name>' | 'measured ...'}."""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
+    if platform.is_cuda():
+        name = platform.device_name()
         for key, peak in GPU_PEAK_BF16.items():
             if key in name:
                 return {"flops": peak, "source": f"datasheet {key} bf16 dense"}
-    dtype = torch.bfloat16 if use_bf16 and torch.cuda.is_available() else torch.float32
+    dtype = torch.bfloat16 if use_bf16 and platform.is_cuda() else torch.float32
     return {"flops": measured_matmul_peak(dtype),
             "source": f"measured {str(dtype).split('.')[-1]} matmul, "
                       f"{torch.get_num_threads()} threads"}
 
 
 def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+    return platform.peak_memory_bytes()
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_per_rank: float,
@@ -119,8 +117,7 @@ def versions(world_size: int) -> Dict[str, object]:
             "megatron_core": installed_megatron_version(), "numpy": numpy.__version__,
             "triton": _version("triton"), "megatron_mvmoe": _version("megatron_mvmoe"),
             "git": _git_commit(), "host": socket.gethostname(),
-            "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "cuda": platform.cuda_version(), "device": platform.device_name(),
             "world_size": world_size, "argv": sys.argv}
 
 
