@@ -19,6 +19,7 @@ backward, a deterministic proxy measured with autograd saved-tensor hooks.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -64,21 +65,23 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 _PRESET_FIELDS = {"hidden": "hidden_size", "latent": "latent_size", "experts": "num_experts",
-                  "topk": "moe_router_topk", "routers": "num_routers",
+                  "topk": "moe_router_topk", "routers": "multi_view.num_routers",
                   "expert_ffn": "moe_ffn_hidden_size"}
+"""--flag -> ModelSection field (dotted: a nested config's)."""
 
 
 def _apply_preset(args, parser, argv: List[str]) -> None:
-    from megatron_mvmoe.models.presets import PRESETS, resolve_model
-    from megatron_mvmoe.training.config import ModelSection
+    from megatron_mvmoe.models.model_section import model_from_preset
+    from megatron_mvmoe.models.presets import PRESETS
 
     if args.preset not in PRESETS:
         parser.error(f"--preset {args.preset!r}: not a preset (choose from {sorted(PRESETS)})")
-    shape = resolve_model(ModelSection(preset=args.preset))
+    shape = model_from_preset(args.preset)
     given = {a.split("=")[0] for a in argv if a.startswith("--")}
     for name, field in _PRESET_FIELDS.items():
-        if f"--{name.replace('_', '-')}" not in given and getattr(shape, field):
-            setattr(args, name, getattr(shape, field))
+        value = functools.reduce(getattr, field.split("."), shape)
+        if f"--{name.replace('_', '-')}" not in given and value:
+            setattr(args, name, value)
 
 
 def analytic_flops(args, variant: str) -> int:

@@ -100,11 +100,20 @@ def setup(args) -> dict:
     return {"train_iters": args.train_iters, "global_batch": args.global_batch,
             "micro_batch": args.micro_batch, "seq_length": args.seq_length, "lr": args.lr,
             "warmup_iters": warmup_iters(args), "eval_iters": args.eval_iters,
-            "data": os.path.abspath(args.data_path)}
+            "data": data_identity(args.data_path)}
+
+
+def data_identity(path: str) -> str:
+    """The dataset as a run's identity knows it: its path relative to the checkout (where
+    this command builds it from the same recipe, so a clone anywhere finds the committed
+    runs), or the absolute path of data outside the checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = os.path.abspath(path)
+    return os.path.relpath(full, root) if full.startswith(root + os.sep) else full
 
 
 def run_config(variant, seed: int, args):
-    from megatron_mvmoe.training.config import config_from_dict
+    from megatron_mvmoe.run_config import config_from_dict
     from megatron_mvmoe.training.warm_start import has_checkpoint
 
     save = None if args.save_dir is None else os.path.join(args.save_dir,

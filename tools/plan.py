@@ -24,16 +24,17 @@ from megatron_mvmoe.analysis.overheads import overhead_lines, parameter_overhead
 from megatron_mvmoe.analysis.plan import (Layout, check_layout, dry_run_build, plan,
                                           planned_world_size)
 from megatron_mvmoe.models import fast_paths
-from megatron_mvmoe.models.presets import PRESETS, preset_names, resolve_model
-from megatron_mvmoe.training.config import ModelSection, load_yaml
+from megatron_mvmoe.models.model_section import model_from_preset
+from megatron_mvmoe.models.presets import PRESETS, preset_names
+from megatron_mvmoe.run_config import load_yaml
 
 
 def _model(name: str):
     if name in PRESETS:
-        return resolve_model(ModelSection(preset=name)), None
+        return model_from_preset(name), None
     if os.path.isfile(name):
         run = load_yaml(name)
-        return resolve_model(run.model), run
+        return run.model, run
     raise ValueError(f"--config: {name!r} is neither a preset ({preset_names()}) nor a YAML "
                      "file. Fix: pass one of those")
 
@@ -60,7 +61,7 @@ FAST_PATH_TARGETS = {"gpu": fast_paths.Target(cuda=True, te=True),
 def fast_path_report(model, run, targets) -> dict:
     """{target: {fast path: {on, why}}} for the model's variant (and the run's BitNet and
     optimizer settings): what models/provider.py would build there."""
-    bitnet = bool(run.model.bitnet) if run is not None else False
+    bitnet = run.model.bitnet.enabled if run is not None else False
     dist_opt = run.optimizer.use_distributed_optimizer if run is not None else True
     out = {}
     for name in targets:

@@ -104,7 +104,7 @@ def _model_lines(cfg: dict) -> List[str]:
     return [
         f"- Model (read from `models/presets.py`): {m.num_layers} layers, D = {m.hidden_size}, "
         f"latent L = {m.latent_size}, E = {m.num_experts} experts, top-{m.moe_router_topk}, "
-        f"K = {m.num_views} views, seq {m.seq_length}; rows bf16 ({cfg['dtype_bytes']} B), "
+        f"K = {m.multi_view.num_views} views, seq {m.seq_length}; rows bf16 ({cfg['dtype_bytes']} B), "
         "probs and mixing weights fp32.",
         f"- Layouts (`LAYOUTS_10B`): {layouts}; {cfg['gpus_per_node']} GPUs per node, "
         f"ETP = 1 so an EP group fills nodes in rank order; micro-batch {cfg['micro_batch_size']}, "

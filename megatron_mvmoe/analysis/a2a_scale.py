@@ -33,10 +33,12 @@ from megatron_mvmoe.analysis.link_time import LinkSpec, a2a_share, compute_time_
 from megatron_mvmoe.analysis.placement import EpPlacement
 from megatron_mvmoe.analysis.plan import flops_per_token
 from megatron_mvmoe.analysis.routing_load import max_over_mean, rank_loads, routing_maps
-from megatron_mvmoe.models.presets import LAYOUTS_10B, ModelShape, preset_shape
+from megatron_mvmoe.models.model_section import ModelSection, model_from_preset
+from megatron_mvmoe.models.presets import LAYOUTS_10B
 
 VARIANTS = {"baseline": ("mvmoe_10b_a1b_baseline", {}),
-            "multi_router": ("mvmoe_10b_a1b", {"moe_variant": "multi_router", "num_views": 1}),
+            "multi_router": ("mvmoe_10b_a1b", {"moe_variant": "multi_router",
+                                               "multi_view": {"num_views": 1}}),
             "multi_view": ("mvmoe_10b_a1b", {})}
 """Table variant -> (preset, overrides)."""
 
@@ -59,12 +61,12 @@ class ScaleConfig:
     seed: int = 0
 
 
-def model_shape(variant: str) -> ModelShape:
+def model_shape(variant: str) -> ModelSection:
     preset, overrides = VARIANTS[variant]
-    return preset_shape(preset, **overrides)
+    return model_from_preset(preset, **overrides)
 
 
-def _summary(matrices, placement: EpPlacement, links: LinkSpec, model: ModelShape,
+def _summary(matrices, placement: EpPlacement, links: LinkSpec, model: ModelSection,
              layout: Dict[str, int], micro_batch: int, tflops: float) -> dict:
     """Bytes (forward dispatch, all float payloads), time per layer and share of step time."""
     dispatch = sum(m for (p, d, _), m in matrices.items() if (p, d) == ("token_dispatch", "fwd"))
@@ -81,9 +83,9 @@ def _summary(matrices, placement: EpPlacement, links: LinkSpec, model: ModelShap
             "step_compute_ms": compute * 1e3, "a2a_share": a2a_share(a2a, compute)}
 
 
-def _payload(model: ModelShape, dtype_bytes: int, naive: bool = False):
+def _payload(model: ModelSection, dtype_bytes: int, naive: bool = False):
     name = "multi_view" if naive else model.moe_variant
-    return payload_for_variant(name, model.hidden_size, model.latent_size, model.num_views,
+    return payload_for_variant(name, model.hidden_size, model.latent_size, model.multi_view.num_views,
                                dtype_bytes, naive=naive)
 
 

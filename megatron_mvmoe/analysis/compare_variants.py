@@ -1,5 +1,5 @@
 """The model variants of the small-scale reproductions of the seeds' comparisons, as run
-configs for the training engineer's trainer, and the orderings the papers report.
+configs for the project's trainer, and the orderings the papers report.
 
 Suites:
 - `a` (seed 000, Tables 1/3-4): latent MoE baseline, Multi-Router (R = 2), Multi-View
@@ -19,10 +19,10 @@ Suites:
   Multi-View R = 2 on the suite-a backbone as anchors.
 
 Design choices:
-- A variant is a dict of `ModelSection` fields; seed-2 fields that the ModelSection does not
-  name (moe_layer_freq, pre-softmax gating, the MH-MoE switches) go through `extra`, which
-  the provider passes to MVMoETransformerConfig unchanged, so the parity-matched shapes are
-  exactly the preset's.
+- A variant is the run config's model mapping: a preset name plus fields (suites a, c), or
+  a seed-2 preset's `model_fields()` (suites b, t3: the parity-matched shapes exactly; the
+  MH-MoE switches nested in `multi_head`, pre-softmax gating and the MoE layer frequency,
+  Megatron fields we do not model, in `extra`).
 - Everything else of the run (data, steps, batch, LR) is shared by all variants of a suite;
   a variant's name + model dict identify its runs, so suites that share a variant (a and c:
   latent, multi_view) share its runs in the resumable run store.
@@ -78,22 +78,12 @@ ORDERINGS = {
 }
 """suite -> [(expected better, expected worse, the paper's evidence)]."""
 
-_SECTION_KEYS = {"moe_variant", "num_layers", "hidden_size", "num_attention_heads",
-                 "ffn_hidden_size", "vocab_size", "seq_length"}
-_MOE_KEYS = {"num_moe_experts": "num_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
-             "moe_router_topk": "moe_router_topk",
-             "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"}
-_PROVIDER_SETS = {"gated_linear_unit", "activation_func", "add_bias_linear", "normalization",
-                  "bitnet", "moe_token_dispatcher_type", "moe_router_load_balancing_type",
-                  "moe_aux_loss_coeff"}
-
-
 @dataclass(frozen=True)
 class Variant:
     name: str
     suite: str
     model: Dict[str, Any] = field(default_factory=dict)
-    """ModelSection fields (with `extra`)."""
+    """The run config's model mapping (ModelSection fields, our configs nested)."""
     note: str = ""
     reference: str = ""
     """Variant this one is compared with in the table ('' = it is the reference)."""
@@ -106,13 +96,7 @@ def suite_a_variant(name: str, seq_length: int) -> Variant:
         raise ValueError(f"variant: unknown suite-a variant {name!r}. Fix: use {SUITE_A}")
     model: Dict[str, Any] = {"preset": presets[name], "seq_length": seq_length}
     if name == "multi_view_stopgrad":
-        from megatron_mvmoe.config import MultiViewConfig
-        from megatron_mvmoe.models.presets import PRESETS
-
-        p = PRESETS["tiny_multi_view"]
-        model["extra"] = {"multi_view": MultiViewConfig(
-            num_routers=p["num_routers"], num_views=p["num_views"],
-            gamma_ramp_steps=p["gamma_ramp_steps"], stop_grad_mixing=True)}
+        model["multi_view"] = {"stop_grad_mixing": True}
     note = "stop-gradient from mixing weights to views" if name == "multi_view_stopgrad" else ""
     return Variant(name, "a", model, note, "" if name == "latent" else "latent")
 
@@ -129,7 +113,8 @@ def suite_c_variant(name: str, seq_length: int) -> Variant:
     model: Dict[str, Any] = {"seq_length": seq_length}
     if name.startswith("multi_view_r"):
         heads = int(name[-1])
-        model.update(preset="tiny_multi_view", num_routers=heads, num_views=heads)
+        model.update(preset="tiny_multi_view",
+                     multi_view={"num_routers": heads, "num_views": heads})
         return Variant(name, "c", model, f"R = K = {heads}", "multi_view")
     fine = name.endswith("_fine")
     model.update(preset="tiny_multi_view" if name.startswith("multi_view") else "tiny_latent",
@@ -145,21 +130,7 @@ def suite_b_variant(name: str, seq_length: int, hidden_size: int = SUITE_B_HIDDE
     if name not in SUITE_B:
         raise ValueError(f"variant: unknown suite-b variant {name!r}. Fix: use {SUITE_B}")
     preset = get_preset(name, size="tiny", hidden_size=hidden_size, bitnet=bitnet)
-    kwargs = preset.config_kwargs(num_layers=num_layers)
-    model: Dict[str, Any] = {"vocab_size": preset.model.vocab_size, "seq_length": seq_length,
-                             "extra": {}}
-    if bitnet:
-        model["bitnet"] = True
-    for key, value in kwargs.items():
-        if key in _SECTION_KEYS:
-            model[key] = value
-        elif key in _MOE_KEYS:
-            model[_MOE_KEYS[key]] = value
-        elif key == "multi_head":
-            model["num_heads_mh"] = value.num_heads
-            model["extra"]["multi_head"] = value
-        elif key not in _PROVIDER_SETS:
-            model["extra"][key] = value
+    model = preset.model_fields(num_layers=num_layers, seq_length=seq_length)
     if preset.reference in (None, name):
         note = "reference"
     else:

@@ -25,14 +25,16 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_mvmoe.training.config import RunConfig, config_from_dict, load_yaml
+from megatron_mvmoe.run_config import (
+    RunConfig, config_from_dict, read_yaml, saved_config_from_dict, set_field)
 
 SYNTHETIC = "synthetic-uniform"
 
 
 def run_config(preset: Optional[str] = None, config_path: Optional[str] = None,
                checkpoint: Optional[str] = None, overrides: Optional[Dict] = None) -> RunConfig:
-    """The run config from a checkpoint's stored config, a YAML file, or a preset name."""
+    """The run config from a checkpoint's stored config, a YAML file, or a preset name, with
+    `overrides` ({"section.field[.field]": value}) set before it is loaded and checked."""
     if checkpoint is not None:
         from megatron_mvmoe.training.checkpoint import read_run_state, resolve_checkpoint
 
@@ -40,16 +42,16 @@ def run_config(preset: Optional[str] = None, config_path: Optional[str] = None,
         if raw is None:
             raise ValueError(f"--checkpoint {checkpoint}: no stored run config. Fix: also "
                              "pass --config with the YAML the run was trained with")
-        run = config_from_dict(raw)
     elif config_path is not None:
-        run = load_yaml(config_path)
+        raw = read_yaml(config_path)
     elif preset is not None:
-        run = config_from_dict({"model": {"preset": preset}})
+        raw = {"model": {"preset": preset}}
     else:
         raise ValueError("no model given. Fix: pass --checkpoint, --config or --preset")
     for key, value in (overrides or {}).items():
-        section, name = key.split(".", 1)
-        setattr(getattr(run, section), name, value)
+        set_field(raw, key, value)
+    # a checkpoint's config may be of an earlier version; a user's YAML must be exact
+    run = saved_config_from_dict(raw) if checkpoint is not None else config_from_dict(raw)
     run.parallel.tp = run.parallel.pp = run.parallel.ep = run.parallel.etp = 1
     run.parallel.vpp = None
     run.optimizer.use_distributed_optimizer = False
@@ -98,9 +100,8 @@ def gpt_token_nll(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> tor
 def heldout_batches(run: RunConfig, num_batches: int, batch_size: int = 2,
                     seed: int = 0) -> Dict[str, List[Dict[str, torch.Tensor]]]:
     """domain -> `num_batches` held-out batches (or one synthetic 'random' domain)."""
-    from megatron_mvmoe.models.presets import resolve_model
 
-    shape = resolve_model(run.model)
+    shape = run.model
     if run.data.path is None:
         return {"random": synthetic_batches(num_batches, batch_size, shape.seq_length,
                                             shape.vocab_size, seed)}

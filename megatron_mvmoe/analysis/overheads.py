@@ -21,7 +21,7 @@ import dataclasses
 from typing import Dict, Optional
 
 from megatron_mvmoe.analysis.plan import parameter_counts
-from megatron_mvmoe.models.presets import ModelShape
+from megatron_mvmoe.models.model_section import ModelSection
 
 PAPER_PERCENT = {"multi_router": 0.06, "multi_view": 0.19}
 """Seed 000, Efficiency: ~0.06 % (Multi-Router) and ~0.19 % (Multi-View) at 10B-A1B, R = 2."""
@@ -30,18 +30,15 @@ LATENT_FAMILY = ("latent", "multi_router", "multi_view")
 SMOE_FAMILY = ("smoe", "mh_moe")
 
 
-def _variant(m: ModelShape, variant: str, heads: int) -> ModelShape:
-    if variant == "latent":
-        return dataclasses.replace(m, moe_variant="latent", num_routers=1, num_views=1)
-    if variant == "multi_router":
-        return dataclasses.replace(m, moe_variant="multi_router", num_routers=heads,
-                                   num_views=1)
-    if variant == "multi_view":
-        return dataclasses.replace(m, moe_variant="multi_view", num_routers=heads,
-                                   num_views=heads)
-    if variant == "smoe":
-        return dataclasses.replace(m, moe_variant="smoe", num_heads_mh=1)
-    return dataclasses.replace(m, moe_variant="mh_moe", num_heads_mh=heads)
+def _variant(m: ModelSection, variant: str, heads: int) -> ModelSection:
+    """`m` as `variant` with `heads` routing heads / views / sub-tokens (1 for baselines)."""
+    routers = heads if variant in ("multi_router", "multi_view") else 1
+    views = heads if variant == "multi_view" else 1
+    sub_tokens = heads if variant == "mh_moe" else 1
+    return dataclasses.replace(
+        m, moe_variant=variant,
+        multi_view=dataclasses.replace(m.multi_view, num_routers=routers, num_views=views),
+        multi_head=dataclasses.replace(m.multi_head, num_heads=sub_tokens))
 
 
 def _row(total: int, base: int, paper: Optional[float]) -> Dict:
@@ -53,12 +50,12 @@ def _row(total: int, base: int, paper: Optional[float]) -> Dict:
     return row
 
 
-def parameter_overheads(m: ModelShape) -> Dict:
+def parameter_overheads(m: ModelSection) -> Dict:
     """{'baseline', 'baseline_total', 'variants': {name: row}}; empty variants for dense."""
     if m.moe_variant in LATENT_FAMILY:
-        family, heads = LATENT_FAMILY, max(2, m.num_routers, m.num_views)
+        family, heads = LATENT_FAMILY, max(2, m.multi_view.num_routers, m.multi_view.num_views)
     elif m.moe_variant in SMOE_FAMILY:
-        family, heads = SMOE_FAMILY, max(2, m.num_heads_mh)
+        family, heads = SMOE_FAMILY, max(2, m.multi_head.num_heads)
     else:
         return {"baseline": m.moe_variant, "baseline_total": parameter_counts(m)["total"],
                 "variants": {}}

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Optional
 
 from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
-from megatron_mvmoe.models.presets import ModelShape
+from megatron_mvmoe.models.model_section import ModelSection
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def planned_world_size(config_path: Optional[str], field: Optional[int],
     return next(iter(values.values()), None)
 
 
-def check_layout(m: ModelShape, lay: Layout) -> None:
+def check_layout(m: ModelSection, lay: Layout) -> None:
     """Refuse a layout the trainer would refuse (same checks: ParallelLayout.validate and
     the batch divisibility of RunConfig)."""
     from megatron_mvmoe.parallel import ParallelLayout
@@ -90,7 +90,7 @@ def check_layout(m: ModelShape, lay: Layout) -> None:
 
 
 # ------------------------------------------------------------------------- parameters
-def attention_params(m: ModelShape) -> int:
+def attention_params(m: ModelSection) -> int:
     kv_channels = m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
     qkv = (m.num_attention_heads + 2 * groups) * kv_channels * m.hidden_size
@@ -102,23 +102,23 @@ def swiglu(d_in: int, width: int) -> int:
     return 3 * d_in * width  # fc1 [2F, d_in] + fc2 [d_in, F]
 
 
-def moe_params(m: ModelShape) -> Dict[str, int]:
+def moe_params(m: ModelSection) -> Dict[str, int]:
     """One MoE layer's parameters split into expert and non-expert (per variant)."""
     D, E, F, k = m.hidden_size, m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk
     shared = swiglu(D, m.moe_shared_expert_intermediate_size or 0)
     if m.moe_variant == "mh_moe":
-        sub = D // m.num_heads_mh
+        sub = D // m.multi_head.num_heads
         return {"expert_one": swiglu(sub, F), "router": E * sub,
                 "projections": 2 * D * D, "shared": shared}
     if m.is_latent:
         L = m.latent_size
-        views = (m.num_views - 1) * L * D if m.moe_variant == "multi_view" else 0
-        return {"expert_one": swiglu(L, F), "router": m.num_routers * E * D,
+        views = (m.multi_view.num_views - 1) * L * D if m.moe_variant == "multi_view" else 0
+        return {"expert_one": swiglu(L, F), "router": m.multi_view.num_routers * E * D,
                 "projections": 2 * L * D + views, "shared": shared}
     return {"expert_one": swiglu(D, F), "router": E * D, "projections": 0, "shared": shared}
 
 
-def parameter_counts(m: ModelShape) -> Dict[str, int]:
+def parameter_counts(m: ModelSection) -> Dict[str, int]:
     D, V = m.hidden_size, m.vocab_size
     embedding, head, final_norm = V * D, V * D, D
     attention = attention_params(m) * m.num_layers
@@ -133,7 +133,7 @@ def parameter_counts(m: ModelShape) -> Dict[str, int]:
     experts = per["expert_one"] * m.num_experts * m.num_layers
     active_experts = per["expert_one"] * m.moe_router_topk * m.num_layers
     if m.moe_variant == "mh_moe":  # each of H sub-tokens selects k experts
-        active_experts *= m.num_heads_mh
+        active_experts *= m.multi_head.num_heads
     base = embedding + head + final_norm + attention + non_expert_moe
     return {"total": base + experts, "active": base + active_experts,
             "active_without_embeddings": base + active_experts - embedding - head,
@@ -142,7 +142,7 @@ def parameter_counts(m: ModelShape) -> Dict[str, int]:
             "non_expert_moe": non_expert_moe, "dense_mlp": 0}
 
 
-def flops_per_token(m: ModelShape) -> Dict[str, float]:
+def flops_per_token(m: ModelSection) -> Dict[str, float]:
     counts = parameter_counts(m)
     matmul = counts["active"] - counts["embedding"]
     attention_scores = 4 * m.seq_length * m.hidden_size * m.num_layers
@@ -151,7 +151,7 @@ def flops_per_token(m: ModelShape) -> Dict[str, float]:
 
 
 # -------------------------------------------------------------------------- memory
-def _per_rank_params(m: ModelShape, lay: Layout) -> Dict[str, float]:
+def _per_rank_params(m: ModelSection, lay: Layout) -> Dict[str, float]:
     """Parameters on the busiest pipeline stage (first or last), split by sharding."""
     c = parameter_counts(m)
     per_layer_dense = (c["attention"] + c["non_expert_moe"] + c["dense_mlp"]) / m.num_layers
@@ -163,12 +163,12 @@ def _per_rank_params(m: ModelShape, lay: Layout) -> Dict[str, float]:
     return {"dense": dense, "experts": experts}
 
 
-def _activation_bytes(m: ModelShape, lay: Layout) -> float:
+def _activation_bytes(m: ModelSection, lay: Layout) -> float:
     s, b, D = m.seq_length, lay.micro_batch_size, m.hidden_size
     attention = 11 * s * b * D * 2 / lay.tp  # norms, qkv, attn out, proj in/out (bf16)
     if m.is_moe:
-        width = m.latent_size if m.is_latent else D // max(1, m.num_heads_mh)
-        slots = m.moe_router_topk * max(1, m.num_heads_mh)
+        width = m.latent_size if m.is_latent else D // max(1, m.multi_head.num_heads)
+        slots = m.moe_router_topk * max(1, m.multi_head.num_heads)
         ffn = s * b * (2 * D + 3 * (m.moe_shared_expert_intermediate_size or 0)
                        + slots * (2 * width + 3 * m.moe_ffn_hidden_size)) * 2 / lay.tp
     else:
@@ -177,7 +177,7 @@ def _activation_bytes(m: ModelShape, lay: Layout) -> float:
     return (attention + ffn) * (m.num_layers / lay.pp) * in_flight
 
 
-def memory_per_gpu(m: ModelShape, lay: Layout, weight_bytes: int = 2) -> Dict[str, float]:
+def memory_per_gpu(m: ModelSection, lay: Layout, weight_bytes: int = 2) -> Dict[str, float]:
     p = _per_rank_params(m, lay)
     params = p["dense"] + p["experts"]
     optimizer = 12 * (p["dense"] / lay.dp() + p["experts"] / lay.expert_dp())
@@ -188,13 +188,13 @@ def memory_per_gpu(m: ModelShape, lay: Layout, weight_bytes: int = 2) -> Dict[st
 
 
 # ------------------------------------------------------------------------ all-to-all
-def a2a_bytes_per_step(m: ModelShape, lay: Layout, dtype_bytes: int = 2) -> Dict[str, float]:
+def a2a_bytes_per_step(m: ModelSection, lay: Layout, dtype_bytes: int = 2) -> Dict[str, float]:
     if not m.is_moe or lay.ep == 1:
         return {"per_layer_dispatch": 0.0, "per_rank_per_step": 0.0}
     tokens = m.seq_length * lay.micro_batch_size // lay.tp  # sequence-parallel slice
     variant = "smoe" if m.moe_variant == "dense" else m.moe_variant
     shape = CommShape(tokens=tokens, hidden=m.hidden_size, topk=m.moe_router_topk,
-                      latent=m.latent_size, heads=m.num_heads_mh, dtype_bytes=dtype_bytes,
+                      latent=m.latent_size, heads=m.multi_head.num_heads, dtype_bytes=dtype_bytes,
                       ep=lay.ep, tp=lay.tp)
     one = dispatch_bytes(variant, "alltoall", shape).tokens_in
     microbatches = lay.global_batch_size // (lay.micro_batch_size * lay.dp())
@@ -204,7 +204,7 @@ def a2a_bytes_per_step(m: ModelShape, lay: Layout, dtype_bytes: int = 2) -> Dict
             "per_rank_per_step": float(4 * one * layers * microbatches)}
 
 
-def plan(m: ModelShape, lay: Layout) -> Dict:
+def plan(m: ModelSection, lay: Layout) -> Dict:
     return {"model": asdict(m), "layout": dict(asdict(lay), world_size=lay.world(),
                                                dp=lay.dp(), expert_dp=lay.expert_dp()),
             "parameters": parameter_counts(m), "flops_per_token": flops_per_token(m),
@@ -213,7 +213,7 @@ def plan(m: ModelShape, lay: Layout) -> Dict:
 
 
 # --------------------------------------------------------------------------- dry run
-def dry_run_build(m: ModelShape, lay: Layout) -> Dict[str, int]:
+def dry_run_build(m: ModelSection, lay: Layout) -> Dict[str, int]:
     """Build rank 0's model chunk of `lay` on the meta device (no memory, no real peers).
 
     Uses torch's in-process "fake" process group with the layout's world size, Megatron's

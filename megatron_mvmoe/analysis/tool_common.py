@@ -53,7 +53,7 @@ def parse_overrides(pairs) -> Dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or "." not in key:
             raise ValueError(f"--set {pair!r}: expected section.field=value, e.g. "
-                             "model.gamma_ramp_steps=0")
+                             "model.multi_view.gamma_ramp_steps=0")
         out[key.strip()] = yaml.safe_load(value)
     return out
 
@@ -110,7 +110,7 @@ def add_heldout_args(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="run-config override, e.g. model.gamma_ramp_steps=0 (repeatable)")
+                        help="run-config override, e.g. model.multi_view.gamma_ramp_steps=0 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 

@@ -1,10 +1,11 @@
 """Model presets: tiny CPU demo models per MoE variant, and the 24-layer 10B-A1B Multi-View.
 
 Design choices:
-- A preset is a plain dict of `ModelSection` fields (training/config.py); a run's YAML or
-  flags override single fields. `resolve_model` merges them into a complete, frozen
-  `ModelShape` that both the model provider and the planner read, so the parameter count
-  the planner reports is the one the provider builds.
+- A preset is a plain dict of `ModelSection` fields (models/model_section.py), our nested
+  configs as nested dicts; a run's YAML or flags override single fields, and loading the
+  config merges them into the one resolved `ModelSection` that both the model provider and
+  the planner read, so the parameter count the planner reports is the one the provider
+  builds.
 - Tiny presets (D = 64, 2 layers, vocab 4096 = the data engineer's small BPE) train at a
   few thousand tokens/s on 2 CPU cores; every variant keeps E = 4, top-2.
 - 10B-A1B (seed 000: "24-layer 10B-A1B backbone with top-8 routing and one always-active
@@ -26,10 +27,7 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
-
-from megatron_mvmoe.variants import Variant, get_variant
+from typing import Any, Dict, List
 
 _TINY_BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                   vocab_size=4096, seq_length=64, num_experts=4, moe_ffn_hidden_size=64,
@@ -41,23 +39,23 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "tiny_smoe": dict(_TINY_BASE, moe_variant="smoe"),
     "tiny_latent": dict(_TINY_BASE, moe_variant="latent", latent_size=32),
     "tiny_multi_router": dict(_TINY_BASE, moe_variant="multi_router", latent_size=32,
-                              num_routers=2),
+                              multi_view=dict(num_routers=2)),
     "tiny_multi_view": dict(_TINY_BASE, moe_variant="multi_view", latent_size=32,
-                            num_routers=2, num_views=2, gamma_ramp_steps=20),
-    "tiny_mh_moe": dict(_TINY_BASE, moe_variant="mh_moe", num_heads_mh=2),
+                            multi_view=dict(num_routers=2, num_views=2, gamma_ramp_steps=20)),
+    "tiny_mh_moe": dict(_TINY_BASE, moe_variant="mh_moe", multi_head=dict(num_heads=2)),
     "mvmoe_10b_a1b": dict(
         moe_variant="multi_view", num_layers=24, hidden_size=2048, num_attention_heads=16,
         num_query_groups=4, ffn_hidden_size=8192, num_experts=128, moe_ffn_hidden_size=3968,
         moe_router_topk=8, moe_shared_expert_intermediate_size=1024, latent_size=256,
-        num_routers=2, num_views=2, gamma_ramp_steps=2000, vocab_size=50304,
+        multi_view=dict(num_routers=2, num_views=2, gamma_ramp_steps=2000), vocab_size=50304,
         seq_length=4096),
 }
 PRESETS["mvmoe_10b_a1b_wide_latent"] = dict(PRESETS["mvmoe_10b_a1b"], num_experts=160,
                                             moe_ffn_hidden_size=768, latent_size=1024)
 # ^ the shape before issue 15: 9.84 B / 1.23 B, but 0.080 % / 0.595 % overheads.
 for _name in ("mvmoe_10b_a1b", "mvmoe_10b_a1b_wide_latent"):
-    PRESETS[f"{_name}_baseline"] = dict(PRESETS[_name], moe_variant="latent", num_routers=1,
-                                        num_views=1, gamma_ramp_steps=0)
+    PRESETS[f"{_name}_baseline"] = dict(PRESETS[_name], moe_variant="latent", multi_view=dict(
+        num_routers=1, num_views=1, gamma_ramp_steps=0))
 
 # Layouts for the 10B-A1B model by GPU count: (tp, pp, ep). EP spans the data-parallel
 # ranks; TP stays inside a node; PP only when a replica no longer fits (see tools/plan.py).
@@ -71,85 +69,5 @@ LAYOUTS_10B: Dict[int, Dict[str, int]] = {
 }
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """Every model dimension, resolved (preset + overrides)."""
-
-    moe_variant: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: Optional[int]
-    ffn_hidden_size: int
-    num_experts: Optional[int]
-    moe_ffn_hidden_size: Optional[int]
-    moe_router_topk: Optional[int]
-    moe_shared_expert_intermediate_size: Optional[int]
-    latent_size: Optional[int]
-    num_routers: int
-    num_views: int
-    gamma_ramp_steps: int
-    num_heads_mh: int
-    vocab_size: int
-    seq_length: int
-    extra: Dict[str, Any]
-    rotary_base: int = 10000
-    """RoPE base (Megatron's --rotary-base)."""
-
-    @property
-    def variant(self) -> Variant:
-        return get_variant(self.moe_variant)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.variant.routed_experts
-
-    @property
-    def is_latent(self) -> bool:
-        return self.variant.latent
-
-
-_DEFAULTS = dict(num_query_groups=None, moe_shared_expert_intermediate_size=None,
-                 latent_size=None, num_routers=1, num_views=1, gamma_ramp_steps=0,
-                 num_heads_mh=1, num_experts=None, moe_ffn_hidden_size=None,
-                 moe_router_topk=None, extra=None, rotary_base=10000)
-_REQUIRED = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads",
-             "ffn_hidden_size", "vocab_size", "seq_length")
-
-
 def preset_names() -> List[str]:
     return sorted(PRESETS)
-
-
-def preset_shape(preset: str, **overrides: Any) -> ModelShape:
-    """A preset's ModelShape with field overrides, without a run config (analysis tools)."""
-    from types import SimpleNamespace
-
-    return resolve_model(SimpleNamespace(preset=preset, extra=None, **overrides))
-
-
-def resolve_model(section) -> ModelShape:
-    """Merge `section.preset` with the section's non-None fields into a ModelShape."""
-    values: Dict[str, Any] = dict(_DEFAULTS)
-    if section.preset is not None:
-        if section.preset not in PRESETS:
-            raise ValueError(f"model.preset: unknown preset {section.preset!r}. Fix: use one "
-                             f"of {preset_names()}")
-        values.update(PRESETS[section.preset])
-    for name in ModelShape.__dataclass_fields__:
-        if name == "extra":
-            continue
-        value = getattr(section, name, None)
-        if value is not None:
-            values[name] = value
-    values["extra"] = dict(section.extra or {})
-    if values.get("moe_variant") is None and section.preset is None:
-        # Megatron-LM's rule: --num-experts makes the MLPs routed experts, else dense.
-        values["moe_variant"] = "smoe" if values.get("num_experts") else "dense"
-    missing = [name for name in _REQUIRED if values.get(name) is None]
-    if missing:
-        raise ValueError(f"model: {missing} not set. Fix: set model.preset (one of "
-                         f"{preset_names()}) or give these fields in the YAML/flags")
-    if values["moe_variant"] == "multi_view" and values["num_views"] == 1:
-        values["num_views"] = values["num_routers"]  # views pair with heads (R = K)
-    return ModelShape(**values)

@@ -1,4 +1,4 @@
-"""Model provider: a resolved ModelShape + layout -> MVMoETransformerConfig -> GPTModel chunks.
+"""Model provider: the run's ModelSection + layout -> MVMoETransformerConfig -> GPTModel chunks.
 
 Design choices:
 - The decoder block comes from our spec builder (`models/specs.py`,
@@ -6,6 +6,9 @@ Design choices:
   slots of Megatron's own block spec.
 - One GPTModel per virtual pipeline chunk, each knowing whether it holds the embedding
   (pre_process) or the LM head (post_process) from Megatron's own stage helpers.
+- The one translation of our model config into Megatron's: shape fields map to Megatron's
+  names, the nested MultiViewConfig / MultiHeadConfig / BitNetConfig are handed over as
+  they are, `extra` (Megatron fields we do not model) goes on top.
 - Fast paths (TE specs, grouped GEMM, fusions, flash attention, overlapped DDP) come from
   `models/fast_paths.py` for the target machine: on a GPU with TE they are on, on CPU the
   local equivalents run; `tools/plan.py --fast-paths` prints the same decisions. Dropout is
@@ -17,15 +20,17 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from megatron_mvmoe.config import MultiHeadConfig, MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe import platform
+from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
-from megatron_mvmoe.models.presets import ModelShape
+from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 
 
@@ -45,7 +50,7 @@ def target_for(on_cpu: bool) -> Target:
     return Target(cuda=False, te=False) if on_cpu else Target.here()
 
 
-def _routing(shape: ModelShape) -> Dict[str, Any]:
+def _routing(shape: ModelSection) -> Dict[str, Any]:
     if not shape.is_moe:
         return {}
     common = dict(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
@@ -60,11 +65,11 @@ def _routing(shape: ModelShape) -> Dict[str, Any]:
                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
 
 
-def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
-                       vpp: Optional[int] = None, use_bf16: bool = False,
-                       on_cpu: bool = True, bitnet: bool = False) -> MVMoETransformerConfig:
-    """The full Megatron config of `shape` for one layout, with the fast paths the target
-    machine (the CPU, or this process's GPU) takes."""
+def transformer_config(shape: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
+                       etp: int = 1, vpp: Optional[int] = None, use_bf16: bool = False,
+                       on_cpu: bool = True) -> MVMoETransformerConfig:
+    """The full Megatron config of the model `shape` for one layout, with the fast paths
+    the target machine (the CPU, or this process's GPU) takes."""
     kwargs: Dict[str, Any] = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
@@ -75,16 +80,32 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
         moe_variant=shape.moe_variant, latent_size=shape.latent_size,
-        multi_view=MultiViewConfig(num_routers=shape.num_routers, num_views=shape.num_views,
-                                   gamma_ramp_steps=shape.gamma_ramp_steps),
-        multi_head=MultiHeadConfig(num_heads=shape.num_heads_mh),
+        # copies: a Megatron config must not share mutable parts with the run config
+        multi_view=dataclasses.replace(shape.multi_view),
+        multi_head=dataclasses.replace(shape.multi_head),
+        bitnet=dataclasses.replace(shape.bitnet),
     )
     kwargs.update(_numerics(use_bf16, on_cpu))
     kwargs.update(config_fields(choose_fast_paths(target_for(on_cpu), shape.moe_variant,
-                                                  bitnet=bitnet)))
+                                                  bitnet=shape.bitnet.enabled)))
     kwargs.update(_routing(shape))
     kwargs.update(shape.extra)
     return MVMoETransformerConfig(**kwargs)
+
+
+def use_bf16(run) -> bool:
+    """The run's precision on this machine: auto = bf16 on a GPU, fp32 on the CPU."""
+    if run.training.precision == "auto":
+        return platform.is_cuda()
+    return run.training.precision == "bf16"
+
+
+def run_transformer_config(run) -> MVMoETransformerConfig:
+    """The Megatron config of a RunConfig's model at its layout, on this machine (`run` is
+    duck-typed: models/ sits below the run config's module)."""
+    p = run.parallel
+    return transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                              use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
 
 
 def decoder_block_spec(config: MVMoETransformerConfig, vp_stage: Optional[int] = None):
@@ -100,7 +121,7 @@ def _stage_flags(vp_stage: Optional[int]) -> Dict[str, bool]:
                                                            vp_stage=vp_stage))
 
 
-def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelShape, pg_collection=None,
+def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelSection, pg_collection=None,
                     vp_stage: Optional[int] = None, pre_process: bool = True,
                     post_process: bool = True) -> GPTModel:
     """One GPTModel holding this stage's layers (RoPE, untied embeddings)."""
@@ -113,7 +134,7 @@ def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelShape, pg_collec
                     pg_collection=pg_collection, vp_stage=vp_stage)
 
 
-def build_model_chunks(config: MVMoETransformerConfig, shape: ModelShape,
+def build_model_chunks(config: MVMoETransformerConfig, shape: ModelSection,
                        pg_collection=None) -> List[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), on Megatron's groups."""
     vpp = config.virtual_pipeline_model_parallel_size

@@ -2,9 +2,11 @@
 
 Design choices:
 - A preset is a frozen `Seed2Preset`: the dimensions that matter for parity (a
-  `parity.MoELayerShape` plus backbone sizes) and `to_config()` that builds an
-  `MVMoETransformerConfig`. The parity numbers and the config come from the same fields, so
-  the tool's table and a training run cannot disagree.
+  `parity.MoELayerShape` plus backbone sizes) and `model_fields()`, the run config's model
+  mapping (the one preset format, as models/presets.py's); `to_config()` builds its
+  `MVMoETransformerConfig` through the provider, as the trainer does. The parity numbers
+  and the config come from the same fields, so the tool's table and a training run cannot
+  disagree.
 - Paper size: 12 layers, D = 768, SwiGLU everywhere, every second FFN an MoE layer
   (Megatron's `moe_layer_freq=2`: layers 1, 3, 5, ... counted from 1), dense FFN 2048.
   SMoE 8 x 2048 top-1; fine-grained 16 x 1024 top-2 (see below); MH-MoE H=2: 40 x 768 top-2; H=3:
@@ -105,41 +107,43 @@ class Seed2Preset:
     bitnet: bool = False
     """BitNet b1.58 quantization-aware training of all linear layers (Table 3)."""
 
-    def config_kwargs(self, **overrides) -> dict:
-        """Keyword arguments for `MVMoETransformerConfig` (overrides win)."""
-        import torch.nn.functional as F
-
-        from megatron_mvmoe.config import BitNetConfig, MultiHeadConfig
-
+    def model_fields(self, **overrides) -> dict:
+        """The preset as a run config's model mapping (ModelSection fields, our configs
+        nested; overrides win). Routing is the provider's SMoE default (softmax top-k,
+        aux loss 1e-2, alltoall); pre-softmax gating and the MoE layer frequency are
+        Megatron fields we do not model, so they travel in `extra`."""
         m = self.model
-        kwargs = dict(
-            num_layers=m.num_layers, hidden_size=m.hidden_size,
-            num_attention_heads=self.num_attention_heads, ffn_hidden_size=m.dense_ffn,
-            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-            normalization="RMSNorm", moe_variant=self.family,
-            bitnet=BitNetConfig(enabled=self.bitnet),
-        )
+        fields = dict(moe_variant=self.family, num_layers=m.num_layers,
+                      hidden_size=m.hidden_size, num_attention_heads=self.num_attention_heads,
+                      ffn_hidden_size=m.dense_ffn, vocab_size=m.vocab_size,
+                      seq_length=m.seq_length, extra={})
+        if self.bitnet:
+            fields["bitnet"] = {"enabled": True}
         if m.moe is not None:
             moe = m.moe
-            kwargs.update(
-                num_moe_experts=moe.num_experts, moe_ffn_hidden_size=moe.expert_ffn,
-                moe_router_topk=moe.topk, moe_layer_freq=m.moe_layer_freq,
-                moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-                moe_aux_loss_coeff=1e-2, moe_router_pre_softmax=True,
-                moe_shared_expert_intermediate_size=moe.shared_expert_ffn or None,
-            )
+            fields.update(num_experts=moe.num_experts, moe_ffn_hidden_size=moe.expert_ffn,
+                          moe_router_topk=moe.topk,
+                          moe_shared_expert_intermediate_size=moe.shared_expert_ffn or None,
+                          extra={"moe_layer_freq": m.moe_layer_freq,
+                                 "moe_router_pre_softmax": True})
         if self.family == "mh_moe":
-            kwargs["multi_head"] = MultiHeadConfig(
+            fields["multi_head"] = dict(
                 num_heads=m.moe.num_heads, head_projection=m.moe.head_projection,
                 merge_projection=m.moe.merge_projection, split_tokens=m.moe.split_tokens)
-        kwargs.update(overrides)
-        return kwargs
+        fields.update(overrides)
+        return fields
 
     def to_config(self, **overrides):
-        """Build the `MVMoETransformerConfig` (e.g. overrides use_cpu_initialization=True)."""
-        from megatron_mvmoe.config import MVMoETransformerConfig
+        """The `MVMoETransformerConfig` the trainer builds for this preset (through the
+        provider, single-rank layout, CPU); `overrides` replace Megatron config fields."""
+        from megatron_mvmoe.models.model_section import model_section_from_dict
+        from megatron_mvmoe.models.provider import transformer_config
 
-        return MVMoETransformerConfig(**self.config_kwargs(**overrides))
+        config = transformer_config(model_section_from_dict(self.model_fields()))
+        for name, value in overrides.items():
+            setattr(config, name, value)
+        config.validate_mvmoe()
+        return config
 
 
 def _moe_shape(recipe: tuple, hidden_size: int, shared: bool) -> MoELayerShape:

@@ -12,10 +12,9 @@ Design choices:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import List, Optional
+from typing import List
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -25,10 +24,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe import platform
 from megatron_mvmoe.config import MVMoETransformerConfig
-from megatron_mvmoe.models.presets import ModelShape, resolve_model
 from megatron_mvmoe.models.fast_paths import FastPath, choose_fast_paths, ddp_fields
-from megatron_mvmoe.models.provider import build_model_chunks, target_for, transformer_config
-from megatron_mvmoe.training.config import RunConfig
+from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.models.provider import build_model_chunks, run_transformer_config, target_for
+from megatron_mvmoe.run_config import RunConfig
 from megatron_mvmoe.training.schedule_rule import scheduler_switches
 
 
@@ -37,7 +36,6 @@ class Trainer:
     """The model, optimizer and scheduler of one run on this rank."""
 
     run: RunConfig
-    shape: ModelShape
     config: MVMoETransformerConfig
     pg_collection: object
     model: List[DistributedDataParallel]
@@ -45,52 +43,32 @@ class Trainer:
     optimizer: object
     scheduler: OptimizerParamScheduler
 
+    @property
+    def shape(self) -> ModelSection:
+        """The model (run.model: resolved when the config was loaded)."""
+        return self.run.model
+
     def unwrapped(self) -> List[torch.nn.Module]:
         return [chunk.module for chunk in self.model]
 
 
-def use_bf16(run: RunConfig) -> bool:
-    if run.training.precision == "auto":
-        return platform.is_cuda()
-    return run.training.precision == "bf16"
+def model_config(run: RunConfig) -> MVMoETransformerConfig:
+    """The run's Megatron config on this machine (models/provider.py's one translation)."""
+    return run_transformer_config(run)
 
 
-def model_config(run: RunConfig, shape: Optional[ModelShape] = None) -> MVMoETransformerConfig:
-    shape = shape or resolve_model(run.model)
-    p = run.parallel
-    config = transformer_config(shape, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                                use_bf16=use_bf16(run), on_cpu=not platform.is_cuda(),
-                                bitnet=bool(run.model.bitnet))
-    return apply_model_switches(config, run.model)
-
-
-def apply_model_switches(config: MVMoETransformerConfig, model) -> MVMoETransformerConfig:
-    """The run's Multi-View / BitNet switches (ModelSection fields that are not part of the
-    ModelShape) on the nested configs; None keeps the layer default. Revalidated after."""
-    view_fields = {"stop_grad_mixing": model.stop_grad_mixing, "gate_scale": model.gate_scale,
-                   "learned_gate_scale": model.learned_gate_scale,
-                   "kernels": model.multi_view_kernels}
-    chosen = {k: v for k, v in view_fields.items() if v is not None}
-    if chosen:
-        config.multi_view = dataclasses.replace(config.multi_view, **chosen)
-    if model.bitnet is not None:
-        config.bitnet = dataclasses.replace(config.bitnet, enabled=bool(model.bitnet))
-    config.validate_mvmoe()
-    return config
-
-
-def run_fast_paths(run: RunConfig, shape: ModelShape) -> List[FastPath]:
+def run_fast_paths(run: RunConfig) -> List[FastPath]:
     """The fast-path decisions for this run on this machine (models/fast_paths.py)."""
-    return choose_fast_paths(target_for(not platform.is_cuda()), shape.moe_variant,
-                             bitnet=bool(run.model.bitnet),
+    return choose_fast_paths(target_for(not platform.is_cuda()), run.model.moe_variant,
+                             bitnet=run.model.bitnet.enabled,
                              distributed_optimizer=run.optimizer.use_distributed_optimizer)
 
 
-def _wrap_ddp(config, chunks, run: RunConfig, shape: ModelShape) -> List[DistributedDataParallel]:
+def _wrap_ddp(config, chunks, run: RunConfig) -> List[DistributedDataParallel]:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
-        check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run, shape)))
+        check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run)))
     device = platform.device()
     wrapped = []
     for index, chunk in enumerate(chunks):
@@ -125,11 +103,10 @@ def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
 
 def build_trainer(run: RunConfig, pg_collection) -> Trainer:
     """Build this rank's model chunks, DDP wrappers, optimizer and scheduler."""
-    shape = resolve_model(run.model)
-    config = model_config(run, shape)
+    config = model_config(run)
     platform.seed_all(run.training.seed)
-    chunks = build_model_chunks(config, shape, pg_collection)
-    model = _wrap_ddp(config, chunks, run, shape)
+    chunks = build_model_chunks(config, run.model, pg_collection)
+    model = _wrap_ddp(config, chunks, run)
     # The schedule calls this after the last backward: DP grad sync, TP/PP embedding and
     # layer-norm grad reductions, and the expert-bias update.
     config.finalize_model_grads_func = partial(finalize_model_grads)
@@ -137,5 +114,5 @@ def build_trainer(run: RunConfig, pg_collection) -> Trainer:
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     optimizer = _optimizer(run, config, model)
     scheduler = _scheduler(run, optimizer)
-    return Trainer(run=run, shape=shape, config=config, pg_collection=pg_collection,
+    return Trainer(run=run, config=config, pg_collection=pg_collection,
                    model=model, optimizer=optimizer, scheduler=scheduler)

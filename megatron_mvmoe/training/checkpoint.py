@@ -16,7 +16,7 @@ Design choices:
 - Tensors (model, optimizer) go through dist-checkpointing, so a checkpoint saved at one
   TP/PP/EP layout loads at another; the distributed optimizer uses the
   `dp_reshardable` format (the default errors on CPU, MCORE notes).
-- Everything else is JSON we read ourselves. The model fingerprint (every ModelShape field
+- Everything else is JSON we read ourselves. The model fingerprint (every ModelSection field
   that changes a parameter shape or meaning) is compared before any tensor is read, and a
   mismatch names the differing fields.
 - The RNG files are per rank; on a different world size they do not apply and the run
@@ -40,6 +40,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_mvmoe.config import MultiHeadConfig
+from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.platform import is_cuda
 from megatron_mvmoe.training import ckpt_integrity as integrity
 from megatron_mvmoe.training.ckpt_integrity import write_json_atomic
@@ -50,7 +52,8 @@ LATEST = "latest"
 RUN_STATE = "run_state.json"
 FORMAT = "megatron_mvmoe.checkpoint/1"
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
-_NOT_STRUCTURAL = ("gamma_ramp_steps", "seq_length")
+_NOT_STRUCTURAL = ("preset", "seq_length", "multi_view", "multi_head", "bitnet", "extra")
+"""ModelSection fields not in the fingerprint as they are (the nested ones enter flat)."""
 
 
 class CheckpointError(RuntimeError):
@@ -69,14 +72,26 @@ class ResumeState:
 
 
 def fingerprint(trainer: Trainer) -> Dict:
-    shape = dataclasses.asdict(trainer.shape)
-    fields = {k: v for k, v in shape.items() if k not in _NOT_STRUCTURAL}
-    # Switches that add parameters (learned alpha) or change what weights mean (BitNet);
-    # recorded only when on, so checkpoints written before these switches still match.
-    model = trainer.run.model
-    for name in ("learned_gate_scale", "bitnet"):
-        if getattr(model, name, None):
-            fields[name] = True
+    return model_fingerprint(trainer.run.model)
+
+
+def model_fingerprint(model: ModelSection) -> Dict:
+    """Every model field that changes a parameter's shape or meaning, in the flat form
+    checkpoints have recorded since the first version (so all of them still match):
+    shape fields, R, K, H and `extra`; switches added later are recorded only when they
+    differ from the default (learned alpha adds parameters, BitNet changes what weights
+    mean, MH-MoE's projection switches change which weights exist)."""
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+              if f.name not in _NOT_STRUCTURAL}
+    views, heads = model.multi_view, model.multi_head
+    fields.update(num_routers=views.num_routers, num_views=views.num_views,
+                  num_heads_mh=heads.num_heads, extra=dict(model.extra))
+    if views.learned_gate_scale:
+        fields["learned_gate_scale"] = True
+    if model.bitnet.enabled:
+        fields["bitnet"] = True
+    if dataclasses.replace(heads, num_heads=1) != MultiHeadConfig():
+        fields["multi_head"] = dataclasses.asdict(heads)
     return fields
 
 

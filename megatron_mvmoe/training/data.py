@@ -27,7 +27,7 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
-from megatron_mvmoe.training.config import RunConfig
+from megatron_mvmoe.run_config import RunConfig
 
 
 def _saved_tokenizer_dir(run: RunConfig) -> Optional[str]:

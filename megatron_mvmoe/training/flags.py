@@ -18,17 +18,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
+from megatron_mvmoe.models.presets import PRESETS
+from megatron_mvmoe.run_config import RunConfig, config_from_dict, read_yaml, set_field
 from megatron_mvmoe.training import megatron_flags
-from megatron_mvmoe.training.config import RunConfig, config_from_dict, load_yaml
 
 
 class Flag(NamedTuple):
     name: str
     section: str
     field: str
-    """Field of the section; "extra.<name>" sets a Megatron TransformerConfig field."""
+    """Field of the section; dotted for a nested config ("multi_view.num_routers"), and
+    "extra.<name>" sets a Megatron TransformerConfig field we do not model."""
     type: Callable
     help: str
     const: Any = None
@@ -75,11 +77,12 @@ FLAGS: List[Flag] = [
          "moe_shared_expert_intermediate_size", int, "shared expert width"),
     Flag("--latent-size", "model", "latent_size", int,
          "L, latent size of latent / multi_router / multi_view"),
-    Flag("--num-routers", "model", "num_routers", int, "R routing heads"),
-    Flag("--num-views", "model", "num_views", int, "K latent views (multi_view: = R)"),
-    Flag("--gamma-ramp-steps", "model", "gamma_ramp_steps", int,
+    Flag("--num-routers", "model", "multi_view.num_routers", int, "R routing heads"),
+    Flag("--num-views", "model", "multi_view.num_views", int, "K latent views (multi_view: = R)"),
+    Flag("--gamma-ramp-steps", "model", "multi_view.gamma_ramp_steps", int,
          "steps over which the view perturbation gamma ramps 0 -> 1 (0 = gamma 1 at once)"),
-    Flag("--num-heads-mh", "model", "num_heads_mh", int, "H sub-tokens per token (mh_moe)"),
+    Flag("--num-heads-mh", "model", "multi_head.num_heads", int,
+         "H sub-tokens per token (mh_moe)"),
     Flag("--vocab-size", "model", "vocab_size", int, "padded vocabulary size"),
     Flag("--seq-length", "model", "seq_length", int, "sequence length"),
     Flag("--rotary-base", "model", "rotary_base", int, "RoPE base (default 10000)"),
@@ -115,16 +118,16 @@ FLAGS: List[Flag] = [
     Flag("--recompute-num-layers", "model", "extra.recompute_num_layers", int,
          "layers per recompute unit"),
     # --- Multi-View / BitNet switches
-    Flag("--stop-grad-mixing", "model", "stop_grad_mixing", _bool,
+    Flag("--stop-grad-mixing", "model", "multi_view.stop_grad_mixing", _bool,
          "detach the Multi-View mixing weights (the paper's ablation); bare flag = true"),
-    Flag("--gate-scale", "model", "gate_scale", float,
+    Flag("--gate-scale", "model", "multi_view.gate_scale", float,
          "alpha, the scale on the normalised gates (Eq. 3; default 1.0)"),
-    Flag("--learned-gate-scale", "model", "learned_gate_scale", _bool,
+    Flag("--learned-gate-scale", "model", "multi_view.learned_gate_scale", _bool,
          "learn alpha per expert, initialised to --gate-scale; bare flag = true"),
-    Flag("--multi-view-kernels", "model", "multi_view_kernels", str,
+    Flag("--multi-view-kernels", "model", "multi_view.kernels", str,
          "auto|triton|reference: Multi-View mix-and-permute backend (auto = Triton on "
          "CUDA, torch elsewhere; triton on CPU only under TRITON_INTERPRET=1)"),
-    Flag("--bitnet", "model", "bitnet", _bool,
+    Flag("--bitnet", "model", "bitnet.enabled", _bool,
          "BitNet b1.58 quantization-aware training (ternary weights, int8 activations); "
          "bare flag = true"),
     # --- router trace (Megatron-LM's names)
@@ -296,42 +299,41 @@ def _metavar(flag: Flag) -> str:
     return {int: "N", float: "X", _bool: "BOOL"}.get(flag.type, "STR")
 
 
-def apply_flags(config: RunConfig, args: argparse.Namespace) -> RunConfig:
-    """Set every flag given on the command line on its RunConfig field (in place).
-    An empty string clears an optional field (e.g. --save "" turns saving off)."""
+def apply_flags(raw: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+    """Set every flag given on the command line on its field of the run config mapping
+    `raw` (YAML's nesting; in place). An empty string clears an optional field (e.g.
+    --save "" turns saving off)."""
     for flag in FLAGS:
         value = getattr(args, _dest(flag))
         if value is None:
             continue
-        section = getattr(config, flag.section)
-        value = None if value == "" else value
-        if flag.field.startswith("extra."):
-            section.extra[flag.field[len("extra."):]] = value
-        else:
-            setattr(section, flag.field, value)
-    _megatron_rules(config, args)
-    return config
+        set_field(raw, f"{flag.section}.{flag.field}", None if value == "" else value)
+    _megatron_rules(raw, args)
+    return raw
 
 
-def _megatron_rules(config: RunConfig, args: argparse.Namespace) -> None:
+def _megatron_rules(raw: Dict[str, Any], args: argparse.Namespace) -> None:
     """Megatron-LM semantics that span fields (see the module docstring)."""
-    m, d = config.model, config.data
+    model, data = raw.get("model") or {}, raw.get("data") or {}
+    preset = PRESETS.get(model.get("preset"), {})
     if args.ffn_hidden_size is not None and args.moe_ffn_hidden_size is None \
-            and m.moe_ffn_hidden_size is None:
-        m.moe_ffn_hidden_size = args.ffn_hidden_size
-    if isinstance(d.path, list) and len(d.path) == 1 and os.path.isdir(d.path[0]):
-        d.path = d.path[0]  # our preprocessed directory, not a Megatron prefix
+            and model.get("moe_ffn_hidden_size", preset.get("moe_ffn_hidden_size")) is None:
+        model["moe_ffn_hidden_size"] = args.ffn_hidden_size
+    path = data.get("path")
+    if isinstance(path, list) and len(path) == 1 and os.path.isdir(path[0]):
+        data["path"] = path[0]  # our preprocessed directory, not a Megatron prefix
     if args.tensorboard_dir:
-        config.logging.tensorboard = True
+        raw.setdefault("logging", {})["tensorboard"] = True
     for name in megatron_flags.ACCEPTED:
         value = getattr(args, _compat_dest(name))
         if value is not None:
             megatron_flags.check_accepted(name, value)
     max_positions = args.compat_max_position_embeddings
-    if max_positions is not None and m.seq_length is not None and int(max_positions) < \
-            m.seq_length:
+    seq_length = model.get("seq_length", preset.get("seq_length"))
+    if max_positions is not None and seq_length is not None and int(max_positions) < \
+            seq_length:
         raise ValueError(f"--max-position-embeddings {max_positions}: below --seq-length "
-                         f"{m.seq_length}. Fix: raise it or lower --seq-length")
+                         f"{seq_length}. Fix: raise it or lower --seq-length")
 
 
 def compat_notes(args: argparse.Namespace) -> List[str]:
@@ -355,8 +357,8 @@ def config_from_args(argv: Optional[Sequence[str]] = None,
                      parser: Optional[argparse.ArgumentParser] = None) -> RunConfig:
     """YAML (if --config) then flag overrides, validated field by field."""
     args = parse_args(argv, parser)
-    config = load_yaml(args.config) if args.config else config_from_dict({})
-    apply_flags(config, args)
+    raw = read_yaml(args.config) if args.config else {}
+    config = config_from_dict(apply_flags(raw, args))
     config.validate()
     if os.environ.get("RANK", "0") == "0":
         for note in compat_notes(args):

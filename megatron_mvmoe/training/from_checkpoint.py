@@ -22,19 +22,13 @@ from typing import Dict, Iterator, Optional
 import torch.distributed as dist
 
 from megatron_mvmoe.training import checkpoint as ckpt
-from megatron_mvmoe.training.config import RunConfig, config_from_dict
+from megatron_mvmoe.run_config import RunConfig, saved_config_from_dict
 
 
 def checkpoint_run_config(path: str) -> RunConfig:
     """The RunConfig a checkpoint (root or iter_* directory) was trained with."""
     meta = ckpt.read_run_state(ckpt.resolve_checkpoint(path))
-    raw = copy.deepcopy(meta["config"])
-    known = RunConfig().to_dict()
-    for section, values in raw.items():  # configs of older versions lack newer fields only
-        for name in list(values):
-            if name not in known.get(section, {}):
-                values.pop(name)
-    return config_from_dict(raw)
+    return saved_config_from_dict(copy.deepcopy(meta["config"]))
 
 
 def with_layout(run: RunConfig, parallel: Optional[Dict] = None) -> RunConfig:
@@ -56,7 +50,6 @@ def tool_session(run: RunConfig) -> Iterator[object]:
     """Process group + Megatron parallel state for a tool; yields the pg collection."""
     from megatron_mvmoe import platform
     from megatron_mvmoe.launch import init_distributed
-    from megatron_mvmoe.models.presets import resolve_model
     from megatron_mvmoe.parallel import destroy_layout, initialize_layout
     from megatron_mvmoe.training.data import resolve_tokenizer
 
@@ -66,7 +59,7 @@ def tool_session(run: RunConfig) -> Iterator[object]:
         init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)
     try:
         resolve_tokenizer(run)
-        shape = resolve_model(run.model)
+        shape = run.model
         run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
         yield initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts)
         destroy_layout()

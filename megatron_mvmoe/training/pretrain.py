@@ -32,7 +32,7 @@ from megatron_mvmoe import platform
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
 from megatron_mvmoe.training.ckpt_integrity import remove_stale_tmp, write_json_atomic
-from megatron_mvmoe.training.config import RunConfig
+from megatron_mvmoe.run_config import RunConfig
 from megatron_mvmoe.training.data import RunData, resolve_tokenizer
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, routing_summary)
@@ -150,7 +150,7 @@ class _Loop:
                       f"{sum(len(r.kept) for r in reports)} kept at init; step 0, fresh "
                       "optimizer")
         if self.trainer.shape.variant.multi_view and \
-                self.trainer.shape.gamma_ramp_steps == 0:
+                self.trainer.shape.multi_view.gamma_ramp_steps == 0:
             self.log.line("warning: gamma_ramp_steps = 0, so gamma is 1 from the first step "
                           "and the views are not inert at the warm start (set "
                           "--gamma-ramp-steps > 0 to start from the baseline's function)")
@@ -301,10 +301,9 @@ def _due(step: int, interval: int) -> bool:
 def pretrain(run: RunConfig, pg_collection,
              on_step: Optional[Callable[[int, Trainer], None]] = None) -> RunResult:
     """Train `run` on the initialised layout; returns losses and final evaluation."""
-    from megatron_mvmoe.models.presets import resolve_model
 
     resolve_tokenizer(run)  # the tokenizer fixes the vocabulary (Megatron-LM conventions)
-    shape = resolve_model(run.model)
+    shape = run.model
     run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
     if run.training.warm_start_from is not None:
         check_target(shape)  # before any weight is built
@@ -364,10 +363,9 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
     platform.apply_cpu_patches()
     init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)
     try:
-        from megatron_mvmoe.models.presets import resolve_model
 
         resolve_tokenizer(run)
-        shape = resolve_model(run.model)
+        shape = run.model
         run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
         pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts,
                                 timeout_s=run.parallel.distributed_timeout_seconds)

@@ -121,15 +121,6 @@ def versions(world_size: int) -> Dict[str, object]:
             "world_size": world_size, "argv": sys.argv}
 
 
-def resolved_config(run, shape) -> Dict:
-    """run.to_dict() with every model field the preset supplied written out."""
-    raw = run.to_dict()
-    for name, value in raw["model"].items():
-        if value is None and hasattr(shape, name):
-            raw["model"][name] = getattr(shape, name)
-    return raw
-
-
 def banner(run, shape, counts: Dict[str, int], world_size: int, peak: Dict,
            info: Dict) -> str:
     """The start-up block: model, parameters, layout, batch, versions."""
@@ -207,4 +198,4 @@ def write_run_files(run_dir: Optional[str], run, shape, efficiency: Efficiency,
     with open(os.path.join(run_dir, "banner.txt"), "w") as fh:
         fh.write(text + "\n")
     with open(os.path.join(run_dir, "config.yaml"), "w") as fh:
-        yaml.safe_dump(resolved_config(run, shape), fh, sort_keys=False)
+        yaml.safe_dump(run.to_dict(), fh, sort_keys=False)  # the model is resolved

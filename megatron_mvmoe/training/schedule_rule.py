@@ -61,10 +61,3 @@ def restore_scheduler(scheduler, saved: Dict, training) -> Optional[str]:
     return (f"warning: resume keeps the checkpoint's LR/WD schedule ({how}); this run's "
             f"config differs and is ignored for the schedule: {'; '.join(changes)}. Fix: pass "
             f"--override-opt-param-scheduler to apply this run's schedule from step {step}")
-
-
-def validate_switches(training) -> None:
-    if training.override_opt_param_scheduler and training.use_checkpoint_opt_param_scheduler:
-        raise ValueError("training.override_opt_param_scheduler: both "
-                         "--override-opt-param-scheduler and "
-                         "--use-checkpoint-opt-param-scheduler are set. Fix: pass one of them")

@@ -22,7 +22,6 @@ Design choices:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 from typing import Dict, List
 
@@ -30,22 +29,22 @@ import torch
 from megatron.core import dist_checkpointing
 
 from megatron_mvmoe import platform
-from megatron_mvmoe.models.presets import ModelShape, resolve_model
+from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.provider import build_model_chunks
 from megatron_mvmoe.models.warm_start import WarmStartReport, warm_start_multi_view
+from megatron_mvmoe.run_config import RunConfig, saved_config_from_dict
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, model_config
-from megatron_mvmoe.training.config import ModelSection, RunConfig
 
 TARGET_VARIANTS = ("multi_view", "multi_router")
-# ModelShape fields that must agree between baseline and target (everything the latent
+# ModelSection fields that must agree between baseline and target (everything the latent
 # backbone's parameters are made of); routers and views are what the warm start adds.
 _SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                   "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
                   "moe_shared_expert_intermediate_size", "latent_size", "vocab_size")
 
 
-def check_target(shape: ModelShape) -> None:
+def check_target(shape: ModelSection) -> None:
     """The run's own model must have routers to warm start (checked before building)."""
     if shape.moe_variant not in TARGET_VARIANTS:
         raise ValueError(f"training.warm_start_from: this run's model.moe_variant is "
@@ -66,12 +65,9 @@ def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartRep
     directory = _baseline_directory(path)
     meta = ckpt.read_run_state(directory)
     baseline_run = _baseline_run(meta, trainer.run)
-    baseline_shape = resolve_model(baseline_run.model)
-    check_baseline(baseline_shape, baseline_run.model, trainer.shape, trainer.run.model,
-                   directory)
+    check_baseline(baseline_run.model, trainer.shape, directory)
     with torch.random.fork_rng(devices=[]):
-        baseline_chunks = _load_baseline(baseline_run, baseline_shape, trainer.pg_collection,
-                                         directory)
+        baseline_chunks = _load_baseline(baseline_run, trainer.pg_collection, directory)
     reports = []
     with torch.no_grad():
         for source, target in zip(baseline_chunks, trainer.unwrapped()):
@@ -82,20 +78,20 @@ def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartRep
     return reports
 
 
-def check_baseline(baseline: ModelShape, baseline_model: ModelSection, target: ModelShape,
-                   target_model: ModelSection, directory: str) -> None:
+def check_baseline(baseline: ModelSection, target: ModelSection, directory: str) -> None:
     """ValueError naming every field in which the baseline cannot initialise the target."""
     problems = []
-    if not baseline.is_latent or baseline.num_routers != 1:
+    routers = baseline.multi_view.num_routers
+    if not baseline.is_latent or routers != 1:
         problems.append(f"moe_variant: checkpoint {baseline.moe_variant!r} with "
-                        f"{baseline.num_routers} router(s), need 'latent' (one router)")
+                        f"{routers} router(s), need 'latent' (one router)")
     for name in _SHARED_FIELDS:
         if getattr(baseline, name) != getattr(target, name):
             problems.append(f"{name}: checkpoint {getattr(baseline, name)!r} vs this run "
                             f"{getattr(target, name)!r}")
-    if bool(baseline_model.bitnet) != bool(target_model.bitnet):
-        problems.append(f"bitnet: checkpoint {bool(baseline_model.bitnet)} vs this run "
-                        f"{bool(target_model.bitnet)}")
+    if baseline.bitnet.enabled != target.bitnet.enabled:
+        problems.append(f"bitnet.enabled: checkpoint {baseline.bitnet.enabled} vs this run "
+                        f"{target.bitnet.enabled}")
     if problems:
         raise ValueError(f"training.warm_start_from {directory}: the baseline does not fit "
                          "this model; " + "; ".join(problems) + ". Fix: set these model "
@@ -116,17 +112,15 @@ def _baseline_directory(path: str) -> str:
 def _baseline_run(meta: Dict, run: RunConfig) -> RunConfig:
     """This run's config with the baseline's model section (layout and precision: ours)."""
     saved = (meta.get("config") or {}).get("model") or {}
-    known = {f.name for f in dataclasses.fields(ModelSection)}
     baseline = copy.deepcopy(run)
-    baseline.model = ModelSection(**{k: v for k, v in saved.items() if k in known})
+    baseline.model = saved_config_from_dict({"model": saved}).model
     return baseline
 
 
-def _load_baseline(run: RunConfig, shape: ModelShape, pg_collection,
-                   directory: str) -> List[torch.nn.Module]:
-    config = model_config(run, shape)
+def _load_baseline(run: RunConfig, pg_collection, directory: str) -> List[torch.nn.Module]:
+    config = model_config(run)
     config.perform_initialization = False  # every weight is overwritten by the load
-    chunks = build_model_chunks(config, shape, pg_collection)
+    chunks = build_model_chunks(config, run.model, pg_collection)
     device = platform.device()
     for chunk in chunks:
         chunk.to(device)

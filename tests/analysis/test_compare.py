@@ -117,14 +117,15 @@ def test_variants_keep_the_parity_recipes():
     b = {v.name: v for v in variants("b")}
     assert b["mh_moe_h3"].model["num_experts"] == 96 and b["mh_moe_h3"].model["moe_router_topk"] == 3
     assert b["mh_moe_h2_shared"].reference == "smoe_shared"
-    assert b["mh_moe_h2_head_only"].model["extra"]["multi_head"].merge_projection is False
+    assert b["mh_moe_h2_head_only"].model["multi_head"]["merge_projection"] is False
     assert b["mh_moe_h3"].model["hidden_size"] // 3 == 32  # sub-tokens no longer 16 wide
     a = {v.name: v for v in variants("a")}
-    assert a["multi_view_stopgrad"].model["extra"]["multi_view"].stop_grad_mixing is True
+    assert a["multi_view_stopgrad"].model["multi_view"]["stop_grad_mixing"] is True
     t3 = {v.name: v for v in variants("t3")}
-    assert all(v.model["bitnet"] for v in t3.values()) and "Table 3" in t3["mh_moe_h3"].note
+    assert all(v.model["bitnet"]["enabled"] for v in t3.values()) and "Table 3" in t3["mh_moe_h3"].note
     c = {v.name: v for v in variants("c")}
-    assert c["multi_view_r4"].model["num_routers"] == c["multi_view_r4"].model["num_views"] == 4
+    views = c["multi_view_r4"].model["multi_view"]
+    assert views["num_routers"] == views["num_views"] == 4
     assert c["multi_view_fine"].model["num_experts"] == 8 and c["latent"].model == a["latent"].model
     from megatron_mvmoe.analysis.compare_variants import ORDERINGS
 

@@ -53,11 +53,10 @@ def test_bitnet_and_missing_te_turn_te_paths_off_with_the_reason():
 
 
 def test_provider_config_follows_the_decisions():
-    from megatron_mvmoe.models.presets import resolve_model
     from megatron_mvmoe.models.provider import transformer_config
-    from megatron_mvmoe.training.config import ModelSection
+    from megatron_mvmoe.models.model_section import model_from_preset
 
-    shape = resolve_model(ModelSection(preset="tiny_multi_view"))
+    shape = model_from_preset("tiny_multi_view")
     config = transformer_config(shape, on_cpu=True)
     for name, value in config_fields(choose_fast_paths(CPU, "multi_view")).items():
         assert getattr(config, name) == value, name

@@ -7,7 +7,7 @@ import copy
 from typing import Dict, Optional, Tuple
 
 from megatron_mvmoe.testing.spawn import run_distributed
-from megatron_mvmoe.training.config import config_from_dict
+from megatron_mvmoe.run_config import config_from_dict
 
 
 def tiny_run(data_dir: str, preset: str = "tiny_multi_view", parallel: Optional[Dict] = None,
@@ -16,7 +16,8 @@ def tiny_run(data_dir: str, preset: str = "tiny_multi_view", parallel: Optional[
     base = dict(train_iters=10, global_batch_size=8, micro_batch_size=2, eval_interval=0,
                 eval_iters=2, seed=1234)
     base.update(training)
-    return dict(model=dict(preset=preset, vocab_size=512, seq_length=32, gamma_ramp_steps=5),
+    return dict(model=dict(preset=preset, vocab_size=512, seq_length=32,
+                           multi_view=dict(gamma_ramp_steps=5)),
                 parallel=dict(parallel or {}, distributed_timeout_seconds=60),
                 data=dict(kind="tokens", path=data_dir),
                 optimizer=dict(lr=3e-3, min_lr=3e-4, warmup_iters=2),

@@ -1,9 +1,8 @@
 """Run config: YAML + Megatron-style flag overrides, and errors that name field and fix."""
 
 import pytest
-
-from megatron_mvmoe.models.presets import resolve_model
-from megatron_mvmoe.training.config import ModelSection, config_from_dict, load_yaml
+from megatron_mvmoe.models.model_section import model_from_preset
+from megatron_mvmoe.run_config import config_from_dict, load_yaml
 from megatron_mvmoe.training.flags import config_from_args
 
 
@@ -13,19 +12,21 @@ def test_yaml_then_flags_override(tmp_path):
                     "training: {train_iters: 50, global_batch_size: 8}\n")
     run = config_from_args(["--config", str(path), "--train-iters", "7",
                             "--expert-model-parallel-size", "1", "--num-experts", "8",
-                            "--moe-variant", "multi_view", "--num-routers", "2",
+                            "--moe-variant", "multi_view", "--num-routers", "2", "--latent-size", "32",
                             "--gamma-ramp-steps", "5", "--lr", "0.01", "--save", "/x"])
     assert run.training.train_iters == 7 and run.parallel.ep == 1
     assert run.training.global_batch_size == 8 and run.optimizer.lr == 0.01
-    shape = resolve_model(run.model)
-    assert (shape.num_experts, shape.moe_variant, shape.num_routers) == (8, "multi_view", 2)
-    assert shape.num_views == 2  # R = K follows the routers
+    shape = run.model
+    assert (shape.num_experts, shape.moe_variant, shape.multi_view.num_routers) == (
+        8, "multi_view", 2)
+    assert shape.multi_view.num_views == 2  # R = K follows the routers
+    assert shape.multi_view.gamma_ramp_steps == 5
     assert shape.hidden_size == 64  # untouched preset field
 
 
 def test_example_yaml_loads():
     run = load_yaml("examples/tiny_cpu.yaml")
-    assert resolve_model(run.model).moe_variant == "multi_view"
+    assert run.model.moe_variant == "multi_view"
     run.validate(world_size=2, num_layers=2, num_experts=4)
 
 
@@ -36,7 +37,7 @@ def test_unknown_field_named():
 
 def test_unknown_preset_named():
     with pytest.raises(ValueError, match="model.preset: unknown preset 'nope'"):
-        resolve_model(ModelSection(preset="nope"))
+        model_from_preset("nope")
 
 
 def test_layout_that_does_not_divide():
@@ -80,13 +81,13 @@ def test_multi_view_and_bitnet_switches_reach_the_layer_config():
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--multi-view-kernels", "cuda"], r"model.multi_view_kernels: unknown 'cuda'"),
-    (["--gate-scale", "0"], r"model.gate_scale: must be > 0"),
+    (["--multi-view-kernels", "cuda"], r"multi_view.kernels: unknown kernel backend 'cuda'"),
+    (["--gate-scale", "0"], r"multi_view.gate_scale: must be > 0"),
     (["--warm-start-new-heads", "clone"], r"training.warm_start_new_heads: unknown 'clone'"),
 ])
 def test_switch_errors_name_the_field(argv, match):
     with pytest.raises(ValueError, match=match):
-        config_from_args(argv)
+        config_from_args(["--model-preset", "tiny_multi_view", *argv])
 
 
 def test_help_documents_every_flag():

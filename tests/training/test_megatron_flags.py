@@ -1,8 +1,6 @@
 """Megatron-LM flag names with Megatron-LM's meaning; refused flags say why and what to use."""
 
 import pytest
-
-from megatron_mvmoe.models.presets import resolve_model
 from megatron_mvmoe.training.flags import build_parser, config_from_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -10,14 +8,12 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def test_ffn_hidden_size_sets_the_expert_width_unless_given():
-    shape = resolve_model(config_from_args(BASE + ["--num-experts", "4", "--ffn-hidden-size",
-                                                   "96"]).model)
+    shape = config_from_args(BASE + ["--num-experts", "4", "--ffn-hidden-size", "96"]).model
     assert shape.moe_variant == "smoe" and shape.moe_ffn_hidden_size == 96
-    shape = resolve_model(config_from_args(BASE + ["--num-experts", "4", "--ffn-hidden-size",
-                                                   "96", "--moe-ffn-hidden-size", "32"]).model)
+    shape = config_from_args(BASE + ["--num-experts", "4", "--ffn-hidden-size", "96",
+                                      "--moe-ffn-hidden-size", "32"]).model
     assert shape.moe_ffn_hidden_size == 32 and shape.ffn_hidden_size == 96
-    assert resolve_model(config_from_args(BASE + ["--ffn-hidden-size", "96"]).model
-                         ).moe_variant == "dense"
+    assert config_from_args(BASE + ["--ffn-hidden-size", "96"]).model.moe_variant == "dense"
 
 
 def test_megatron_switches_and_transformer_fields_map():

@@ -10,16 +10,15 @@ import pytest
 
 from megatron_mvmoe.analysis.overheads import parameter_overheads
 from megatron_mvmoe.analysis.plan import Layout, parameter_counts, plan, planned_world_size
-from megatron_mvmoe.models.presets import resolve_model
 from megatron_mvmoe.testing.spawn import run_distributed
-from megatron_mvmoe.training.config import ModelSection
+from megatron_mvmoe.models.model_section import model_from_preset
 
 TINY = ["tiny_dense", "tiny_smoe", "tiny_latent", "tiny_multi_router", "tiny_multi_view",
         "tiny_mh_moe"]
 
 
 def test_10b_a1b_budget():
-    counts = parameter_counts(resolve_model(ModelSection(preset="mvmoe_10b_a1b")))
+    counts = parameter_counts(model_from_preset("mvmoe_10b_a1b"))
     assert 9.5e9 <= counts["total"] <= 10.5e9
     assert 0.9e9 <= counts["active"] <= 1.3e9
 
@@ -47,14 +46,14 @@ def test_plan_tool_10b_budget_and_paper_overheads():
 
 def test_overheads_against_naive_count():
     """Multi-Router adds (R-1) E D per layer, Multi-View also (K-1) L D (seed 000)."""
-    m = resolve_model(ModelSection(preset="mvmoe_10b_a1b"))
+    m = model_from_preset("mvmoe_10b_a1b")
     rows = parameter_overheads(m)["variants"]
     D, E, L, layers = m.hidden_size, m.num_experts, m.latent_size, m.num_layers
     assert rows["multi_router"]["extra"] == layers * E * D
     assert rows["multi_view"]["extra"] == layers * D * (E + L)
-    wide = parameter_overheads(resolve_model(ModelSection(preset="mvmoe_10b_a1b_wide_latent")))
+    wide = parameter_overheads(model_from_preset("mvmoe_10b_a1b_wide_latent"))
     assert not wide["variants"]["multi_view"]["matches_paper"]  # 0.595 %: the old shape
-    mh_shape = resolve_model(ModelSection(preset="tiny_mh_moe"))
+    mh_shape = model_from_preset("tiny_mh_moe")
     mh = parameter_overheads(mh_shape)
     D, E, F, H = mh_shape.hidden_size, mh_shape.num_experts, mh_shape.moe_ffn_hidden_size, 2
     per_layer = 2 * D * D + E * 3 * F * (D // H - D) + E * (D // H - D)  # head+merge, experts
@@ -66,7 +65,7 @@ def test_every_documented_10b_layout_divides():
     from megatron_mvmoe.analysis.plan import check_layout
     from megatron_mvmoe.models.presets import LAYOUTS_10B
 
-    m = resolve_model(ModelSection(preset="mvmoe_10b_a1b"))
+    m = model_from_preset("mvmoe_10b_a1b")
     for world, sizes in LAYOUTS_10B.items():
         check_layout(m, Layout(world_size=world, global_batch_size=1024, **sizes))
 
@@ -86,7 +85,7 @@ def test_world_size_sources_and_refusals(tmp_path):
 
 
 def test_memory_shrinks_with_more_gpus():
-    m = resolve_model(ModelSection(preset="mvmoe_10b_a1b"))
+    m = model_from_preset("mvmoe_10b_a1b")
     small = plan(m, Layout(ep=8, world_size=8))["memory_bytes_per_gpu"]["total"]
     big = plan(m, Layout(tp=2, pp=2, ep=16, world_size=64))["memory_bytes_per_gpu"]["total"]
     assert big < small
@@ -100,7 +99,7 @@ def _built_counts(rank, world_size, presets):
     pgs = initialize_layout(ParallelLayout())
     out = {}
     for name in presets:
-        shape = resolve_model(ModelSection(preset=name))
+        shape = model_from_preset(name)
         out[name] = count_parameters(build_model_chunks(transformer_config(shape), shape, pgs))
     return out
 
@@ -108,20 +107,19 @@ def _built_counts(rank, world_size, presets):
 def test_tiny_counts_match_built_models():
     built = run_distributed(_built_counts, 1, timeout_s=240, args=(TINY,))[0]
     for name in TINY:
-        planned = parameter_counts(resolve_model(ModelSection(preset=name)))["total"]
+        planned = parameter_counts(model_from_preset(name))["total"]
         assert planned == built[name], name
 
 
 @pytest.mark.timeout(240)
 def test_dry_run_10b_rank0_matches_plan():
     code = ("from megatron_mvmoe.analysis.plan import Layout, dry_run_build;"
-            "from megatron_mvmoe.models.presets import resolve_model;"
-            "from megatron_mvmoe.training.config import ModelSection;"
-            "m = resolve_model(ModelSection(preset='mvmoe_10b_a1b'));"
+            "from megatron_mvmoe.models.model_section import model_from_preset;"
+            "m = model_from_preset('mvmoe_10b_a1b');"
             "print('COUNT', dry_run_build(m, Layout(ep=8, world_size=8))['rank0_parameters'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=200)
     assert out.returncode == 0, out.stderr[-2000:]
     count = int(out.stdout.split("COUNT")[1].split()[0])
-    c = parameter_counts(resolve_model(ModelSection(preset="mvmoe_10b_a1b")))
+    c = parameter_counts(model_from_preset("mvmoe_10b_a1b"))
     assert count == c["total"] - c["experts"] + c["experts"] // 8

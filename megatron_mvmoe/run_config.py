@@ -1,83 +1,36 @@
 """Typed run configuration: model, layout, optimizer, data, training, logging.
 
 Design choices:
-- One dataclass per concern, every field documented; `RunConfig` nests them. A YAML file
-  (examples/*.yaml) mirrors the nesting; Megatron-style command-line flags (flags.py)
-  override single fields after the YAML is read, so a recipe plus a few flags fully
+- One dataclass per concern, every field documented; `RunConfig` nests them, and the model
+  section nests our model configs (models/model_section.py). A YAML file (examples/*.yaml)
+  mirrors the nesting; Megatron-style command-line flags (training/flags.py) set single
+  fields of the same nested mapping before it is loaded, so a recipe plus a few flags fully
   describes a run and `RunConfig.to_dict()` is what gets written into the run directory.
-- `model.preset` names a preset in `megatron_mvmoe.models.presets`; fields set in the YAML
-  or by flags override the preset's values (unset fields are None).
-- Validation raises ValueError naming the field and the fix, before any process group or
-  weight exists; layout divisibility is `ParallelLayout.validate` (parallel.py).
+- Loading (`config_from_dict`) type-checks every field (typed_config.py) and resolves
+  `model.preset` (the preset's values under the YAML's / flags'), once; `validate()` then
+  checks the fields and builds the model's Megatron config for the layout, so every
+  requirement of the variant fails here, naming the field and the fix, before any process
+  group or weight exists. Layout divisibility is `ParallelLayout.validate` (parallel.py).
+- Lives outside `training/` because the analysis tools read run configs too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import yaml
 
-from megatron_mvmoe.config import KERNEL_BACKENDS
 from megatron_mvmoe.errors import require as _require
+from megatron_mvmoe.models.model_section import (
+    LEGACY_FIELDS, ModelSection, model_section_from_dict)
 from megatron_mvmoe.models.warm_start import NEW_HEADS as WARM_START_NEW_HEADS
 from megatron_mvmoe.parallel import ParallelLayout
-from megatron_mvmoe.training.schedule_rule import validate_switches
+from megatron_mvmoe.typed_config import dataclass_from_dict
 
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
-
-
-@dataclass
-class ModelSection:
-    """The model: a preset name plus overrides of its fields (None = keep the preset's)."""
-
-    preset: Optional[str] = None
-    """Name in megatron_mvmoe.models.presets.PRESETS (e.g. tiny_multi_view, mvmoe_10b_a1b)."""
-    moe_variant: Optional[str] = None
-    """dense, smoe, latent, multi_router, multi_view or mh_moe."""
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_query_groups: Optional[int] = None
-    """Grouped-query attention groups (None = one per head)."""
-    ffn_hidden_size: Optional[int] = None
-    """Dense MLP width (dense layers and the dense variant)."""
-    num_experts: Optional[int] = None
-    moe_ffn_hidden_size: Optional[int] = None
-    """Width of one routed expert."""
-    moe_router_topk: Optional[int] = None
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    """Width of the always-active shared expert (None = no shared expert)."""
-    latent_size: Optional[int] = None
-    """L for latent / multi_router / multi_view."""
-    num_routers: Optional[int] = None
-    """R routing heads (multi_router, multi_view)."""
-    num_views: Optional[int] = None
-    """K latent views (multi_view; equals num_routers)."""
-    gamma_ramp_steps: Optional[int] = None
-    """Steps over which the view perturbation gamma ramps 0 -> 1."""
-    num_heads_mh: Optional[int] = None
-    """H sub-tokens per token (mh_moe)."""
-    stop_grad_mixing: Optional[bool] = None
-    """Detach the Multi-View mixing weights (the paper's ablation; None = False)."""
-    gate_scale: Optional[float] = None
-    """alpha, the scale on the normalised gates (Eq. 3; None = 1.0)."""
-    learned_gate_scale: Optional[bool] = None
-    """Learn alpha per expert, initialised to gate_scale (None = False)."""
-    multi_view_kernels: Optional[str] = None
-    """Mix-and-permute backend of the Multi-View layer: auto, triton or reference
-    (None = auto: the fused Triton kernel on CUDA tensors, the torch path elsewhere)."""
-    bitnet: Optional[bool] = None
-    """BitNet b1.58 quantization-aware training of the linear layers (None = False)."""
-    vocab_size: Optional[int] = None
-    seq_length: Optional[int] = None
-    rotary_base: Optional[int] = None
-    """RoPE base (None = 10000, Megatron's default)."""
-    extra: Dict[str, Any] = field(default_factory=dict)
-    """Further MVMoETransformerConfig keyword arguments, passed through unchanged."""
 
 
 @dataclass
@@ -296,8 +249,10 @@ class RunConfig:
         _require(t.warm_start_new_heads in WARM_START_NEW_HEADS, "training.warm_start_new_heads",
                  f"unknown {t.warm_start_new_heads!r}",
                  f"use one of {WARM_START_NEW_HEADS} (--warm-start-new-heads)")
-        self._validate_model_switches()
-        validate_switches(t)
+        _require(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
+                 "training.override_opt_param_scheduler",
+                 "both --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
+                 "are set", "pass one of them")
         _require(self.data.kind in ("indexed", "tokens"), "data.kind",
                  f"unknown {self.data.kind!r}", "use indexed or tokens")
         _require(self.data.loader in ("torch", "dali"), "data.loader",
@@ -317,14 +272,15 @@ class RunConfig:
                  "parallel.distributed_timeout_seconds", "must be > 0", "use e.g. 120")
         if world_size is not None:
             self._validate_layout(world_size, num_layers, num_experts)
+        self._validate_model()
 
-    def _validate_model_switches(self) -> None:
-        m = self.model
-        _require(m.multi_view_kernels in (None,) + KERNEL_BACKENDS, "model.multi_view_kernels",
-                 f"unknown {m.multi_view_kernels!r}",
-                 f"use one of {KERNEL_BACKENDS} (--multi-view-kernels)")
-        _require(m.gate_scale is None or m.gate_scale > 0, "model.gate_scale",
-                 f"must be > 0, got {m.gate_scale}", "use 1.0 for plain normalised gates")
+    def _validate_model(self) -> None:
+        """The section's checks, then MVMoETransformerConfig's (the variant's, Megatron's)
+        at this layout."""
+        from megatron_mvmoe.models.provider import run_transformer_config
+
+        self.model.validate(vocab_from_tokenizer=self.data.tokenizer_type is not None)
+        run_transformer_config(self)
 
     def _validate_layout(self, world_size: int, num_layers, num_experts) -> None:
         planned = self.parallel.world_size
@@ -346,69 +302,7 @@ class RunConfig:
         return self.training.global_batch_size // (self.training.micro_batch_size * dp)
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-
-
-_TYPE_NAMES = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _checked_value(where: str, value: Any, hint: Any) -> Any:
-    """`value` if it has the field's declared type (ints widen to floats), else ValueError.
-    YAML gives strings for quoted booleans ("false") and numbers ("10"): never coerced, since
-    a string "false" would otherwise read as true."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is typing.Union and type(None) in args:
-        if value is None:
-            return None
-        if value == "" and str in args:
-            raise ValueError(f"{where}: empty string. Fix: omit the field or write null to "
-                             "leave it unset")
-        hint = next(a for a in args if a is not type(None))
-    origin = typing.get_origin(hint) or hint
-    if origin in (dict, list):
-        if not isinstance(value, origin):
-            raise ValueError(f"{where}: expected a {'mapping' if origin is dict else 'list'}, "
-                             f"got {value!r}. Fix: write it as YAML {origin.__name__}")
-        return value
-    if hint is Any:
-        return value
-    ok = (isinstance(value, bool) if hint is bool else
-          isinstance(value, int) and not isinstance(value, bool) if hint is int else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if hint is float else
-          isinstance(value, hint))
-    if not ok:
-        unquote = " (without quotes)" if isinstance(value, str) else ""
-        raise ValueError(f"{where}: expected {_TYPE_NAMES.get(hint, hint)}, got "
-                         f"{value!r}. Fix: write {_TYPE_NAMES.get(hint, hint)}{unquote}")
-    return float(value) if hint is float else value
-
-
-def _check_extra(values: Dict[str, Any]) -> None:
-    """model.extra goes to MVMoETransformerConfig as keyword arguments: names must exist."""
-    from megatron_mvmoe.config import MVMoETransformerConfig
-
-    known = {f.name for f in dataclasses.fields(MVMoETransformerConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"model.extra: unknown MVMoETransformerConfig field(s) {unknown}. "
-                         "Fix: use names of megatron.core TransformerConfig / "
-                         "MVMoETransformerConfig fields (e.g. moe_aux_loss_coeff)")
-
-
-def _section_from_dict(cls, values: Dict[str, Any], where: str):
-    if not isinstance(values, dict):
-        raise ValueError(f"{where}: expected a mapping of fields, got {values!r}. Fix: write "
-                         f"'{where}:' followed by indented 'field: value' lines")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}. Fix: use one of {sorted(known)}")
-    hints = typing.get_type_hints(cls)
-    checked = {name: _checked_value(f"{where}.{name}", value, hints[name])
-               for name, value in values.items()}
-    if cls is ModelSection and checked.get("extra"):
-        _check_extra(checked["extra"])
-    return cls(**checked)
+_SECTIONS = {f.name: type(f.default_factory()) for f in dataclasses.fields(RunConfig)}
 
 
 def config_from_dict(raw: Dict[str, Any]) -> RunConfig:
@@ -417,14 +311,37 @@ def config_from_dict(raw: Dict[str, Any]) -> RunConfig:
     unknown = sorted(set(raw) - set(_SECTIONS))
     if unknown:
         raise ValueError(f"config: unknown section(s) {unknown}. Fix: use {sorted(_SECTIONS)}")
-    classes = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
-    sections = {name: _section_from_dict(type(classes[name]()), raw.get(name) or {}, name)
-                for name in _SECTIONS}
-    return RunConfig(**sections)
+    sections = {name: dataclass_from_dict(cls, raw.get(name) or {}, name)
+                for name, cls in _SECTIONS.items() if name != "model"}
+    return RunConfig(model=model_section_from_dict(raw.get("model")), **sections)
 
 
-def load_yaml(path: str) -> RunConfig:
-    """Read a run config YAML file (sections as in RunConfig)."""
+def set_field(raw: Dict[str, Any], path: str, value: Any) -> None:
+    """Set `raw[a][b]...[z] = value` for path "a.b....z" (e.g. model.multi_view.num_routers),
+    creating the mappings on the way: how flags and --set overrides reach a config before
+    it is loaded (and so before the preset is resolved and every field checked)."""
+    *parents, name = path.split(".")
+    node = raw
+    for parent in parents:
+        if not isinstance(node.get(parent), dict):
+            node[parent] = {}
+        node = node[parent]
+    node[name] = value
+
+
+def saved_config_from_dict(raw: Dict[str, Any]) -> RunConfig:
+    """A config stored by this or an earlier version (a checkpoint's run_state.json, a run
+    directory's config.yaml): fields since removed are dropped, model fields of earlier
+    spellings move to their nested place (models/model_section.py)."""
+    known = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in _SECTIONS.items()}
+    known["model"] |= set(LEGACY_FIELDS)
+    return config_from_dict({section: {k: v for k, v in (values or {}).items()
+                                       if k in known[section]}
+                             for section, values in (raw or {}).items() if section in known})
+
+
+def read_yaml(path: str) -> Dict[str, Any]:
+    """A run config YAML file as its nested mapping (sections as in RunConfig)."""
     try:
         with open(path) as fh:
             raw = yaml.safe_load(fh)
@@ -433,7 +350,12 @@ def load_yaml(path: str) -> RunConfig:
                          "file, e.g. examples/tiny_cpu.yaml") from None
     if raw is not None and not isinstance(raw, dict):
         raise ValueError(f"--config {path}: top level must be a mapping of sections")
-    return config_from_dict(raw)
+    return raw or {}
+
+
+def load_yaml(path: str) -> RunConfig:
+    """Read and load a run config YAML file."""
+    return config_from_dict(read_yaml(path))
 
 
 def dump_yaml(config: RunConfig, path: str) -> None:

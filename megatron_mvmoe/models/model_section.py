@@ -1,0 +1,199 @@
+"""The model of a run: every dimension resolved, our model configs nested as they are.
+
+Design choices:
+- One typed model config, from YAML to the provider: `ModelSection` holds the shape
+  (Megatron-LM's names), our own configs nested directly (`multi_view`: MultiViewConfig,
+  `multi_head`: MultiHeadConfig, `bitnet`: BitNetConfig, the very objects
+  MVMoETransformerConfig carries) and `extra`, which is only for Megatron
+  TransformerConfig fields we do not model (e.g. moe_aux_loss_coeff, moe_layer_freq).
+- A preset is resolved when the config is loaded (`model_section_from_dict`): the preset's
+  values, then the YAML's / flags' (nested mappings merge key by key; null keeps the
+  preset's value). So after loading, `run.model` IS the model; nothing downstream merges,
+  translates or patches it again (models/provider.py maps it to Megatron's config once).
+- Older spellings are read, never written: flat `num_routers`, `num_views`,
+  `gamma_ramp_steps`, `stop_grad_mixing`, `gate_scale`, `learned_gate_scale`,
+  `multi_view_kernels`, `num_heads_mh`, `bitnet: true` and our configs passed through
+  `extra` (how run_state.json and config.yaml of earlier versions store them) move to their
+  nested place, so every checkpoint written before still resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
+
+from megatron_mvmoe.config import BitNetConfig, MultiHeadConfig, MultiViewConfig
+from megatron_mvmoe.errors import require
+from megatron_mvmoe.models.presets import PRESETS, preset_names
+from megatron_mvmoe.typed_config import dataclass_from_dict, deep_merge
+from megatron_mvmoe.variants import Variant, get_variant
+
+
+@dataclass
+class ModelSection:
+    """The model: a preset name plus every resolved dimension and switch."""
+
+    preset: Optional[str] = None
+    """Name in megatron_mvmoe.models.presets.PRESETS this model started from (recorded)."""
+    moe_variant: Optional[str] = None
+    """dense, smoe, latent, multi_router, multi_view or mh_moe."""
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention groups (None = one per head)."""
+    ffn_hidden_size: Optional[int] = None
+    """Dense MLP width (dense layers and the dense variant)."""
+    num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of one routed expert."""
+    moe_router_topk: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the always-active shared expert (None = no shared expert)."""
+    latent_size: Optional[int] = None
+    """L for latent / multi_router / multi_view."""
+    vocab_size: Optional[int] = None
+    seq_length: Optional[int] = None
+    rotary_base: int = 10000
+    """RoPE base (Megatron's --rotary-base)."""
+    multi_view: MultiViewConfig = field(default_factory=MultiViewConfig)
+    """Multi-Router / Multi-View: R heads, K views, gamma ramp, gates, kernels (seed 000)."""
+    multi_head: MultiHeadConfig = field(default_factory=MultiHeadConfig)
+    """MH-MoE: H sub-tokens, head / merge projections (seed 001)."""
+    bitnet: BitNetConfig = field(default_factory=BitNetConfig)
+    """BitNet b1.58 quantization-aware training of the linear layers (seed 001, Table 3)."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Megatron TransformerConfig fields this section does not model, passed through."""
+
+    @property
+    def variant(self) -> Variant:
+        return get_variant(self.moe_variant)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.variant.routed_experts
+
+    @property
+    def is_latent(self) -> bool:
+        return self.variant.latent
+
+    def validate(self, vocab_from_tokenizer: bool = False) -> None:
+        """The section's own checks (the variant's requirements on the whole Megatron config
+        are MVMoETransformerConfig.validate_mvmoe, run by RunConfig.validate at load).
+        `vocab_from_tokenizer`: the vocabulary comes later, from a Megatron-LM tokenizer
+        (its size padded, Megatron-LM's rule)."""
+        missing = [name for name in _REQUIRED if getattr(self, name) is None
+                   and not (name == "vocab_size" and vocab_from_tokenizer)]
+        require(not missing, "model", f"{missing} not set",
+                f"set model.preset (one of {preset_names()}) or give these fields in the "
+                "YAML/flags")
+        self.variant  # noqa: B018  (unknown variant -> ValueError naming moe_variant)
+        self.multi_view.validate(self.num_experts)
+        self.bitnet.validate()
+
+
+_REQUIRED = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads",
+             "ffn_hidden_size", "vocab_size", "seq_length")
+_NESTED = ("multi_view", "multi_head", "bitnet")
+
+LEGACY_FIELDS = {
+    "num_routers": ("multi_view", "num_routers"),
+    "num_views": ("multi_view", "num_views"),
+    "gamma_ramp_steps": ("multi_view", "gamma_ramp_steps"),
+    "stop_grad_mixing": ("multi_view", "stop_grad_mixing"),
+    "gate_scale": ("multi_view", "gate_scale"),
+    "learned_gate_scale": ("multi_view", "learned_gate_scale"),
+    "multi_view_kernels": ("multi_view", "kernels"),
+    "num_heads_mh": ("multi_head", "num_heads"),
+}
+"""Flat model fields of earlier versions -> (nested config, field)."""
+
+_MODELLED_ELSEWHERE = {"num_moe_experts": "model.num_experts", "moe_variant": "model.moe_variant",
+                       "latent_size": "model.latent_size", "multi_view": "model.multi_view",
+                       "multi_head": "model.multi_head", "bitnet": "model.bitnet"}
+"""MVMoETransformerConfig fields that `extra` must not carry: the section models them."""
+
+
+def _nested_dict(value: Any) -> Dict[str, Any]:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
+
+
+def migrate_legacy(raw: Mapping[str, Any]) -> Dict[str, Any]:
+    """A model mapping in today's nesting, from any earlier spelling (see module doc)."""
+    raw = dict(raw)
+    extra = dict(raw.get("extra") or {})
+    nested = {name: _nested_dict(raw.pop(name) or {}) if isinstance(raw.get(name), (Mapping,))
+              or dataclasses.is_dataclass(raw.get(name)) else {} for name in _NESTED}
+    if "bitnet" in raw:  # the flat switch `bitnet: true`
+        enabled = raw.pop("bitnet")
+        if enabled is not None:
+            nested["bitnet"]["enabled"] = enabled
+    for name in _NESTED:
+        if name in extra:
+            nested[name] = deep_merge(_nested_dict(extra.pop(name)), nested[name])
+    for old, (section, new) in LEGACY_FIELDS.items():
+        value = raw.pop(old, None)
+        if value is not None:  # a nested value (e.g. from a flag) wins over the flat one
+            nested[section].setdefault(new, value)
+    raw.update({name: values for name, values in nested.items() if values})
+    if "extra" in raw:
+        raw["extra"] = extra
+    return raw
+
+
+def resolve_raw(raw: Mapping[str, Any]) -> Dict[str, Any]:
+    """The preset's values with `raw`'s on top, plus the rules that complete a model."""
+    raw = migrate_legacy(raw)
+    preset = raw.get("preset")
+    base: Dict[str, Any] = {}
+    if preset is not None:
+        require(preset in PRESETS, "model.preset", f"unknown preset {preset!r}",
+                f"use one of {preset_names()}")
+        base = PRESETS[preset]
+    merged = deep_merge(base, raw)
+    if merged.get("moe_variant") is None and preset is None:
+        # Megatron-LM's rule: --num-experts makes the MLPs routed experts, else dense.
+        merged["moe_variant"] = "smoe" if merged.get("num_experts") else "dense"
+    if merged.get("num_experts") and merged.get("moe_router_topk") is None:
+        merged["moe_router_topk"] = 2  # Megatron-LM's --moe-router-topk default
+    views = dict(merged.get("multi_view") or {})
+    if merged.get("moe_variant") == "multi_view" and views.get("num_views", 1) == 1:
+        views["num_views"] = views.get("num_routers", 1)  # views pair with heads (R = K)
+        merged["multi_view"] = views
+    return {name: value for name, value in merged.items() if value is not None}
+
+
+def model_section_from_dict(raw: Optional[Mapping[str, Any]],
+                            where: str = "model") -> ModelSection:
+    """The resolved and type-checked model of a YAML / JSON / flags mapping (`validate()`
+    runs with the rest of the run config: a config may be loaded before its model is
+    complete, e.g. a YAML that flags will finish)."""
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping of fields, got {raw!r}. Fix: write "
+                         f"'{where}:' followed by indented 'field: value' lines")
+    section = dataclass_from_dict(ModelSection, resolve_raw(raw or {}), where)
+    _check_extra(section.extra)
+    return section
+
+
+def model_from_preset(preset: str, **overrides: Any) -> ModelSection:
+    """A preset's model with field overrides (nested ones as mappings), validated, for
+    tools."""
+    section = model_section_from_dict(dict(overrides, preset=preset))
+    section.validate()
+    return section
+
+
+def _check_extra(values: Mapping[str, Any]) -> None:
+    """`extra` goes to MVMoETransformerConfig as keyword arguments: names must exist, and
+    must not be fields this section models itself."""
+    from megatron_mvmoe.config import MVMoETransformerConfig
+
+    ours = sorted(set(values) & set(_MODELLED_ELSEWHERE))
+    require(not ours, "model.extra", f"{ours} are modelled by the model section",
+            "set " + ", ".join(_MODELLED_ELSEWHERE[name] for name in ours) + " instead")
+    known = {f.name for f in dataclasses.fields(MVMoETransformerConfig)}
+    unknown = sorted(set(values) - known)
+    require(not unknown, "model.extra", f"unknown MVMoETransformerConfig field(s) {unknown}",
+            "use names of megatron.core TransformerConfig fields (e.g. moe_aux_loss_coeff)")

@@ -1,0 +1,85 @@
+"""The one typed model config: presets resolved at load, our configs nested, `extra` only for
+Megatron fields, earlier spellings (run_state.json of older checkpoints) still read."""
+
+import dataclasses
+
+import pytest
+
+from megatron_mvmoe.config import MultiHeadConfig, MultiViewConfig
+from megatron_mvmoe.models.model_section import ModelSection, model_section_from_dict
+from megatron_mvmoe.run_config import config_from_dict, saved_config_from_dict
+from megatron_mvmoe.training.checkpoint import model_fingerprint
+
+
+def test_preset_resolved_at_load_with_nested_overrides():
+    model = model_section_from_dict({"preset": "tiny_multi_view",
+                                     "multi_view": {"gamma_ramp_steps": 7}})
+    assert isinstance(model.multi_view, MultiViewConfig)
+    # the preset's R = K = 2 survive a nested override of one field
+    assert (model.multi_view.num_routers, model.multi_view.num_views,
+            model.multi_view.gamma_ramp_steps) == (2, 2, 7)
+    assert model.latent_size == 32 and model.hidden_size == 64
+
+
+def test_loading_is_idempotent():
+    """to_dict() of a loaded config loads back to the same config (what run dirs store)."""
+    run = config_from_dict({"model": {"preset": "tiny_mh_moe", "bitnet": {"enabled": True}}})
+    assert config_from_dict(run.to_dict()) == run
+
+
+def test_nested_fields_are_type_checked_by_name():
+    with pytest.raises(ValueError, match=r"^model\.multi_view\.num_routers: expected an integer"):
+        model_section_from_dict({"preset": "tiny_multi_view", "multi_view": {"num_routers": "2"}})
+    with pytest.raises(ValueError, match=r"model\.multi_head: unknown field\(s\) \['heads'\]"):
+        model_section_from_dict({"preset": "tiny_mh_moe", "multi_head": {"heads": 2}})
+
+
+def test_extra_refuses_fields_the_section_models():
+    with pytest.raises(ValueError, match=r"model\.extra: \['latent_size', 'num_moe_experts'\] "
+                                         r"are modelled .*Fix: set model\.latent_size, "
+                                         r"model\.num_experts instead"):
+        model_section_from_dict({"preset": "tiny_multi_view",
+                                 "extra": {"num_moe_experts": 8, "latent_size": 16}})
+
+
+def test_earlier_spellings_move_to_their_nested_place():
+    """How run_state.json of earlier versions stores a model: flat R/K/H/switches, BitNet as
+    a bool, and our configs inside `extra` (plain dicts after JSON)."""
+    old = {"preset": "tiny_multi_view", "num_routers": 2, "num_views": 2,
+           "gamma_ramp_steps": 5, "stop_grad_mixing": True, "gate_scale": None,
+           "learned_gate_scale": None, "multi_view_kernels": "reference", "bitnet": True,
+           "num_heads_mh": None, "extra": {"moe_aux_loss_coeff": 0.0}}
+    model = saved_config_from_dict({"model": old, "training": {"no_longer_a_field": 1}}).model
+    assert (model.multi_view.gamma_ramp_steps, model.multi_view.stop_grad_mixing,
+            model.multi_view.kernels, model.bitnet.enabled) == (5, True, "reference", True)
+    assert model.extra == {"moe_aux_loss_coeff": 0.0}
+    suite_b = {"moe_variant": "mh_moe", "num_layers": 2, "hidden_size": 96,
+               "num_attention_heads": 4, "ffn_hidden_size": 256, "vocab_size": 512,
+               "seq_length": 32, "num_experts": 4, "moe_router_topk": 2, "num_heads_mh": 2,
+               "extra": {"multi_head": dataclasses.asdict(MultiHeadConfig(
+                   num_heads=2, merge_projection=False)), "moe_layer_freq": 2}}
+    model = model_section_from_dict(suite_b)
+    assert model.multi_head == MultiHeadConfig(num_heads=2, merge_projection=False)
+    assert model.extra == {"moe_layer_freq": 2}
+
+
+def test_fingerprint_keeps_the_flat_form_of_earlier_checkpoints():
+    """A checkpoint written before the nesting recorded R, K and H flat; the same model
+    must give the same fingerprint now, and a structural switch must change it."""
+    model = model_section_from_dict({"preset": "tiny_multi_view"})
+    printed = model_fingerprint(model)
+    assert (printed["num_routers"], printed["num_views"], printed["num_heads_mh"]) == (2, 2, 1)
+    assert not {"multi_view", "multi_head", "bitnet", "preset", "seq_length"} & set(printed)
+    assert set(printed) == {f.name for f in dataclasses.fields(ModelSection)} - {
+        "preset", "seq_length", "multi_view", "multi_head", "bitnet"} | {
+        "num_routers", "num_views", "num_heads_mh"}
+    no_merge = dataclasses.replace(model, multi_head=MultiHeadConfig(merge_projection=False))
+    assert model_fingerprint(no_merge)["multi_head"]["merge_projection"] is False
+    assert model_fingerprint(dataclasses.replace(
+        model, multi_view=dataclasses.replace(model.multi_view, gamma_ramp_steps=99))) == printed
+
+
+def test_a_model_invalid_for_its_variant_fails_at_validate():
+    run = config_from_dict({"model": {"preset": "tiny_smoe", "moe_variant": "multi_view"}})
+    with pytest.raises(ValueError, match=r"latent_size: variant multi_view needs a positive"):
+        run.validate()
