@@ -266,3 +266,24 @@ def test_compare_tool_builds_indexed_data(tmp_path, capsys):
     assert set(payload["runs"]["latent/seed1"]["eval"]) == {"books", "reference", "tech"}
     table = (out / "compare_a.md").read_text()
     assert "built by this command" in table and "tools/preprocess_data.py" in table
+
+
+def test_committed_run_store_is_found_by_todays_variants():
+    """Every committed run is reachable: its key is that of a (suite variant, seed) at the
+    default setup. A change to how variants are written (as the renovation made) fails this
+    until the store is migrated, instead of silently retraining 10 hours of runs."""
+    import compare
+
+    from megatron_mvmoe.analysis.compare_store import run_key
+    from megatron_mvmoe.analysis.compare_variants import SUITES, variants
+
+    store = os.path.join(ROOT, "examples", "results", "compare_runs")
+    reachable = set()
+    for suite in SUITES:
+        args = compare.parse_args(["--suite", suite])
+        args.eval_iters = 10  # the whole valid split of data/compare_tok (full_eval_iters)
+        shared = compare.setup(args)
+        reachable |= {run_key(v.name, v.model, seed, shared)
+                      for v in variants(suite) for seed in range(1, args.seeds + 1)}
+    committed = {name[:-len(".json")] for name in os.listdir(store) if name.endswith(".json")}
+    assert len(committed) >= 40 and committed <= reachable, sorted(committed - reachable)[:5]
