@@ -14,6 +14,7 @@ Design choices:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -43,6 +44,14 @@ class ParallelLayout:
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Ranks holding the same expert shard (the expert optimizer state is split over)."""
+        return world_size // (self.ep * self.etp * self.pp)
+
+    def smallest_world_size(self) -> int:
+        """The fewest ranks the layout divides: a multiple of both tp*pp and ep*etp*pp."""
+        return math.lcm(self.tp * self.pp, self.ep * self.etp * self.pp)
 
     def validate(self, world_size: int, num_layers: Optional[int] = None,
                  num_experts: Optional[int] = None, training: bool = True) -> None:

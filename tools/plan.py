@@ -21,11 +21,12 @@ import os
 import sys
 
 from megatron_mvmoe.analysis.overheads import overhead_lines, parameter_overheads
-from megatron_mvmoe.analysis.plan import (Layout, check_layout, dry_run_build, plan,
+from megatron_mvmoe.analysis.plan import (PlanTarget, check_layout, dry_run_build, plan,
                                           planned_world_size)
 from megatron_mvmoe.models import fast_paths
 from megatron_mvmoe.models.model_section import model_from_preset
 from megatron_mvmoe.models.presets import PRESETS, preset_names
+from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.run_config import load_yaml
 
 
@@ -39,19 +40,20 @@ def _model(name: str):
                      "file. Fix: pass one of those")
 
 
-def _layout(args, run) -> Layout:
+def _target(args, run) -> PlanTarget:
     par = run.parallel if run is not None else None
     world = planned_world_size(args.config if run is not None else None,
                                par.world_size if par else None, args.world_size)
     pick = lambda flag, field, default: (flag if flag is not None else
                                           (getattr(par, field) if par else default))
     train = run.training if run is not None else None
-    return Layout(tp=pick(args.tp, "tp", 1), pp=pick(args.pp, "pp", 1),
-                  ep=pick(args.ep, "ep", 1), etp=pick(args.etp, "etp", 1),
-                  world_size=world,
-                  micro_batch_size=args.micro_batch_size or (train.micro_batch_size if train else 1),
-                  global_batch_size=args.global_batch_size or (
-                      train.global_batch_size if train else 256))
+    layout = ParallelLayout(tp=pick(args.tp, "tp", 1), pp=pick(args.pp, "pp", 1),
+                            ep=pick(args.ep, "ep", 1), etp=pick(args.etp, "etp", 1))
+    return PlanTarget(
+        layout, world_size=world,
+        micro_batch_size=args.micro_batch_size or (train.micro_batch_size if train else 1),
+        global_batch_size=args.global_batch_size or (
+            train.global_batch_size if train else 256))
 
 
 FAST_PATH_TARGETS = {"gpu": fast_paths.Target(cuda=True, te=True),
@@ -128,12 +130,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         model, run = _model(args.config)
-        layout = _layout(args, run)
-        check_layout(model, layout)
-        report = plan(model, layout)
+        target = _target(args, run)
+        check_layout(model, target)
+        report = plan(model, target)
         report["parameter_overheads"] = parameter_overheads(model)
         if args.dry_run:
-            report["dry_run"] = dry_run_build(model, layout)
+            report["dry_run"] = dry_run_build(model, target)
         if args.fast_paths:
             targets = ("gpu", "cpu") if args.target == "both" else (args.target,)
             report["fast_paths"] = fast_path_report(model, run, targets)

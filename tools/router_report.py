@@ -40,13 +40,8 @@ def _rank(rank, world_size, spec, args):
     layers = moe_probe.moe_layers(opened.model)
     by_domain = model_access.heldout_batches(opened.run, args.batches, args.batch_size,
                                              args.seed)
-    probes = {k: [] for k in layers}
-    with torch.no_grad():
-        for batch in (b for d in sorted(by_domain) for b in by_domain[d]):
-            with moe_probe.capture_inputs(layers) as inputs:
-                model_access.gpt_token_nll(opened.model, batch)
-            for key, layer in layers.items():
-                probes[key].append(moe_probe.probe_routing(layer, inputs[key]))
+    probes = moe_probe.probe_batches(opened.model, layers, by_domain,
+                                     model_access.gpt_token_nll)
     diversity, maps = {}, {}
     for key, chunks in probes.items():
         mix = None if chunks[0].mix_TSR is None else torch.cat([c.mix_TSR for c in chunks])

@@ -187,29 +187,36 @@ def _wrap_dist_op(counter: CollectiveCounter, name: str, original):
 
 
 # ---- attribution markers -------------------------------------------------------------------
-class _EnterOnBackward(torch.autograd.Function):
+class _BackwardMarker(torch.autograd.Function):
+    """Identity in forward; in backward, `_on_backward` moves the counter's label (the
+    gradient passes through unchanged)."""
+
     @staticmethod
     def forward(ctx, x, counter, label):
         ctx.counter, ctx.label = counter, label
         return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.counter._backward_label = ctx.label
+    @classmethod
+    def backward(cls, ctx, grad):
+        cls._on_backward(ctx.counter, ctx.label)
         return grad, None, None
 
-
-class _ExitOnBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, counter, label):
-        ctx.counter, ctx.label = counter, label
-        return x.view_as(x)
+    def _on_backward(counter, label) -> None:
+        raise NotImplementedError
 
+
+class _EnterOnBackward(_BackwardMarker):
     @staticmethod
-    def backward(ctx, grad):
-        if ctx.counter._backward_label == ctx.label:
-            ctx.counter._backward_label = None
-        return grad, None, None
+    def _on_backward(counter, label) -> None:
+        counter._backward_label = label
+
+
+class _ExitOnBackward(_BackwardMarker):
+    @staticmethod
+    def _on_backward(counter, label) -> None:
+        if counter._backward_label == label:
+            counter._backward_label = None
 
 
 def _mark(value, marker, counter, label):

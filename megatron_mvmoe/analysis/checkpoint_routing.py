@@ -24,19 +24,15 @@ def _rank(rank, world_size, checkpoint: str, batches: int, batch_size: int, seed
     opened = tool_common.open_spec(spec, tool_common.in_rank_setup())
     layers = moe_probe.moe_layers(opened.model)
     by_domain = model_access.heldout_batches(opened.run, batches, batch_size, seed)
-    maps = {key: [] for key in layers}
-    with torch.no_grad():
-        for batch in (b for d in sorted(by_domain) for b in by_domain[d]):
-            with moe_probe.capture_inputs(layers) as inputs:
-                model_access.gpt_token_nll(opened.model, batch)
-            for key, layer in layers.items():
-                maps[key].append(moe_probe.probe_routing(layer, inputs[key]).routing_map_TE)
+    probes = moe_probe.probe_batches(opened.model, layers, by_domain,
+                                     model_access.gpt_token_nll)
     config = opened.trainer.config
     return {"source": opened.source, "variant": config.moe_variant,
             "data": model_access.SYNTHETIC if "random" in by_domain else sorted(by_domain),
             "hidden": config.hidden_size, "latent": config.latent_size,
             "views": config.multi_view.num_views,
-            "maps": {str(k): torch.cat(v) for k, v in maps.items()}}
+            "maps": {str(k): torch.cat([p.routing_map_TE for p in chunks])
+                     for k, chunks in probes.items()}}
 
 
 def checkpoint_routing(checkpoint: str, batches: int = 4, batch_size: int = 2,

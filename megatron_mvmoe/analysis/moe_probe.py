@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Optional, Union
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -119,6 +119,23 @@ def probe_routing(layer: MoELayer, hidden: torch.Tensor) -> RoutingProbe:
 
 
 _MEGATRON_GATE_EPS = 1e-20  # TopKRouter: scores / (sum of selected + 1e-20)
+
+
+@torch.no_grad()
+def probe_batches(model: torch.nn.Module, layers: Dict[int, MoELayer],
+                  by_domain: Mapping[str, Sequence[object]],
+                  forward: Callable[[torch.nn.Module, object], object]
+                  ) -> Dict[int, List[RoutingProbe]]:
+    """layer -> one RoutingProbe per batch: `forward(model, batch)` runs every batch (domains
+    in sorted order) while the layers' inputs are captured, then each layer is probed."""
+    probes: Dict[int, List[RoutingProbe]] = {key: [] for key in layers}
+    for domain in sorted(by_domain):
+        for batch in by_domain[domain]:
+            with capture_inputs(layers) as inputs:
+                forward(model, batch)
+            for key, layer in layers.items():
+                probes[key].append(probe_routing(layer, inputs[key]))
+    return probes
 
 
 def _slots(routing_map_TE: torch.Tensor, k: int) -> torch.Tensor:

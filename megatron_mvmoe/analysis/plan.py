@@ -26,35 +26,43 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
 from megatron_mvmoe.models.model_section import ModelSection
 
 
+if TYPE_CHECKING:  # annotations only: plan.py stays importable without Megatron
+    from megatron_mvmoe.parallel import ParallelLayout
+
+
 @dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
+class PlanTarget:
+    """What the planner sizes: a parallel layout on a world size, training one batch."""
+
+    layout: ParallelLayout
     world_size: Optional[int] = None
-    """GPUs; None = the smallest world the layout needs (tp*pp*max(1, ep*etp/tp))."""
+    """GPUs; None = the smallest world the layout divides (`smallest_world_size`)."""
     micro_batch_size: int = 1
     global_batch_size: int = 256
 
     def world(self) -> int:
-        if self.world_size is not None:
-            return self.world_size
-        base = self.tp * self.pp
-        need = self.ep * self.etp * self.pp
-        return base * max(1, -(-need // base))
+        return self.world_size if self.world_size is not None else \
+            self.layout.smallest_world_size()
 
     def dp(self) -> int:
-        return self.world() // (self.tp * self.pp)
+        return self.layout.data_parallel_size(self.world())
 
     def expert_dp(self) -> int:
-        return self.world() // (self.ep * self.etp * self.pp)
+        return self.layout.expert_data_parallel_size(self.world())
+
+    def as_dict(self) -> Dict[str, int]:
+        """The report's "layout" entry (the keys tools/plan.py --json has always printed)."""
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp,
+                "world_size": self.world(), "micro_batch_size": self.micro_batch_size,
+                "global_batch_size": self.global_batch_size, "dp": self.dp(),
+                "expert_dp": self.expert_dp()}
 
 
 def planned_world_size(config_path: Optional[str], field: Optional[int],
@@ -74,19 +82,16 @@ def planned_world_size(config_path: Optional[str], field: Optional[int],
     return next(iter(values.values()), None)
 
 
-def check_layout(m: ModelSection, lay: Layout) -> None:
+def check_layout(m: ModelSection, target: PlanTarget) -> None:
     """Refuse a layout the trainer would refuse (same checks: ParallelLayout.validate and
     the batch divisibility of RunConfig)."""
-    from megatron_mvmoe.parallel import ParallelLayout
-
-    world = lay.world()
-    ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp).validate(
-        world, m.num_layers, m.num_experts)
-    step = lay.micro_batch_size * lay.dp()
-    if lay.global_batch_size % step:
-        raise ValueError(f"training.global_batch_size: {lay.global_batch_size} is not "
+    target.layout.validate(target.world(), m.num_layers, m.num_experts)
+    step = target.micro_batch_size * target.dp()
+    if target.global_batch_size % step:
+        raise ValueError(f"training.global_batch_size: {target.global_batch_size} is not "
                          f"divisible by micro_batch_size * data-parallel size = "
-                         f"{lay.micro_batch_size} * {lay.dp()}. Fix: use a multiple of {step}")
+                         f"{target.micro_batch_size} * {target.dp()}. Fix: use a multiple of "
+                         f"{step}")
 
 
 # ------------------------------------------------------------------------- parameters
@@ -151,7 +156,7 @@ def flops_per_token(m: ModelSection) -> Dict[str, float]:
 
 
 # -------------------------------------------------------------------------- memory
-def _per_rank_params(m: ModelSection, lay: Layout) -> Dict[str, float]:
+def _per_rank_params(m: ModelSection, lay: ParallelLayout) -> Dict[str, float]:
     """Parameters on the busiest pipeline stage (first or last), split by sharding."""
     c = parameter_counts(m)
     per_layer_dense = (c["attention"] + c["non_expert_moe"] + c["dense_mlp"]) / m.num_layers
@@ -163,8 +168,9 @@ def _per_rank_params(m: ModelSection, lay: Layout) -> Dict[str, float]:
     return {"dense": dense, "experts": experts}
 
 
-def _activation_bytes(m: ModelSection, lay: Layout) -> float:
-    s, b, D = m.seq_length, lay.micro_batch_size, m.hidden_size
+def _activation_bytes(m: ModelSection, target: PlanTarget) -> float:
+    lay = target.layout
+    s, b, D = m.seq_length, target.micro_batch_size, m.hidden_size
     attention = 11 * s * b * D * 2 / lay.tp  # norms, qkv, attn out, proj in/out (bf16)
     if m.is_moe:
         width = m.latent_size if m.is_latent else D // max(1, m.multi_head.num_heads)
@@ -173,48 +179,50 @@ def _activation_bytes(m: ModelSection, lay: Layout) -> float:
                        + slots * (2 * width + 3 * m.moe_ffn_hidden_size)) * 2 / lay.tp
     else:
         ffn = s * b * (2 * D + 3 * m.ffn_hidden_size) * 2 / lay.tp
-    in_flight = min(lay.pp, max(1, lay.global_batch_size // (b * lay.dp())))
+    in_flight = min(lay.pp, max(1, target.global_batch_size // (b * target.dp())))
     return (attention + ffn) * (m.num_layers / lay.pp) * in_flight
 
 
-def memory_per_gpu(m: ModelSection, lay: Layout, weight_bytes: int = 2) -> Dict[str, float]:
-    p = _per_rank_params(m, lay)
+def memory_per_gpu(m: ModelSection, target: PlanTarget,
+                   weight_bytes: int = 2) -> Dict[str, float]:
+    p = _per_rank_params(m, target.layout)
     params = p["dense"] + p["experts"]
-    optimizer = 12 * (p["dense"] / lay.dp() + p["experts"] / lay.expert_dp())
+    optimizer = 12 * (p["dense"] / target.dp() + p["experts"] / target.expert_dp())
     out = {"weights": params * weight_bytes, "grads": params * 4, "optimizer": optimizer,
-           "activations_estimate": _activation_bytes(m, lay)}
+           "activations_estimate": _activation_bytes(m, target)}
     out["total"] = sum(out.values())
     return out
 
 
 # ------------------------------------------------------------------------ all-to-all
-def a2a_bytes_per_step(m: ModelSection, lay: Layout, dtype_bytes: int = 2) -> Dict[str, float]:
+def a2a_bytes_per_step(m: ModelSection, target: PlanTarget,
+                       dtype_bytes: int = 2) -> Dict[str, float]:
+    lay = target.layout
     if not m.is_moe or lay.ep == 1:
         return {"per_layer_dispatch": 0.0, "per_rank_per_step": 0.0}
-    tokens = m.seq_length * lay.micro_batch_size // lay.tp  # sequence-parallel slice
+    tokens = m.seq_length * target.micro_batch_size // lay.tp  # sequence-parallel slice
     variant = "smoe" if m.moe_variant == "dense" else m.moe_variant
     shape = CommShape(tokens=tokens, hidden=m.hidden_size, topk=m.moe_router_topk,
                       latent=m.latent_size, heads=m.multi_head.num_heads, dtype_bytes=dtype_bytes,
                       ep=lay.ep, tp=lay.tp)
     one = dispatch_bytes(variant, "alltoall", shape).tokens_in
-    microbatches = lay.global_batch_size // (lay.micro_batch_size * lay.dp())
+    microbatches = target.global_batch_size // (target.micro_batch_size * target.dp())
     layers = m.num_layers / lay.pp
     # dispatch + combine, forward + backward: four transfers of `one` bytes on average.
     return {"per_layer_dispatch": float(one),
             "per_rank_per_step": float(4 * one * layers * microbatches)}
 
 
-def plan(m: ModelSection, lay: Layout) -> Dict:
-    return {"model": asdict(m), "layout": dict(asdict(lay), world_size=lay.world(),
-                                               dp=lay.dp(), expert_dp=lay.expert_dp()),
+def plan(m: ModelSection, target: PlanTarget) -> Dict:
+    return {"model": asdict(m), "layout": target.as_dict(),
             "parameters": parameter_counts(m), "flops_per_token": flops_per_token(m),
-            "memory_bytes_per_gpu": memory_per_gpu(m, lay),
-            "a2a_bytes": a2a_bytes_per_step(m, lay)}
+            "memory_bytes_per_gpu": memory_per_gpu(m, target),
+            "a2a_bytes": a2a_bytes_per_step(m, target)}
 
 
 # --------------------------------------------------------------------------- dry run
-def dry_run_build(m: ModelSection, lay: Layout) -> Dict[str, int]:
-    """Build rank 0's model chunk of `lay` on the meta device (no memory, no real peers).
+def dry_run_build(m: ModelSection, target: PlanTarget) -> Dict[str, int]:
+    """Build rank 0's model chunk of `target` on the meta device (no memory, no real peers).
 
     Uses torch's in-process "fake" process group with the layout's world size, Megatron's
     own initialize_model_parallel (without gloo side groups, which the fake backend cannot
@@ -232,8 +240,8 @@ def dry_run_build(m: ModelSection, lay: Layout) -> Dict[str, int]:
     from megatron_mvmoe.platform import apply_cpu_patches
 
     apply_cpu_patches()
-    world = lay.world()
-    check_layout(m, lay)
+    lay, world = target.layout, target.world()
+    check_layout(m, target)
     dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=world)
     try:
         parallel_state.initialize_model_parallel(

@@ -23,8 +23,8 @@ Design choices:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from megatron.core.datasets.blended_megatron_dataset_builder import (
     BlendedMegatronDatasetBuilder,
@@ -35,42 +35,40 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron_mvmoe.data.indexed import check_indexed
 from megatron_mvmoe.data.loader import _process_group_for_build
 
+if TYPE_CHECKING:  # annotation only: the data package builds on nothing of the trainer
+    from megatron_mvmoe.run_config import DataSection
+
 DEFAULT_SPLIT = "969, 30, 1"  # Megatron-LM's default --split
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
 
-@dataclass
-class MegatronDataSpec:
-    """The data flags of one run, as Megatron-LM names them."""
+PATH_FLAGS = {"path": "--data-path", "train_path": "--train-data-path",
+              "valid_path": "--valid-data-path", "test_path": "--test-data-path"}
+"""DataSection field -> the Megatron-LM flag that sets it (named in error messages)."""
 
-    data_path: List[str] = field(default_factory=list)
-    """--data-path tokens: prefixes, or weight prefix pairs."""
-    split: Optional[str] = None
-    """--split (None = Megatron-LM's default 969,30,1 when --data-path is given)."""
-    train_data_path: List[str] = field(default_factory=list)
-    valid_data_path: List[str] = field(default_factory=list)
-    test_data_path: List[str] = field(default_factory=list)
-    cache_path: Optional[str] = None
-    """--data-cache-path (None = beside the first prefix, as Megatron does)."""
-    mock: bool = False
-    """--mock-data: Megatron-Core's MockGPTDataset."""
 
-    def validate(self) -> None:
-        per_split = self.train_data_path or self.valid_data_path or self.test_data_path
-        sources = sum([bool(self.data_path), bool(per_split), self.mock])
-        if sources != 1:
-            raise ValueError("data: give exactly one of --data-path, --train-data-path/"
-                             "--valid-data-path/--test-data-path, --mock-data (got "
-                             f"{sources}). Fix: keep one of them")
-        if per_split and self.split is not None:
-            raise ValueError("data.split: --split applies to --data-path only (Megatron-LM "
-                             "rejects it with per-split paths). Fix: drop --split")
-        if per_split and not self.train_data_path:
-            raise ValueError("data.train_path: per-split paths need --train-data-path. "
-                             "Fix: add it")
-        for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-            _blend(getattr(self, name), name)
+def _tokens(data: DataSection, name: str) -> List[str]:
+    """The tokens of one path field (`path` is None or a list under these conventions)."""
+    return list(getattr(data, name) or [])
+
+
+def check_sources(data: DataSection) -> None:
+    """Exactly one of --data-path, per-split paths, --mock-data; blends well formed."""
+    per_split = data.train_path or data.valid_path or data.test_path
+    sources = sum([bool(_tokens(data, "path")), bool(per_split), data.mock])
+    if sources != 1:
+        raise ValueError("data: give exactly one of --data-path, --train-data-path/"
+                         "--valid-data-path/--test-data-path, --mock-data (got "
+                         f"{sources}). Fix: keep one of them")
+    if per_split and data.split is not None:
+        raise ValueError("data.split: --split applies to --data-path only (Megatron-LM "
+                         "rejects it with per-split paths). Fix: drop --split")
+    if per_split and not data.train_path:
+        raise ValueError("data.train_path: per-split paths need --train-data-path. "
+                         "Fix: add it")
+    for name in PATH_FLAGS:
+        _blend(_tokens(data, name), name)
 
 
 def _blend(tokens: Sequence[str], name: str) -> Optional[Blend]:
@@ -82,7 +80,7 @@ def _blend(tokens: Sequence[str], name: str) -> Optional[Blend]:
     numeric = [is_number(t) for t in tokens]
     pairs = len(tokens) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2])
     if any(numeric) and not pairs:
-        raise ValueError(f"--{name.replace('_', '-')}: {tokens} mixes weights and prefixes "
+        raise ValueError(f"{PATH_FLAGS[name]}: {tokens} mixes weights and prefixes "
                          "but is not weight prefix pairs. Fix: 'W1 PREFIX1 W2 PREFIX2 ...' "
                          "or prefixes only")
     return get_blend_from_list(tokens)
@@ -113,9 +111,9 @@ class MegatronDatasets:
     """Component name -> that component's validation GPTDataset."""
 
 
-def _config(spec: MegatronDataSpec, tokenizer, seq_length: int, seed: int, **blend):
+def _config(data: DataSection, tokenizer, seq_length: int, seed: int, **blend):
     first = (blend.get("blend") or (blend.get("blend_per_split") or [None])[0] or [[""]])[0][0]
-    cache = spec.cache_path or (os.path.join(os.path.dirname(first) or ".", "cache")
+    cache = data.cache_path or (os.path.join(os.path.dirname(first) or ".", "cache")
                                 if first else None)
     return GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
@@ -127,30 +125,30 @@ def _build(cls, sizes, config):
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
 
-def check_prefixes(spec: MegatronDataSpec, vocab_size: int) -> None:
-    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        blend = _blend(getattr(spec, name), name)
+def check_prefixes(data: DataSection, vocab_size: int) -> None:
+    for name in PATH_FLAGS:
+        blend = _blend(_tokens(data, name), name)
         for prefix in (blend[0] if blend else []):
             check_indexed(prefix, vocab_size=vocab_size)
 
 
-def build_megatron_datasets(spec: MegatronDataSpec, tokenizer, seq_length: int, seed: int,
+def build_megatron_datasets(data: DataSection, tokenizer, seq_length: int, seed: int,
                             train_samples: int, eval_samples: int,
                             vocab_size: int) -> MegatronDatasets:
     """Train blend + per-component validation sets (collective: call on every rank)."""
-    spec.validate()
-    if not spec.mock:
-        check_prefixes(spec, vocab_size)
+    check_sources(data)
+    if not data.mock:
+        check_prefixes(data, vocab_size)
     train_samples = max(1, train_samples)
     with _process_group_for_build():
-        if spec.mock:
-            config = _config(spec, tokenizer, seq_length, seed, split="1,1,1")
+        if data.mock:
+            config = _config(data, tokenizer, seq_length, seed, split="1,1,1")
             train, valid, _ = _build(MockGPTDataset, [train_samples, eval_samples, 1], config)
             return MegatronDatasets(train=train, valid={"mock": valid})
-        if spec.data_path:
-            return _from_one_blend(spec, tokenizer, seq_length, seed, train_samples,
+        if _tokens(data, "path"):
+            return _from_one_blend(data, tokenizer, seq_length, seed, train_samples,
                                    eval_samples)
-        return _from_split_blends(spec, tokenizer, seq_length, seed, train_samples,
+        return _from_split_blends(data, tokenizer, seq_length, seed, train_samples,
                                   eval_samples)
 
 
@@ -171,17 +169,17 @@ def _check_split_nonempty(prefix: str, bounds, documents: int, split: str, what:
                          "--split, more documents, or --valid-data-path")
 
 
-def _from_one_blend(spec, tokenizer, seq_length, seed, train_samples, eval_samples):
-    split = spec.split or DEFAULT_SPLIT
-    blend = _blend(spec.data_path, "data_path")
-    config = _only_split(_config(spec, tokenizer, seq_length, seed, blend=blend, split=split), 0)
+def _from_one_blend(data, tokenizer, seq_length, seed, train_samples, eval_samples):
+    split = data.split or DEFAULT_SPLIT
+    blend = _blend(_tokens(data, "path"), "path")
+    config = _only_split(_config(data, tokenizer, seq_length, seed, blend=blend, split=split), 0)
     for prefix in blend[0]:
         _check_split_nonempty(prefix, config.split_matrix[0], check_indexed(prefix).sequences,
                               split, "train")
     train = _build(GPTDataset, [train_samples, 0, 0], config)[0]
     valid = {}
     for name, prefix in zip(component_names(blend[0]), blend[0]):
-        one = _config(spec, tokenizer, seq_length, seed, blend=([prefix], None), split=split)
+        one = _config(data, tokenizer, seq_length, seed, blend=([prefix], None), split=split)
         if one.split_matrix[1] is None:
             continue  # --split gives validation no weight: nothing to evaluate
         _check_split_nonempty(prefix, one.split_matrix[1], check_indexed(prefix).sequences,
@@ -190,16 +188,16 @@ def _from_one_blend(spec, tokenizer, seq_length, seed, train_samples, eval_sampl
     return MegatronDatasets(train=train, valid=valid)
 
 
-def _from_split_blends(spec, tokenizer, seq_length, seed, train_samples, eval_samples):
-    train_blend = _blend(spec.train_data_path, "train_data_path")
-    config = _config(spec, tokenizer, seq_length, seed,
+def _from_split_blends(data, tokenizer, seq_length, seed, train_samples, eval_samples):
+    train_blend = _blend(_tokens(data, "train_path"), "train_path")
+    config = _config(data, tokenizer, seq_length, seed,
                      blend_per_split=[train_blend, None, None])
     train = _build(GPTDataset, [train_samples, None, None], config)[0]
     valid = {}
-    valid_blend = _blend(spec.valid_data_path, "valid_data_path")
+    valid_blend = _blend(_tokens(data, "valid_path"), "valid_path")
     for name, prefix in zip(component_names(valid_blend[0]) if valid_blend else [],
                             valid_blend[0] if valid_blend else []):
-        one = _config(spec, tokenizer, seq_length, seed,
+        one = _config(data, tokenizer, seq_length, seed,
                       blend_per_split=[None, ([prefix], None), None])
         valid[name] = _build(GPTDataset, [None, eval_samples, None], one)[1]
     return MegatronDatasets(train=train, valid=valid)

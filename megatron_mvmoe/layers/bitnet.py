@@ -100,33 +100,36 @@ def _quantized_impl(layer, input_parallel_is_sharded: bool, impl, input, weight,
     return impl(input, weight, *args, **kwargs)
 
 
-class BitColumnParallelLinear(ColumnParallelLinear):
+class _BitQuantized:
+    """Mixin ahead of a Megatron parallel linear: reads the BitNet settings from its config
+    and quantizes input and weight around the parent's matmul + communication."""
+
+    input_is_sharded: bool
+    """Whether each rank holds a slice of every input row (the RMS and max span TP)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation_bits = _activation_bits(self.config)
+        self.input_norm = _input_norm(self.config)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        return _quantized_impl(self, self.input_is_sharded, super()._forward_impl, input,
+                               weight, *args, **kwargs)
+
+
+class BitColumnParallelLinear(_BitQuantized, ColumnParallelLinear):
     """Megatron ColumnParallelLinear with BitNet b1.58 quantization (STE, latent weights)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.activation_bits = _activation_bits(self.config)
-        self.input_norm = _input_norm(self.config)
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        # Column input holds whole rows (replicated or sequence-sharded): no reduce.
-        return _quantized_impl(self, False, super()._forward_impl, input, weight, *args,
-                               **kwargs)
+    input_is_sharded = False
+    """Column input holds whole rows (replicated or sequence-sharded): no reduce."""
 
 
-class BitRowParallelLinear(RowParallelLinear):
+class BitRowParallelLinear(_BitQuantized, RowParallelLinear):
     """Megatron RowParallelLinear with BitNet b1.58 quantization (STE, latent weights)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.activation_bits = _activation_bits(self.config)
-        self.input_norm = _input_norm(self.config)
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        # Row input is split along the hidden dim over TP: each row's RMS and max span the
-        # group.
-        return _quantized_impl(self, True, super()._forward_impl, input, weight, *args,
-                               **kwargs)
+    input_is_sharded = True
+    """Row input is split along the hidden dim over TP: each row's RMS and max span the
+    group."""
 
 
 BIT_REPLACEMENTS = {ColumnParallelLinear: BitColumnParallelLinear,

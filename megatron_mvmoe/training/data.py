@@ -183,15 +183,11 @@ class RunData:
         return bundle.train, {d: bundle.valid[d] for d in eval_domains}
 
     def _build_megatron(self):
-        from megatron_mvmoe.data.megatron_blend import MegatronDataSpec, build_megatron_datasets
+        from megatron_mvmoe.data.megatron_blend import build_megatron_datasets
 
         d, t = self.run.data, self.run.training
-        spec = MegatronDataSpec(
-            data_path=list(d.path or []), split=d.split, train_data_path=list(d.train_path),
-            valid_data_path=list(d.valid_path), test_data_path=list(d.test_path),
-            cache_path=d.cache_path, mock=d.mock)
         bundle = build_megatron_datasets(
-            spec, resolve_tokenizer(self.run), self.seq_length, t.seed,
+            d, resolve_tokenizer(self.run), self.seq_length, t.seed,
             train_samples=t.train_iters * t.global_batch_size,
             eval_samples=max(1, t.eval_iters) * t.global_batch_size,
             vocab_size=self.vocab_size)

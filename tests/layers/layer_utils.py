@@ -3,19 +3,23 @@ and layout-independent global weights (each rank copies its shard)."""
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
 from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.models.specs import build_moe_layer
+from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.stock_moe import CPU_CONFIG_KWARGS, SIGMOID_MOE_KWARGS
 
 SEQ, BATCH = 6, 2
+LATENT_VARIANTS = ("latent", "multi_router", "multi_view")
+"""The variants that route latent tokens (what the all-to-all tests compare)."""
 
 
 def mv_config(variant: str = "multi_view", num_routers: int = 2, ramp_steps: int = 0,
-              stop_grad_mixing: bool = False, **overrides) -> MVMoETransformerConfig:
+              stop_grad_mixing: bool = False, kernels: str = "auto",
+              **overrides) -> MVMoETransformerConfig:
     """A tiny fp32 CPU config for any variant (sigmoid + expert bias, alltoall)."""
     num_views = num_routers if variant == "multi_view" else 1
     base = {**CPU_CONFIG_KWARGS, **SIGMOID_MOE_KWARGS}
@@ -23,7 +27,8 @@ def mv_config(variant: str = "multi_view", num_routers: int = 2, ramp_steps: int
         moe_router_topk=3, moe_ffn_hidden_size=24, moe_variant=variant, latent_size=16,
         multi_view=MultiViewConfig(num_routers=num_routers, num_views=num_views,
                                    gamma_ramp_steps=ramp_steps,
-                                   stop_grad_mixing=stop_grad_mixing, view_init_std=0.3),
+                                   stop_grad_mixing=stop_grad_mixing, view_init_std=0.3,
+                                   kernels=kernels),
     )
     base.update(overrides)
     return MVMoETransformerConfig(**base)
@@ -32,6 +37,22 @@ def mv_config(variant: str = "multi_view", num_routers: int = 2, ramp_steps: int
 def build_layer(config, pg_collection):
     """The variant's MoE layer, built from the same spec the decoder block uses."""
     return build_moe_layer(config, pg_collection)
+
+
+def init_ep_layout(world_size: int):
+    """Megatron's groups for EP = world size (every rank holds a slice of the experts)."""
+    return initialize_layout(ParallelLayout(ep=world_size))
+
+
+def ep_layer(variant: str, pg_collection, world_size: int, **overrides) -> Tuple:
+    """(config, layer): the variant's tiny layer on this rank of an EP = `world_size` group,
+    loaded with the layout-independent `global_weights` (one router for the latent
+    baseline, two otherwise, unless `num_routers` is given)."""
+    overrides.setdefault("num_routers", 1 if variant == "latent" else 2)
+    config = mv_config(variant, expert_model_parallel_size=world_size, **overrides)
+    layer = build_layer(config, pg_collection)
+    load_global_weights(layer, global_weights(config))
+    return config, layer
 
 
 def global_weights(config, seed: int = 1234) -> Dict[str, torch.Tensor]:

@@ -4,19 +4,14 @@ analytic model states the k-times cost Multi-View would have there."""
 
 from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
 from megatron_mvmoe.analysis.a2a_counter import count_collectives
-from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.spawn import run_distributed
 
-from layer_utils import (BATCH, SEQ, build_layer, global_input, global_weights,
-                         load_global_weights, mv_config)
+from layer_utils import BATCH, SEQ, ep_layer, global_input, init_ep_layout
 
 
 def _worker(rank, world_size):
-    pgs = initialize_layout(ParallelLayout(ep=world_size))
-    config = mv_config("latent", num_routers=1, expert_model_parallel_size=world_size,
-                       moe_token_dispatcher_type="allgather")
-    layer = build_layer(config, pgs)
-    load_global_weights(layer, global_weights(config))
+    config, layer = ep_layer("latent", init_ep_layout(world_size), world_size,
+                             moe_token_dispatcher_type="allgather")
     with count_collectives(layer) as counter:
         x = global_input(config.hidden_size).requires_grad_(True)
         out, _ = layer(x)

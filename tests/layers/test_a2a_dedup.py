@@ -11,13 +11,11 @@ from megatron_mvmoe.analysis.dispatch_semantics import link_bytes, payload_for_v
 from megatron_mvmoe.analysis.placement import EpPlacement
 from megatron_mvmoe.analysis.volume import peer_counts, semantic_checks
 from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
-from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.spawn import run_distributed
 
-from layer_utils import build_layer, global_input, global_weights, load_global_weights, \
+from layer_utils import LATENT_VARIANTS, ep_layer, global_input, init_ep_layout, \
     mv_config, named_grads
 
-VARIANTS = ("latent", "multi_router", "multi_view")
 SEMANTICS = ("row", "rank", "node")
 RANKS_PER_NODE = 2
 
@@ -34,13 +32,10 @@ def _run(layer, x, loss_weights):
 
 
 def _worker(rank, world_size):
-    pgs = initialize_layout(ParallelLayout(ep=world_size))
+    pgs = init_ep_layout(world_size)
     results = {}
-    for variant in VARIANTS:
-        config = mv_config(variant, num_routers=1 if variant == "latent" else 2,
-                           expert_model_parallel_size=world_size)
-        layer = build_layer(config, pgs)
-        load_global_weights(layer, global_weights(config))
+    for variant in LATENT_VARIANTS:
+        config, layer = ep_layer(variant, pgs, world_size)
         x = global_input(config.hidden_size, seed=7 + rank)  # each rank routes differently
         loss_weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
         alltoall = layer.token_dispatcher
@@ -62,7 +57,7 @@ def ranks(request):
 def test_dedup_equals_alltoall_outputs_and_gradients(ranks):
     _, per_rank = ranks
     for result in per_rank:
-        for variant in VARIANTS:
+        for variant in LATENT_VARIANTS:
             ref = result[(variant, "row")]
             for semantics in ("rank", "node"):
                 got = result[(variant, semantics)]
@@ -79,7 +74,7 @@ def test_counted_equals_analytic_for_every_semantic(ranks):
     config = mv_config("multi_view", num_routers=2)
     placement = EpPlacement(ep, RANKS_PER_NODE, config.num_moe_experts)
     views_used = False
-    for variant in VARIANTS:
+    for variant in LATENT_VARIANTS:
         shape = payload_for_variant(variant, config.hidden_size, config.latent_size,
                                     views=1 if variant == "latent" else 2, dtype_bytes=4)
         for semantics in SEMANTICS:

@@ -9,11 +9,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron_mvmoe.analysis.a2a_counter import count_collectives, declared_phases
 from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
 from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
-from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.spawn import run_distributed
 
-from layer_utils import build_layer, global_input, global_weights, load_global_weights, \
-    mv_config
+from layer_utils import ep_layer, global_input, init_ep_layout
 
 
 def test_classes_declare_their_phases():
@@ -26,11 +24,8 @@ def test_classes_declare_their_phases():
 
 
 def _triton_worker(rank, world_size):
-    pgs = initialize_layout(ParallelLayout(ep=world_size))
-    config = mv_config("multi_view", expert_model_parallel_size=world_size)
-    config.multi_view.kernels = "triton"
-    layer = build_layer(config, pgs)
-    load_global_weights(layer, global_weights(config))
+    config, layer = ep_layer("multi_view", init_ep_layout(world_size), world_size,
+                             kernels="triton")
     x = global_input(config.hidden_size, seed=rank).requires_grad_(True)
     with count_collectives(layer) as counter:
         out, _ = layer(x)

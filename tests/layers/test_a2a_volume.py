@@ -7,23 +7,17 @@ import torch
 
 from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes, group_total_bytes
 from megatron_mvmoe.analysis.a2a_counter import count_collectives
-from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.spawn import run_distributed
 
-from layer_utils import (BATCH, SEQ, build_layer, global_input, global_weights,
-                         load_global_weights, mv_config)
-
-VARIANTS = ("latent", "multi_router", "multi_view")
+from layer_utils import BATCH, LATENT_VARIANTS, SEQ, ep_layer, global_input, \
+    init_ep_layout, mv_config
 
 
 def _count_worker(rank, world_size):
-    pgs = initialize_layout(ParallelLayout(ep=world_size))
+    pgs = init_ep_layout(world_size)
     results = {}
-    for variant in VARIANTS:
-        config = mv_config(variant, num_routers=1 if variant == "latent" else 2,
-                           expert_model_parallel_size=world_size)
-        layer = build_layer(config, pgs)
-        load_global_weights(layer, global_weights(config))
+    for variant in LATENT_VARIANTS:
+        config, layer = ep_layer(variant, pgs, world_size)
         x = global_input(config.hidden_size)
         plain, _ = layer(x)
         with count_collectives(layer) as counter:
@@ -47,7 +41,7 @@ def test_a2a_bytes_equal_across_variants_and_analytic(ep):
     deterministic = (("token_dispatch", "fwd"), ("token_combine", "bwd"))
     for rank_result in ranks:
         by_variant = {v: {(phase, d): b for (_, phase, d), b in rank_result[v]["a2a"].items()}
-                      for v in VARIANTS}
+                      for v in LATENT_VARIANTS}
         for variant, a2a in by_variant.items():
             assert rank_result[variant]["same"], f"{variant}: counting changed the output"
             assert set(a2a) == {("token_dispatch", "fwd"), ("token_combine", "fwd"),
@@ -59,7 +53,7 @@ def test_a2a_bytes_equal_across_variants_and_analytic(ep):
     # what a rank receives depends on the routing; over the EP group it sums to EP*T*k rows
     group_total = group_total_bytes("multi_view", "alltoall", shape)
     for key in (("token_combine", "fwd"), ("token_dispatch", "bwd")) + deterministic:
-        for variant in VARIANTS:
+        for variant in LATENT_VARIANTS:
             summed = sum(b for r in ranks for (_, phase, d), b in r[variant]["a2a"].items()
                          if (phase, d) == key)
             assert summed == group_total, (variant, key)

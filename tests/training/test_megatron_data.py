@@ -8,6 +8,7 @@ import pytest
 from harness import train
 from textdata import build_megatron_prefixes
 
+from megatron_mvmoe.run_config import DataSection
 from megatron_mvmoe.training.flags import config_from_args
 
 pytestmark = pytest.mark.timeout(600)
@@ -44,12 +45,12 @@ def test_weighted_blend_trains_and_evaluates_per_component(prefixes, tmp_path):
 
 
 def test_blend_draws_by_weight_and_components_keep_their_split(prefixes, tmp_path):
-    from megatron_mvmoe.data.megatron_blend import MegatronDataSpec, build_megatron_datasets
+    from megatron_mvmoe.data.megatron_blend import build_megatron_datasets
     from megatron_mvmoe.data.tokenizers import build_tokenizer
 
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=prefixes["tokenizer"])
-    spec = MegatronDataSpec(data_path=["0.3", prefixes["tech"], "0.7", prefixes["reference"]],
-                            split="90,10,0", cache_path=str(tmp_path))
+    spec = DataSection(path=["0.3", prefixes["tech"], "0.7", prefixes["reference"]],
+                       split="90,10,0", cache_path=str(tmp_path))
     data = build_megatron_datasets(spec, tok, 32, 1234, train_samples=400, eval_samples=8,
                                    vocab_size=512)
     ids = [int(data.train[i]["dataset_id"]) for i in range(400)]
@@ -91,14 +92,14 @@ def test_mock_data_with_null_tokenizer():
 
 
 def test_bad_blends_fail_with_the_fix(prefixes):
-    from megatron_mvmoe.data.megatron_blend import MegatronDataSpec
+    from megatron_mvmoe.data.megatron_blend import check_sources
 
-    with pytest.raises(ValueError, match="mixes weights"):
-        MegatronDataSpec(data_path=["0.5", prefixes["tech"], prefixes["reference"]]).validate()
+    with pytest.raises(ValueError, match="--data-path: .* mixes weights"):
+        check_sources(DataSection(path=["0.5", prefixes["tech"], prefixes["reference"]]))
     with pytest.raises(ValueError, match="exactly one"):
-        MegatronDataSpec(data_path=[prefixes["tech"]], mock=True).validate()
+        check_sources(DataSection(path=[prefixes["tech"]], mock=True))
     with pytest.raises(ValueError, match="--split applies"):
-        MegatronDataSpec(train_data_path=[prefixes["tech"]], split="1,0,0").validate()
+        check_sources(DataSection(train_path=[prefixes["tech"]], split="1,0,0"))
 
 
 def test_dali_loader_gives_the_torch_loaders_losses(prefixes):

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from megatron_mvmoe.analysis.overheads import parameter_overheads
-from megatron_mvmoe.analysis.plan import Layout, parameter_counts, plan, planned_world_size
+from megatron_mvmoe.analysis.plan import PlanTarget, parameter_counts, plan, planned_world_size
+from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
 from megatron_mvmoe.models.model_section import model_from_preset
 
@@ -67,7 +68,8 @@ def test_every_documented_10b_layout_divides():
 
     m = model_from_preset("mvmoe_10b_a1b")
     for world, sizes in LAYOUTS_10B.items():
-        check_layout(m, Layout(world_size=world, global_batch_size=1024, **sizes))
+        check_layout(m, PlanTarget(ParallelLayout(**sizes), world_size=world,
+                                   global_batch_size=1024))
 
 
 def test_world_size_sources_and_refusals(tmp_path):
@@ -86,8 +88,10 @@ def test_world_size_sources_and_refusals(tmp_path):
 
 def test_memory_shrinks_with_more_gpus():
     m = model_from_preset("mvmoe_10b_a1b")
-    small = plan(m, Layout(ep=8, world_size=8))["memory_bytes_per_gpu"]["total"]
-    big = plan(m, Layout(tp=2, pp=2, ep=16, world_size=64))["memory_bytes_per_gpu"]["total"]
+    small = plan(m, PlanTarget(ParallelLayout(ep=8), world_size=8))[
+        "memory_bytes_per_gpu"]["total"]
+    big = plan(m, PlanTarget(ParallelLayout(tp=2, pp=2, ep=16), world_size=64))[
+        "memory_bytes_per_gpu"]["total"]
     assert big < small
 
 
@@ -113,10 +117,12 @@ def test_tiny_counts_match_built_models():
 
 @pytest.mark.timeout(240)
 def test_dry_run_10b_rank0_matches_plan():
-    code = ("from megatron_mvmoe.analysis.plan import Layout, dry_run_build;"
+    code = ("from megatron_mvmoe.analysis.plan import PlanTarget, dry_run_build;"
+            "from megatron_mvmoe.parallel import ParallelLayout;"
             "from megatron_mvmoe.models.model_section import model_from_preset;"
             "m = model_from_preset('mvmoe_10b_a1b');"
-            "print('COUNT', dry_run_build(m, Layout(ep=8, world_size=8))['rank0_parameters'])")
+            "target = PlanTarget(ParallelLayout(ep=8), world_size=8);"
+            "print('COUNT', dry_run_build(m, target)['rank0_parameters'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=200)
     assert out.returncode == 0, out.stderr[-2000:]
