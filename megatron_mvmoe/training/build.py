@@ -1,5 +1,6 @@
-"""Everything a training run holds, built in order: config -> model chunks -> DDP ->
-distributed optimizer -> LR scheduler.
+"""Everything a training run holds, built in order: config -> model chunks
+(`models/build.build_model`, the one path every tool shares) -> DDP -> distributed
+optimizer -> LR scheduler.
 
 Design choices:
 - All engine pieces are Megatron-Core's own: `DistributedDataParallel` (grad buffers and
@@ -12,10 +13,9 @@ Design choices:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import List, Optional
+from typing import List
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -25,9 +25,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe import platform
 from megatron_mvmoe.config import MVMoETransformerConfig
-from megatron_mvmoe.models.presets import ModelShape, resolve_model
+from megatron_mvmoe.models.build import build_model
 from megatron_mvmoe.models.fast_paths import FastPath, choose_fast_paths, ddp_fields
-from megatron_mvmoe.models.provider import build_model_chunks, target_for, transformer_config
+from megatron_mvmoe.models.presets import ModelShape, resolve_model
+from megatron_mvmoe.models.provider import target_for
 from megatron_mvmoe.training.config import RunConfig
 from megatron_mvmoe.training.schedule_rule import scheduler_switches
 
@@ -49,36 +50,6 @@ class Trainer:
         return [chunk.module for chunk in self.model]
 
 
-def use_bf16(run: RunConfig) -> bool:
-    if run.training.precision == "auto":
-        return platform.is_cuda()
-    return run.training.precision == "bf16"
-
-
-def model_config(run: RunConfig, shape: Optional[ModelShape] = None) -> MVMoETransformerConfig:
-    shape = shape or resolve_model(run.model)
-    p = run.parallel
-    config = transformer_config(shape, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                                use_bf16=use_bf16(run), on_cpu=not platform.is_cuda(),
-                                bitnet=bool(run.model.bitnet))
-    return apply_model_switches(config, run.model)
-
-
-def apply_model_switches(config: MVMoETransformerConfig, model) -> MVMoETransformerConfig:
-    """The run's Multi-View / BitNet switches (ModelSection fields that are not part of the
-    ModelShape) on the nested configs; None keeps the layer default. Revalidated after."""
-    view_fields = {"stop_grad_mixing": model.stop_grad_mixing, "gate_scale": model.gate_scale,
-                   "learned_gate_scale": model.learned_gate_scale,
-                   "kernels": model.multi_view_kernels}
-    chosen = {k: v for k, v in view_fields.items() if v is not None}
-    if chosen:
-        config.multi_view = dataclasses.replace(config.multi_view, **chosen)
-    if model.bitnet is not None:
-        config.bitnet = dataclasses.replace(config.bitnet, enabled=bool(model.bitnet))
-    config.validate_mvmoe()
-    return config
-
-
 def run_fast_paths(run: RunConfig, shape: ModelShape) -> List[FastPath]:
     """The fast-path decisions for this run on this machine (models/fast_paths.py)."""
     return choose_fast_paths(target_for(not platform.is_cuda()), shape.moe_variant,
@@ -91,15 +62,10 @@ def _wrap_ddp(config, chunks, run: RunConfig, shape: ModelShape) -> List[Distrib
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
         check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run, shape)))
-    device = platform.device()
-    wrapped = []
-    for index, chunk in enumerate(chunks):
-        chunk.to(device)
-        wrapped.append(DistributedDataParallel(
-            config=config, ddp_config=ddp_config, module=chunk,
-            # Bucketing is pointless for non-first virtual chunks (Megatron does the same).
-            disable_bucketing=index > 0))
-    return wrapped
+    # Bucketing is pointless for non-first virtual chunks (Megatron does the same).
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)]
 
 
 def _optimizer(run: RunConfig, config, model) -> object:
@@ -126,9 +92,8 @@ def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
 def build_trainer(run: RunConfig, pg_collection) -> Trainer:
     """Build this rank's model chunks, DDP wrappers, optimizer and scheduler."""
     shape = resolve_model(run.model)
-    config = model_config(run, shape)
-    platform.seed_all(run.training.seed)
-    chunks = build_model_chunks(config, shape, pg_collection)
+    chunks = build_model(run, pg_collection)  # seeded, on the device
+    config = chunks[0].config
     model = _wrap_ddp(config, chunks, run, shape)
     # The schedule calls this after the last backward: DP grad sync, TP/PP embedding and
     # layer-norm grad reductions, and the expert-bias update.

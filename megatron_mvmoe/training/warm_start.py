@@ -30,11 +30,12 @@ import torch
 from megatron.core import dist_checkpointing
 
 from megatron_mvmoe import platform
+from megatron_mvmoe.models.build import model_config
 from megatron_mvmoe.models.presets import ModelShape, resolve_model
 from megatron_mvmoe.models.provider import build_model_chunks
 from megatron_mvmoe.models.warm_start import WarmStartReport, warm_start_multi_view
 from megatron_mvmoe.training import checkpoint as ckpt
-from megatron_mvmoe.training.build import Trainer, model_config
+from megatron_mvmoe.training.build import Trainer
 from megatron_mvmoe.training.config import ModelSection, RunConfig
 
 TARGET_VARIANTS = ("multi_view", "multi_router")
