@@ -31,7 +31,7 @@ def _rank(rank, world_size, checkpoint: str, batches: int, batch_size: int, seed
                 model_access.gpt_token_nll(opened.model, batch)
             for key, layer in layers.items():
                 maps[key].append(moe_probe.probe_routing(layer, inputs[key]).routing_map_TE)
-    config = opened.trainer.config
+    config = opened.config
     return {"source": opened.source, "variant": config.moe_variant,
             "data": model_access.SYNTHETIC if "random" in by_domain else sorted(by_domain),
             "hidden": config.hidden_size, "latent": config.latent_size,
