@@ -127,7 +127,8 @@ def main(argv=None) -> int:
     if rank != 0:
         return 0
     tokens = run.training.eval_iters * run.training.global_batch_size * loaded.shape.seq_length
-    result = {"checkpoint": args.load, "step": loaded.step, "seconds": round(time.time() - start, 2),
+    result = {"checkpoint": args.load, "step": loaded.step,
+              "seconds": round(time.time() - start, 2),
               "tokens_per_component": tokens,
               "components": {name: {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
                              for name, loss in losses.items()}}

@@ -4,8 +4,9 @@ load profile the scale model draws from (`checkpoint_routing`, `load_profile`).
 Design choices:
 - The model is opened by the analysis plumbing (`tool_common.open_spec`: the run's own
   `models.build.build_model` and `checkpointing.weights.load_weights`), routed on the
-  run's held-out batches (real text when the run has a data path) and probed with `moe_probe.probe_routing`, i.e. with the
-  layer's own router (MultiRouter's `route()` for Multi-View).
+  run's held-out batches (real text when the run has a data path) and probed with
+  `moe_probe.probe_routing`, i.e. with the layer's own router (MultiRouter's `route()` for
+  Multi-View).
 - `load_profile` averages the layers' SORTED per-expert shares: a load shape independent
   of which expert id is hot, which is what a model with another expert count can borrow.
 """

@@ -11,9 +11,9 @@ Design choices:
   verified, fingerprint checked, weights only), so the analysis sees exactly the trained
   model without a trainer, optimizer or DDP, and never re-implements model building.
 - Held-out batches come from the run's own `data/run_data.RunData.eval_iterator(domain)`
-  (the trainer's evaluation data) when a data
-  path is set; without one the tools fall back to seeded uniform random tokens and SAY so
-  in their output (fine for a freshly initialised model's plumbing, meaningless for NLL).
+  (the trainer's evaluation data) when a data path is set; without one the tools fall
+  back to seeded uniform random tokens and SAY so in their output (fine for a freshly
+  initialised model's plumbing, meaningless for NLL).
 - NLL is returned per token in [S, B] order so it lines up with the MoE layers' tokens.
 - Must run inside an initialised process group (the tools use the test spawner with one
   rank, or torchrun); dense evaluation needs EP = 1.

@@ -108,8 +108,8 @@ def load_model(run: RunConfig, path: str, pg_collection) -> CheckpointModel:
 def run_tokenizer(run: RunConfig):
     """The tokenizer of the run: Megatron-LM flags, or the preprocessed directory's."""
     from megatron_mvmoe.data.indexed import read_meta
-    from megatron_mvmoe.data.tokenize import load_tokenizer
     from megatron_mvmoe.data.run_data import build_run_tokenizer
+    from megatron_mvmoe.data.tokenize import load_tokenizer
 
     tokenizer = build_run_tokenizer(run)
     if tokenizer is not None:
