@@ -277,10 +277,10 @@ class RunConfig:
     def _validate_model(self) -> None:
         """The section's checks, then MVMoETransformerConfig's (the variant's, Megatron's)
         at this layout."""
-        from megatron_mvmoe.models.provider import run_transformer_config
+        from megatron_mvmoe.models.build import model_config
 
         self.model.validate(vocab_from_tokenizer=self.data.tokenizer_type is not None)
-        run_transformer_config(self)
+        model_config(self)
 
     def _validate_layout(self, world_size: int, num_layers, num_experts) -> None:
         planned = self.parallel.world_size

@@ -97,10 +97,9 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_mvmoe.training.checkpoint import CheckpointError
-    from megatron_mvmoe.training.data import RunData
-    from megatron_mvmoe.training.from_checkpoint import (checkpoint_step, load_trainer,
-                                                         tool_session)
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
+    from megatron_mvmoe.data.run_data import RunData
+    from megatron_mvmoe.training.from_checkpoint import load_model, tool_session
     from megatron_mvmoe.training.step import evaluate
 
     args = parse_args(argv)
@@ -112,23 +111,24 @@ def main(argv=None) -> int:
             run.training.eval_iters = args.eval_iters
         with tool_session(run) as pgs:
             start = time.time()
-            trainer, state = load_trainer(run, args.load, pgs)
-            data = RunData(run, trainer.shape.seq_length, trainer.shape.vocab_size,
+            loaded = load_model(run, args.load, pgs)
+            data = RunData(run, loaded.shape.seq_length, loaded.shape.vocab_size,
                            parallel_state.get_data_parallel_rank(),
                            parallel_state.get_data_parallel_world_size())
             if dist.get_rank() == 0:
-                say(f"evaluating step {checkpoint_step(args.load)} on "
+                say(f"evaluating step {loaded.step} on "
                     f"{list(data.valid)}, {run.training.eval_iters} global batches each")
             microbatches = run.training.eval_iters * run.num_microbatches(dist.get_world_size())
-            losses = evaluate(trainer, data, microbatches)
+            losses = evaluate(loaded, data, microbatches)
             rank = dist.get_rank()
     except (ValueError, CheckpointError) as err:
         say(f"error: {err}")
         return 2
     if rank != 0:
         return 0
-    tokens = run.training.eval_iters * run.training.global_batch_size * trainer.shape.seq_length
-    result = {"checkpoint": args.load, "step": checkpoint_step(args.load), "seconds": round(time.time() - start, 2),
+    tokens = run.training.eval_iters * run.training.global_batch_size * loaded.shape.seq_length
+    result = {"checkpoint": args.load, "step": loaded.step,
+              "seconds": round(time.time() - start, 2),
               "tokens_per_component": tokens,
               "components": {name: {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
                              for name, loss in losses.items()}}

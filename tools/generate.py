@@ -47,8 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     import torch.distributed as dist
 
-    from megatron_mvmoe.training.checkpoint import CheckpointError
-    from megatron_mvmoe.training.from_checkpoint import load_trainer, run_tokenizer, tool_session
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
+    from megatron_mvmoe.training.from_checkpoint import load_model, run_tokenizer, tool_session
     from megatron_mvmoe.training.generation import SamplingConfig, generate
 
     args = parse_args(argv)
@@ -63,15 +63,15 @@ def main(argv=None) -> int:
             is_main = dist.get_rank() == 0
             progress = say if is_main else None
             start = time.time()
-            trainer, state = load_trainer(run, args.load, pgs)
+            loaded = load_model(run, args.load, pgs)
             tokenizer = run_tokenizer(run)
             if is_main:
-                say(f"loaded {args.load} ({trainer.shape.moe_variant}, layout tp="
+                say(f"loaded {args.load} ({loaded.shape.moe_variant}, layout tp="
                     f"{run.parallel.tp} ep={run.parallel.ep}) in {time.time() - start:.1f} s")
-            model = trainer.unwrapped()[0]
+            model = loaded.model[0]
             for prompt in args.prompt:
                 ids = generate(model, tokenizer.tokenize(prompt), sampling,
-                               trainer.shape.seq_length, tokenizer.vocab_size,
+                               loaded.shape.seq_length, tokenizer.vocab_size,
                                eod_id=tokenizer.eod, progress=progress)
                 outputs.append({"prompt": prompt, "text": tokenizer.detokenize(ids),
                                 "tokens": ids})

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         return 2
     from megatron_mvmoe.evaluation.lm_eval_model import MVMoELM
     from megatron_mvmoe.evaluation.lm_eval_task import TASK_NAME, make_docs, read_texts, write_task
-    from megatron_mvmoe.training.checkpoint import CheckpointError
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
 
     start = time.time()
     try:

@@ -50,7 +50,7 @@ def _rank(rank, world_size, spec, args):
                                           mix).as_dict()
         maps[key] = torch.cat([c.routing_map_TE for c in chunks])
     return {"label": spec.label, "source": opened.source,
-            "variant": opened.trainer.config.moe_variant,
+            "variant": opened.config.moe_variant,
             "data": model_access.SYNTHETIC if "random" in by_domain else sorted(by_domain),
             "diversity": diversity,
             "load": [entry.as_dict() for entry in load_report(maps, args.ep_size)]}

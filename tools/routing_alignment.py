@@ -51,7 +51,7 @@ def _analyse(rank, world_size, spec, args):
     if say is not None:
         say(f"bootstrap confidence intervals ({args.resamples} resamples)")
     reports = alignment_run.reports(data, args.resamples, args.level, args.seed)
-    config = opened.trainer.config
+    config = opened.config
     return {
         "label": spec.label, "source": opened.source,
         "variant": config.moe_variant, "num_routers": config.multi_view.num_routers,

@@ -3,9 +3,10 @@ load profile the scale model draws from (`checkpoint_routing`, `load_profile`).
 
 Design choices:
 - The model is opened by the analysis plumbing (`tool_common.open_spec`: the run's own
-  provider and `load_checkpoint`), routed on the run's held-out batches (real text when
-  the run has a data path) and probed with `moe_probe.probe_routing`, i.e. with the
-  layer's own router (MultiRouter's `route()` for Multi-View).
+  `models.build.build_model` and `checkpointing.weights.load_weights`), routed on the
+  run's held-out batches (real text when the run has a data path) and probed with
+  `moe_probe.probe_routing`, i.e. with the layer's own router (MultiRouter's `route()` for
+  Multi-View).
 - `load_profile` averages the layers' SORTED per-expert shares: a load shape independent
   of which expert id is hot, which is what a model with another expert count can borrow.
 """
@@ -26,7 +27,7 @@ def _rank(rank, world_size, checkpoint: str, batches: int, batch_size: int, seed
     by_domain = model_access.heldout_batches(opened.run, batches, batch_size, seed)
     probes = moe_probe.probe_batches(opened.model, layers, by_domain,
                                      model_access.gpt_token_nll)
-    config = opened.trainer.config
+    config = opened.config
     return {"source": opened.source, "variant": config.moe_variant,
             "data": model_access.SYNTHETIC if "random" in by_domain else sorted(by_domain),
             "hidden": config.hidden_size, "latent": config.latent_size,

@@ -6,12 +6,14 @@ Legend: B sequences, S sequence length, T = S*B tokens in [S, B] flattened order
 inside Megatron's MoE layers).
 
 Design choices:
-- The model is built by the training engineer's `build_trainer` and loaded with its
-  `load_checkpoint(load_optimizer=False)`, so the analysis sees exactly the trained model
-  (same provider, same specs, fingerprint checked) and never re-implements model building.
-- Held-out batches come from the run's own `RunData.eval_iterator(domain)` when a data
-  path is set; without one the tools fall back to seeded uniform random tokens and SAY so
-  in their output (fine for a freshly initialised model's plumbing, meaningless for NLL).
+- The model is built by `models/build.build_model` (the very chunks the trainer wraps in
+  DDP, seeded the same way) and filled by `checkpointing/weights.load_weights` (manifest
+  verified, fingerprint checked, weights only), so the analysis sees exactly the trained
+  model without a trainer, optimizer or DDP, and never re-implements model building.
+- Held-out batches come from the run's own `data/run_data.RunData.eval_iterator(domain)`
+  (the trainer's evaluation data) when a data path is set; without one the tools fall
+  back to seeded uniform random tokens and SAY so in their output (fine for a freshly
+  initialised model's plumbing, meaningless for NLL).
 - NLL is returned per token in [S, B] order so it lines up with the MoE layers' tokens.
 - Must run inside an initialised process group (the tools use the test spawner with one
   rank, or torchrun); dense evaluation needs EP = 1.
@@ -25,6 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.run_config import (
     RunConfig, config_from_dict, read_yaml, saved_config_from_dict, set_field)
 
@@ -36,7 +39,7 @@ def run_config(preset: Optional[str] = None, config_path: Optional[str] = None,
     """The run config from a checkpoint's stored config, a YAML file, or a preset name, with
     `overrides` ({"section.field[.field]": value}) set before it is loaded and checked."""
     if checkpoint is not None:
-        from megatron_mvmoe.training.checkpoint import read_run_state, resolve_checkpoint
+        from megatron_mvmoe.checkpointing.directory import read_run_state, resolve_checkpoint
 
         raw = read_run_state(resolve_checkpoint(checkpoint)).get("config")
         if raw is None:
@@ -63,28 +66,31 @@ class OpenModel:
     """An evaluation model on this rank."""
 
     model: torch.nn.Module
-    """The unwrapped GPTModel (eval mode)."""
+    """The GPTModel (eval mode)."""
     run: RunConfig
-    trainer: object
+    config: MVMoETransformerConfig
+    """The model's full config (`model.config`)."""
     source: str
     """'checkpoint:<path>' or 'fresh-init(seed=...)'."""
 
 
 def open_model(run: RunConfig, pg_collection, checkpoint: Optional[str] = None) -> OpenModel:
-    """Build the run's model (one chunk, EP = 1) and load `checkpoint`'s weights if given."""
-    from megatron_mvmoe.training.build import build_trainer
+    """Collective: build the run's model (one chunk, EP = 1) and load `checkpoint`'s
+    weights if given."""
+    from megatron_mvmoe.models.build import build_model
 
-    trainer = build_trainer(run, pg_collection)
-    source = f"fresh-init(seed={run.training.seed})"
-    if checkpoint is not None:
-        from megatron_mvmoe.training.checkpoint import load_checkpoint
-
-        load_checkpoint(trainer, checkpoint, load_optimizer=False)
-        source = f"checkpoint:{os.path.abspath(checkpoint)}"
-    chunks = trainer.unwrapped()
+    chunks = build_model(run, pg_collection)
     if len(chunks) != 1:
         raise ValueError("analysis needs the whole model on one rank (pp = vpp = 1)")
-    return OpenModel(chunks[0].eval(), run, trainer, source)
+    source = f"fresh-init(seed={run.training.seed})"
+    if checkpoint is not None:
+        from megatron_mvmoe.checkpointing.fingerprint import run_fingerprint
+        from megatron_mvmoe.checkpointing.weights import load_weights
+
+        load_weights(chunks, checkpoint, run_fingerprint(run))
+        source = f"checkpoint:{os.path.abspath(checkpoint)}"
+    model = chunks[0].eval()
+    return OpenModel(model, run, model.config, source)
 
 
 def gpt_token_nll(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -105,7 +111,7 @@ def heldout_batches(run: RunConfig, num_batches: int, batch_size: int = 2,
     if run.data.path is None:
         return {"random": synthetic_batches(num_batches, batch_size, shape.seq_length,
                                             shape.vocab_size, seed)}
-    from megatron_mvmoe.training.data import RunData
+    from megatron_mvmoe.data.run_data import RunData
 
     run.training.micro_batch_size = batch_size
     data = RunData(run, shape.seq_length, shape.vocab_size, dp_rank=0, dp_size=1)

@@ -8,5 +8,7 @@ Modules (imported explicitly; this package imports nothing heavy on its own):
 - preprocess.py  corpus -> one .bin/.idx per domain and split
 - loader.py      Megatron BlendedMegatronDatasetBuilder/GPTDataset, microbatch iterators
 - dali_loader.py optional NVIDIA DALI backend for the same microbatches
+- run_data.py    a run's tokenizer and its train / per-domain eval microbatch streams
+                 (the trainer's data and the analysis tools' held-out batches)
 - errors.py      DataError: user-fixable problems, naming the file and the fix
 """

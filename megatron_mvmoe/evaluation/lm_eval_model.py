@@ -39,7 +39,7 @@ class MVMoELM(LM):
         super().__init__()
         import argparse
 
-        from megatron_mvmoe.training.from_checkpoint import (load_trainer, run_tokenizer,
+        from megatron_mvmoe.training.from_checkpoint import (load_model, run_tokenizer,
                                                              tool_session)
         from megatron_mvmoe.training.tool_flags import run_from_flags
 
@@ -49,10 +49,10 @@ class MVMoELM(LM):
         run = run_from_flags(flags)
         self._stack = contextlib.ExitStack()
         pgs = self._stack.enter_context(tool_session(run))
-        trainer, _ = load_trainer(run, load, pgs)
-        self.model = trainer.unwrapped()[0].eval()
+        loaded = load_model(run, load, pgs)
+        self.model = loaded.model[0].eval()
         self.tokenizer = run_tokenizer(run)
-        self.seq_length = trainer.shape.seq_length
+        self.seq_length = loaded.shape.seq_length
         self.max_gen_toks = int(max_gen_toks)
 
     def close(self) -> None:

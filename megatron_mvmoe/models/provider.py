@@ -27,7 +27,6 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from megatron_mvmoe import platform
 from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
 from megatron_mvmoe.models.model_section import ModelSection
@@ -91,21 +90,6 @@ def transformer_config(shape: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
     kwargs.update(_routing(shape))
     kwargs.update(shape.extra)
     return MVMoETransformerConfig(**kwargs)
-
-
-def use_bf16(run) -> bool:
-    """The run's precision on this machine: auto = bf16 on a GPU, fp32 on the CPU."""
-    if run.training.precision == "auto":
-        return platform.is_cuda()
-    return run.training.precision == "bf16"
-
-
-def run_transformer_config(run) -> MVMoETransformerConfig:
-    """The Megatron config of a RunConfig's model at its layout, on this machine (`run` is
-    duck-typed: models/ sits below the run config's module)."""
-    p = run.parallel
-    return transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                              use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
 
 
 def decoder_block_spec(config: MVMoETransformerConfig, vp_stage: Optional[int] = None):

@@ -1,5 +1,6 @@
-"""Everything a training run holds, built in order: config -> model chunks -> DDP ->
-distributed optimizer -> LR scheduler.
+"""Everything a training run holds, built in order: config -> model chunks
+(`models/build.build_model`, the one path every tool shares) -> DDP -> distributed
+optimizer -> LR scheduler.
 
 Design choices:
 - All engine pieces are Megatron-Core's own: `DistributedDataParallel` (grad buffers and
@@ -24,9 +25,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe import platform
 from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.models.build import build_model
 from megatron_mvmoe.models.fast_paths import FastPath, choose_fast_paths, ddp_fields
 from megatron_mvmoe.models.model_section import ModelSection
-from megatron_mvmoe.models.provider import build_model_chunks, run_transformer_config, target_for
+from megatron_mvmoe.models.provider import target_for
 from megatron_mvmoe.run_config import RunConfig
 from megatron_mvmoe.training.schedule_rule import scheduler_switches
 
@@ -52,11 +54,6 @@ class Trainer:
         return [chunk.module for chunk in self.model]
 
 
-def model_config(run: RunConfig) -> MVMoETransformerConfig:
-    """The run's Megatron config on this machine (models/provider.py's one translation)."""
-    return run_transformer_config(run)
-
-
 def run_fast_paths(run: RunConfig) -> List[FastPath]:
     """The fast-path decisions for this run on this machine (models/fast_paths.py)."""
     return choose_fast_paths(target_for(not platform.is_cuda()), run.model.moe_variant,
@@ -69,15 +66,10 @@ def _wrap_ddp(config, chunks, run: RunConfig) -> List[DistributedDataParallel]:
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
         check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run)))
-    device = platform.device()
-    wrapped = []
-    for index, chunk in enumerate(chunks):
-        chunk.to(device)
-        wrapped.append(DistributedDataParallel(
-            config=config, ddp_config=ddp_config, module=chunk,
-            # Bucketing is pointless for non-first virtual chunks (Megatron does the same).
-            disable_bucketing=index > 0))
-    return wrapped
+    # Bucketing is pointless for non-first virtual chunks (Megatron does the same).
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)]
 
 
 def _optimizer(run: RunConfig, config, model) -> object:
@@ -103,9 +95,8 @@ def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
 
 def build_trainer(run: RunConfig, pg_collection) -> Trainer:
     """Build this rank's model chunks, DDP wrappers, optimizer and scheduler."""
-    config = model_config(run)
-    platform.seed_all(run.training.seed)
-    chunks = build_model_chunks(config, run.model, pg_collection)
+    chunks = build_model(run, pg_collection)  # seeded, on the device
+    config = chunks[0].config
     model = _wrap_ddp(config, chunks, run)
     # The schedule calls this after the last backward: DP grad sync, TP/PP embedding and
     # layer-norm grad reductions, and the expert-bias update.

@@ -1,11 +1,9 @@
 """Checkpoints with Megatron dist-checkpointing: crash-safe, resumable, reshardable.
 
-Layout of a checkpoint root:
-    latest                  one line: the directory name of the last good checkpoint
-    iter_0000100/           Megatron dist-checkpoint (model + optimizer shards) plus
-        run_state.json      step, consumed samples, gamma, scheduler, model fingerprint, config
-        rng/rank_<r>.pt     per-rank RNG states (tensors only; torch.load weights_only=True)
-        manifest.json       every file's size and SHA-256, written last (ckpt_integrity.py)
+The layout of a checkpoint root and everything a reader needs (resolving, manifests, the
+model fingerprint, the model weights) live in `megatron_mvmoe/checkpointing/`; this module
+adds what only the trainer has: saving, and restoring the optimizer, scheduler, RNG and
+data position.
 
 Design choices:
 - A save writes into `.tmp_iter_N`, then renames it to `iter_N`, then replaces `latest`
@@ -16,23 +14,21 @@ Design choices:
 - Tensors (model, optimizer) go through dist-checkpointing, so a checkpoint saved at one
   TP/PP/EP layout loads at another; the distributed optimizer uses the
   `dp_reshardable` format (the default errors on CPU, MCORE notes).
-- Everything else is JSON we read ourselves. The model fingerprint (every ModelSection field
-  that changes a parameter shape or meaning) is compared before any tensor is read, and a
-  mismatch names the differing fields.
+- Everything else is JSON we read ourselves. The model fingerprint
+  (checkpointing/fingerprint.py) is compared before any tensor is read, and a mismatch
+  names the differing fields.
 - The RNG files are per rank; on a different world size they do not apply and the run
   reseeds from (seed, step) instead, which the log says.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import queue
 import random
 import shutil
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -40,24 +36,18 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mvmoe.config import MultiHeadConfig
-from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.checkpointing import integrity
+from megatron_mvmoe.checkpointing.directory import FORMAT, LATEST, RUN_STATE
+from megatron_mvmoe.checkpointing.errors import CheckpointError
+from megatron_mvmoe.checkpointing.fingerprint import model_fingerprint
+from megatron_mvmoe.checkpointing.integrity import write_json_atomic
+from megatron_mvmoe.checkpointing.weights import (model_sharded_state_dict, open_checkpoint,
+                                                  read_tensors, set_model_weights)
 from megatron_mvmoe.platform import is_cuda
-from megatron_mvmoe.training import ckpt_integrity as integrity
-from megatron_mvmoe.training.ckpt_integrity import write_json_atomic
 from megatron_mvmoe.training.build import Trainer
 from megatron_mvmoe.training.schedule_rule import restore_scheduler
 
-LATEST = "latest"
-RUN_STATE = "run_state.json"
-FORMAT = "megatron_mvmoe.checkpoint/1"
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
-_NOT_STRUCTURAL = ("preset", "seq_length", "multi_view", "multi_head", "bitnet", "extra")
-"""ModelSection fields not in the fingerprint as they are (the nested ones enter flat)."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, or from an incompatible model."""
 
 
 @dataclass
@@ -72,27 +62,8 @@ class ResumeState:
 
 
 def fingerprint(trainer: Trainer) -> Dict:
+    """The fingerprint of the trainer's model (checkpointing/fingerprint.py)."""
     return model_fingerprint(trainer.run.model)
-
-
-def model_fingerprint(model: ModelSection) -> Dict:
-    """Every model field that changes a parameter's shape or meaning, in the flat form
-    checkpoints have recorded since the first version (so all of them still match):
-    shape fields, R, K, H and `extra`; switches added later are recorded only when they
-    differ from the default (learned alpha adds parameters, BitNet changes what weights
-    mean, MH-MoE's projection switches change which weights exist)."""
-    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-              if f.name not in _NOT_STRUCTURAL}
-    views, heads = model.multi_view, model.multi_head
-    fields.update(num_routers=views.num_routers, num_views=views.num_views,
-                  num_heads_mh=heads.num_heads, extra=dict(model.extra))
-    if views.learned_gate_scale:
-        fields["learned_gate_scale"] = True
-    if model.bitnet.enabled:
-        fields["bitnet"] = True
-    if dataclasses.replace(heads, num_heads=1) != MultiHeadConfig():
-        fields["multi_head"] = dataclasses.asdict(heads)
-    return fields
 
 
 def _ensure_optimizer_state(optimizer) -> None:
@@ -125,8 +96,7 @@ def _restore_adam_steps(optimizer) -> None:
 
 def _sharded_state_dict(trainer: Trainer, is_loading: bool, optimizer_format: Optional[str]
                         ) -> Dict:
-    state = {f"model{i}": chunk.sharded_state_dict()
-             for i, chunk in enumerate(trainer.unwrapped())}
+    state = model_sharded_state_dict(trainer.unwrapped())
     if optimizer_format is None:
         return state
     if is_loading:
@@ -349,74 +319,6 @@ class AsyncSaver:
 
 
 # ------------------------------------------------------------------------------- load
-def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
-    """A checkpoint directory from a root (via `latest`, or iter_<step> when `step` is
-    given, Megatron-LM's --ckpt-step) or a checkpoint dir itself."""
-    if step is not None:
-        directory = os.path.join(path, f"iter_{step:07d}")
-        if not os.path.isfile(os.path.join(directory, RUN_STATE)):
-            raise CheckpointError(f"--ckpt-step {step}: {directory} is missing or incomplete. "
-                                  f"Fix: use one of {list_checkpoints(path) or 'none here'}")
-        return directory
-    if os.path.isfile(os.path.join(path, RUN_STATE)):
-        return path
-    pointer = os.path.join(path, LATEST)
-    if not os.path.isfile(pointer):
-        raise CheckpointError(f"--load {path}: no checkpoint here (no '{LATEST}' file and no "
-                              f"{RUN_STATE}). Fix: pass the --save directory of an earlier "
-                              "run, or drop --load to start fresh")
-    with open(pointer) as fh:
-        name = fh.read().strip()
-    directory = os.path.join(path, name)
-    if not os.path.isfile(os.path.join(directory, RUN_STATE)):
-        raise CheckpointError(f"--load {path}: '{LATEST}' points at {name!r}, which is missing "
-                              f"or has no {RUN_STATE} (deleted or corrupt). Fix: point "
-                              f"'{LATEST}' at an intact iter_* directory")
-    return directory
-
-
-def _earlier_fix(directory: str) -> str:
-    root, name = os.path.split(os.path.normpath(directory))
-    others = [d for d in list_checkpoints(root) if d < name]
-    if others:
-        return (f"load an earlier checkpoint with --load {root} --ckpt-step "
-                f"{int(others[-1][5:])} (or delete {directory})")
-    return f"delete {directory} and start fresh (no earlier checkpoint in {root})"
-
-
-def _verify(directory: str) -> None:
-    try:
-        verified = integrity.verify_manifest(directory, _earlier_fix(directory))
-    except integrity.IntegrityError as err:
-        raise CheckpointError(str(err)) from None
-    if not verified and dist.get_rank() == 0:
-        print(f"warning: {directory} has no {integrity.MANIFEST} (written before manifests "
-              "existed): its files are not verified", flush=True)
-
-
-def read_run_state(directory: str) -> Dict:
-    try:
-        with open(os.path.join(directory, RUN_STATE)) as fh:
-            meta = json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{directory}/{RUN_STATE} is unreadable ({err}): the checkpoint "
-                              "is corrupt. Fix: load an earlier iter_* directory") from err
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{directory}: format {meta.get('format')!r}, expected "
-                              f"{FORMAT!r}. Fix: load a checkpoint written by megatron_mvmoe")
-    return meta
-
-
-def check_fingerprint(saved: Dict, current: Dict, directory: str) -> None:
-    keys = sorted(set(saved) | set(current))
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {current.get(k)!r}"
-             for k in keys if saved.get(k) != current.get(k)]
-    if diffs:
-        raise CheckpointError(f"{directory} is from an incompatible model; differing fields: "
-                              + "; ".join(diffs) + ". Fix: use the checkpoint's model config "
-                              "(its run_state.json 'config') or start without --load")
-
-
 def _restore_rng(directory: str, run_world_size: int, saved_world_size: int) -> bool:
     path = os.path.join(directory, "rng", f"rank_{dist.get_rank()}.pt")
     if run_world_size != saved_world_size or not os.path.isfile(path):
@@ -433,22 +335,10 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
                     step: Optional[int] = None) -> ResumeState:
     """Collective: restore model (+ optimizer, scheduler, RNG, position) from `path`
     (iter_<step> when given), after checking every file against its manifest."""
-    directory = resolve_checkpoint(path, step)
-    _verify(directory)
-    meta = read_run_state(directory)
-    check_fingerprint(meta["fingerprint"], fingerprint(trainer), directory)
+    directory, meta = open_checkpoint(path, fingerprint(trainer), step)
     optimizer_format = _loadable_optimizer_format(trainer, meta, load_optimizer)
-    sharded = _sharded_state_dict(trainer, True, optimizer_format)
-    try:
-        with torch.no_grad():  # the distributed optimizer's fp32 params need it (notes)
-            loaded = dist_checkpointing.load(sharded, directory)
-    except Exception as err:
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-        raise CheckpointError(f"{directory}: reading the tensors failed ({type(err).__name__}: "
-                              f"{first}): the checkpoint is corrupt or incomplete. Fix: "
-                              f"{_earlier_fix(directory)}") from err
-    for i, chunk in enumerate(trainer.unwrapped()):
-        chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    loaded = read_tensors(_sharded_state_dict(trainer, True, optimizer_format), directory)
+    set_model_weights(trainer.unwrapped(), loaded)
     if optimizer_format is None:
         # bf16 runs keep fp32 main copies in the optimizer, made from the initial weights:
         # refresh them, or the first step would write the initial weights back.
@@ -516,8 +406,3 @@ def _loadable_optimizer_format(trainer: Trainer, meta: Dict, load_optimizer: boo
         return None
     return saved
 
-
-def list_checkpoints(root: str) -> List[str]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(d for d in os.listdir(root) if d.startswith("iter_"))

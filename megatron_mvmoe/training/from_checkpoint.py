@@ -3,9 +3,10 @@
 Design choices:
 - The run config comes from the checkpoint's own run_state.json, so a tool needs only the
   checkpoint path; the layout (TP/EP/...) and the data section may be overridden. The model
-  is built by the trainer's own `build_trainer` and filled by `load_checkpoint` (weights
-  only), so a tool sees exactly the weights the trainer would resume with, on any layout
-  dist-checkpointing can reshard to.
+  is built by `models/build.build_model` (the chunks the trainer wraps) and filled by
+  `checkpointing/weights.load_weights` (verified, fingerprint checked, weights only): no
+  DDP, optimizer or scheduler, and exactly the weights the trainer would resume with, on
+  any layout dist-checkpointing can reshard to.
 - The tokenizer is the run's: Megatron-LM flags in its data section, the tokenizer/ saved
   in its preprocessed directory, or one given to the tool.
 - `tool_session` initialises torch.distributed from the launcher (torchrun, Slurm, MPI, or
@@ -17,17 +18,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from typing import Dict, Iterator, Optional
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
 
+import torch
 import torch.distributed as dist
 
+from megatron_mvmoe.checkpointing.directory import read_run_state, resolve_checkpoint
+from megatron_mvmoe.checkpointing.fingerprint import run_fingerprint
+from megatron_mvmoe.checkpointing.weights import load_weights
+from megatron_mvmoe.models.build import build_model
+from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.run_config import RunConfig, saved_config_from_dict
 
 
 def checkpoint_run_config(path: str) -> RunConfig:
     """The RunConfig a checkpoint (root or iter_* directory) was trained with."""
-    meta = ckpt.read_run_state(ckpt.resolve_checkpoint(path))
+    meta = read_run_state(resolve_checkpoint(path))
     return saved_config_from_dict(copy.deepcopy(meta["config"]))
 
 
@@ -49,9 +57,9 @@ def with_layout(run: RunConfig, parallel: Optional[Dict] = None) -> RunConfig:
 def tool_session(run: RunConfig) -> Iterator[object]:
     """Process group + Megatron parallel state for a tool; yields the pg collection."""
     from megatron_mvmoe import platform
+    from megatron_mvmoe.data.run_data import resolve_tokenizer
     from megatron_mvmoe.launch import init_distributed
     from megatron_mvmoe.parallel import destroy_layout, initialize_layout
-    from megatron_mvmoe.training.data import resolve_tokenizer
 
     platform.apply_cpu_patches()
     started = not dist.is_initialized()
@@ -69,24 +77,34 @@ def tool_session(run: RunConfig) -> Iterator[object]:
             dist.destroy_process_group()
 
 
-def load_trainer(run: RunConfig, path: str, pg_collection):
-    """Build the run's model on the current layout and load the checkpoint's weights."""
-    from megatron_mvmoe.training.build import build_trainer
+@dataclass
+class CheckpointModel:
+    """A checkpoint's model on this rank, for inference or evaluation. Has the `run`,
+    `shape` and `model` chunk list `training/step.evaluate` reads from a Trainer."""
 
-    trainer = build_trainer(run, pg_collection)
-    state = ckpt.load_checkpoint(trainer, path, load_optimizer=False)
-    return trainer, state
+    run: RunConfig
+    shape: ModelSection
+    """= run.model (the name training/step.evaluate reads)."""
+    model: List[torch.nn.Module]
+    """This rank's unwrapped GPTModel chunks (one per virtual pipeline stage)."""
+    step: int
+    """The training step the checkpoint was saved at."""
 
 
-def checkpoint_step(path: str) -> int:
-    return int(ckpt.read_run_state(ckpt.resolve_checkpoint(path))["step"])
+def load_model(run: RunConfig, path: str, pg_collection) -> CheckpointModel:
+    """Collective: build the run's model on the current layout and load the checkpoint's
+    weights (no optimizer: `models.build.build_model` + `checkpointing.load_weights`)."""
+    chunks = build_model(run, pg_collection)
+    meta = load_weights(chunks, path, run_fingerprint(run))
+    return CheckpointModel(run=run, shape=run.model, model=chunks,
+                           step=int(meta["step"]))
 
 
 def run_tokenizer(run: RunConfig):
     """The tokenizer of the run: Megatron-LM flags, or the preprocessed directory's."""
     from megatron_mvmoe.data.indexed import read_meta
+    from megatron_mvmoe.data.run_data import build_run_tokenizer
     from megatron_mvmoe.data.tokenize import load_tokenizer
-    from megatron_mvmoe.training.data import build_run_tokenizer
 
     tokenizer = build_run_tokenizer(run)
     if tokenizer is not None:

@@ -29,11 +29,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_mvmoe import platform
+from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
+from megatron_mvmoe.checkpointing.errors import CheckpointError
+from megatron_mvmoe.checkpointing.integrity import remove_stale_tmp, write_json_atomic
+from megatron_mvmoe.data.run_data import RunData, resolve_tokenizer
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
-from megatron_mvmoe.training.ckpt_integrity import remove_stale_tmp, write_json_atomic
 from megatron_mvmoe.run_config import RunConfig
-from megatron_mvmoe.training.data import RunData, resolve_tokenizer
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, routing_summary)
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, nonfinite_error
@@ -123,7 +125,7 @@ class _Loop:
                 self.warm_start()
             return
         self.state = ckpt.load_checkpoint(self.trainer, load, t.load_optimizer, t.ckpt_step)
-        self.result.last_checkpoint = ckpt.resolve_checkpoint(load, t.ckpt_step)
+        self.result.last_checkpoint = resolve_checkpoint(load, t.ckpt_step)
         self.log.line(f"resumed from {self.result.last_checkpoint} at step "
                       f"{self.state.step} (consumed samples {self.state.consumed_samples})")
 
@@ -396,7 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stopped early by a signal, --exit-duration-in-mins or --exit-interval after saving."""
     try:
         result = run_from_args(argv)
-    except (ValueError, ckpt.CheckpointError, NonFiniteLoss) as err:
+    except (ValueError, CheckpointError, NonFiniteLoss) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     if result.stopped:

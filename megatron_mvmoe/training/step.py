@@ -26,8 +26,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mvmoe import platform
+from megatron_mvmoe.data.run_data import to_device
 from megatron_mvmoe.training.build import Trainer
-from megatron_mvmoe.training.data import to_device
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -123,7 +123,8 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
 @torch.no_grad()
 def evaluate(trainer: Trainer, data, num_microbatches: int) -> Dict[str, float]:
     """Mean held-out loss per domain over `num_microbatches` microbatches per DP rank
-    (the same ones every time)."""
+    (the same ones every time). Reads only `trainer.run`, `.shape` and `.model`, so a
+    checkpoint opened without a trainer (from_checkpoint.CheckpointModel) evaluates too."""
     for chunk in trainer.model:
         chunk.eval()
     results = {}

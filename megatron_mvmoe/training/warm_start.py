@@ -29,12 +29,15 @@ import torch
 from megatron.core import dist_checkpointing
 
 from megatron_mvmoe import platform
+from megatron_mvmoe.checkpointing import directory as ckpt_dir
+from megatron_mvmoe.checkpointing.errors import CheckpointError
+from megatron_mvmoe.checkpointing.weights import model_sharded_state_dict, set_model_weights
+from megatron_mvmoe.models.build import model_config
 from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.provider import build_model_chunks
 from megatron_mvmoe.models.warm_start import WarmStartReport, warm_start_multi_view
 from megatron_mvmoe.run_config import RunConfig, saved_config_from_dict
-from megatron_mvmoe.training import checkpoint as ckpt
-from megatron_mvmoe.training.build import Trainer, model_config
+from megatron_mvmoe.training.build import Trainer
 
 TARGET_VARIANTS = ("multi_view", "multi_router")
 # ModelSection fields that must agree between baseline and target (everything the latent
@@ -55,15 +58,15 @@ def check_target(shape: ModelSection) -> None:
 
 def has_checkpoint(path: str) -> bool:
     """Whether `path` is a checkpoint root with a `latest` pointer or a checkpoint dir."""
-    return any(os.path.isfile(os.path.join(path, name)) for name in (ckpt.LATEST,
-                                                                     ckpt.RUN_STATE))
+    return any(os.path.isfile(os.path.join(path, name))
+               for name in (ckpt_dir.LATEST, ckpt_dir.RUN_STATE))
 
 
 def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartReport]:
     """Collective: load the baseline at `path` into the trainer's model (see module doc)."""
     check_target(trainer.shape)
     directory = _baseline_directory(path)
-    meta = ckpt.read_run_state(directory)
+    meta = ckpt_dir.read_run_state(directory)
     baseline_run = _baseline_run(meta, trainer.run)
     check_baseline(baseline_run.model, trainer.shape, directory)
     with torch.random.fork_rng(devices=[]):
@@ -102,11 +105,11 @@ def check_baseline(baseline: ModelSection, target: ModelSection, directory: str)
 # ------------------------------------------------------------------------------ steps
 def _baseline_directory(path: str) -> str:
     if not has_checkpoint(path):
-        raise ckpt.CheckpointError(
-            f"--warm-start-from {path}: no checkpoint here (no '{ckpt.LATEST}' file and no "
-            f"{ckpt.RUN_STATE}). Fix: pass the --save directory of a latent baseline run "
+        raise CheckpointError(
+            f"--warm-start-from {path}: no checkpoint here (no '{ckpt_dir.LATEST}' file and no "
+            f"{ckpt_dir.RUN_STATE}). Fix: pass the --save directory of a latent baseline run "
             "(or one of its iter_* directories)")
-    return ckpt.resolve_checkpoint(path)
+    return ckpt_dir.resolve_checkpoint(path)
 
 
 def _baseline_run(meta: Dict, run: RunConfig) -> RunConfig:
@@ -124,14 +127,12 @@ def _load_baseline(run: RunConfig, pg_collection, directory: str) -> List[torch.
     device = platform.device()
     for chunk in chunks:
         chunk.to(device)
-    sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     try:
-        loaded = dist_checkpointing.load(sharded, directory)
+        loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), directory)
     except Exception as err:
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"--warm-start-from {directory}: reading the baseline's tensors failed "
             f"({type(err).__name__}: {err}). Fix: pass an intact checkpoint of a latent "
             "baseline written by megatron_mvmoe") from err
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    set_model_weights(chunks, loaded)
     return chunks

@@ -62,7 +62,7 @@ def test_warmup_longer_than_decay():
 
 
 def test_multi_view_and_bitnet_switches_reach_the_layer_config():
-    from megatron_mvmoe.training.build import model_config
+    from megatron_mvmoe.models.build import model_config
 
     run = config_from_args(["--model-preset", "tiny_multi_view", "--stop-grad-mixing",
                             "--learned-gate-scale", "--gate-scale", "2.5",

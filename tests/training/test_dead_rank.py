@@ -11,7 +11,8 @@ import pytest
 import yaml
 from textdata import build_token_dir
 
-from megatron_mvmoe.training.checkpoint import CheckpointError, resolve_checkpoint
+from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
+from megatron_mvmoe.checkpointing.errors import CheckpointError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

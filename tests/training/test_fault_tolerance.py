@@ -15,7 +15,7 @@ import torch
 
 from harness import tiny_run, train
 from megatron_mvmoe.testing.spawn import DistributedTestError
-from megatron_mvmoe.training.ckpt_integrity import prune
+from megatron_mvmoe.checkpointing.integrity import prune
 from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)

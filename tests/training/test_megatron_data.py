@@ -62,7 +62,7 @@ def test_blend_draws_by_weight_and_components_keep_their_split(prefixes, tmp_pat
 
 
 def test_vocab_is_tokenizer_padded_like_megatron(prefixes):
-    from megatron_mvmoe.training.data import resolve_tokenizer
+    from megatron_mvmoe.data.run_data import resolve_tokenizer
 
     for divisible, tp, expected in ((128, 1, 512), (100, 1, 600), (128, 2, 512), (7, 2, 518)):
         run = config_from_args(_argv(prefixes, "--data-path", prefixes["tech"],

@@ -8,7 +8,7 @@ import pytest
 from megatron_mvmoe.config import MultiHeadConfig, MultiViewConfig
 from megatron_mvmoe.models.model_section import ModelSection, model_section_from_dict
 from megatron_mvmoe.run_config import config_from_dict, saved_config_from_dict
-from megatron_mvmoe.training.checkpoint import model_fingerprint
+from megatron_mvmoe.checkpointing.fingerprint import model_fingerprint
 
 
 def test_preset_resolved_at_load_with_nested_overrides():

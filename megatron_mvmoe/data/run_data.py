@@ -1,6 +1,9 @@
-"""Microbatch streams for training and per-domain evaluation.
+"""Microbatch streams of one run for training and per-domain evaluation (the trainer's
+data, and the analysis tools' held-out batches: one code path).
 
 Design choices:
+- Takes the run's `RunConfig` (run_config.py, imported for annotations only). Read: `run.data`, `run.model.vocab_size`,
+  `run.parallel.tp` and `run.training` (micro/global batch, train/eval iters, seed).
 - `indexed` (the real path): Megatron GPTDataset / BlendedDataset over the .bin/.idx files
   of tools/preprocess_data.py, through `megatron_mvmoe.data.loader` (Megatron's pretraining
   sampler order, resumable from `consumed_samples`); or, given the Megatron-LM way
@@ -22,15 +25,16 @@ Design choices:
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 
-from megatron_mvmoe.run_config import RunConfig
+if TYPE_CHECKING:
+    from megatron_mvmoe.run_config import RunConfig
 
 
-def _saved_tokenizer_dir(run: RunConfig) -> Optional[str]:
+def _saved_tokenizer_dir(run: "RunConfig") -> Optional[str]:
     """tokenizer/ beside the first prefix (written by tools/preprocess_data.py), if any."""
     d = run.data
     tokens = list(d.path) if isinstance(d.path, (list, tuple)) else []
@@ -44,7 +48,7 @@ def _saved_tokenizer_dir(run: RunConfig) -> Optional[str]:
     return candidate if os.path.isfile(os.path.join(candidate, "vocab.json")) else None
 
 
-def build_run_tokenizer(run: RunConfig):
+def build_run_tokenizer(run: "RunConfig"):
     """The run's tokenizer (Megatron-LM conventions), or None for our directory layout."""
     from megatron_mvmoe.data.tokenizers import build_tokenizer
 
@@ -63,7 +67,7 @@ def build_run_tokenizer(run: RunConfig):
                            d.null_vocab_size)
 
 
-def resolve_tokenizer(run: RunConfig):
+def resolve_tokenizer(run: "RunConfig"):
     """Fix model.vocab_size from the run's tokenizer (idempotent); returns the tokenizer."""
     from megatron_mvmoe.data.tokenizers import padded_vocab_size
 
@@ -122,7 +126,7 @@ def _cycle(dataset, mbs: int, dp_rank: int, dp_size: int, consumed: int) -> Iter
 class RunData:
     """Train and per-domain eval microbatch iterators of one run on one DP rank."""
 
-    def __init__(self, run: RunConfig, seq_length: int, vocab_size: int, dp_rank: int,
+    def __init__(self, run: "RunConfig", seq_length: int, vocab_size: int, dp_rank: int,
                  dp_size: int) -> None:
         self.run, self.seq_length, self.vocab_size = run, seq_length, vocab_size
         self.dp_rank, self.dp_size = dp_rank, dp_size

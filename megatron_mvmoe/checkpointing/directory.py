@@ -1,0 +1,97 @@
+"""A checkpoint root on disk and how a reader finds and trusts one of its checkpoints.
+
+Layout of a checkpoint root (written by training/checkpoint.py):
+    latest                  one line: the directory name of the last good checkpoint
+    iter_0000100/           Megatron dist-checkpoint (model + optimizer shards) plus
+        run_state.json      step, consumed samples, gamma, scheduler, model fingerprint, config
+        rng/rank_<r>.pt     per-rank RNG states (tensors only; torch.load weights_only=True)
+        manifest.json       every file's size and SHA-256, written last (integrity.py)
+
+Design choices:
+- A checkpoint is named by its root (the `latest` pointer), by root + step (Megatron-LM's
+  --ckpt-step), or by its own iter_* directory; all three resolve here.
+- Every problem is a CheckpointError naming the file and a fix, and the fix for a corrupt
+  checkpoint names the newest earlier one to load instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+from megatron_mvmoe.checkpointing import integrity
+from megatron_mvmoe.checkpointing.errors import CheckpointError
+
+LATEST = "latest"
+RUN_STATE = "run_state.json"
+FORMAT = "megatron_mvmoe.checkpoint/1"
+
+
+def list_checkpoints(root: str) -> List[str]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if d.startswith("iter_"))
+
+
+def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
+    """A checkpoint directory from a root (via `latest`, or iter_<step> when `step` is
+    given, Megatron-LM's --ckpt-step) or a checkpoint dir itself."""
+    if step is not None:
+        directory = os.path.join(path, f"iter_{step:07d}")
+        if not os.path.isfile(os.path.join(directory, RUN_STATE)):
+            raise CheckpointError(f"--ckpt-step {step}: {directory} is missing or incomplete. "
+                                  f"Fix: use one of {list_checkpoints(path) or 'none here'}")
+        return directory
+    if os.path.isfile(os.path.join(path, RUN_STATE)):
+        return path
+    pointer = os.path.join(path, LATEST)
+    if not os.path.isfile(pointer):
+        raise CheckpointError(f"--load {path}: no checkpoint here (no '{LATEST}' file and no "
+                              f"{RUN_STATE}). Fix: pass the --save directory of an earlier "
+                              "run, or drop --load to start fresh")
+    with open(pointer) as fh:
+        name = fh.read().strip()
+    directory = os.path.join(path, name)
+    if not os.path.isfile(os.path.join(directory, RUN_STATE)):
+        raise CheckpointError(f"--load {path}: '{LATEST}' points at {name!r}, which is missing "
+                              f"or has no {RUN_STATE} (deleted or corrupt). Fix: point "
+                              f"'{LATEST}' at an intact iter_* directory")
+    return directory
+
+
+def earlier_fix(directory: str) -> str:
+    """The fix for a corrupt `directory`: the newest earlier checkpoint of its root."""
+    root, name = os.path.split(os.path.normpath(directory))
+    others = [d for d in list_checkpoints(root) if d < name]
+    if others:
+        return (f"load an earlier checkpoint with --load {root} --ckpt-step "
+                f"{int(others[-1][5:])} (or delete {directory})")
+    return f"delete {directory} and start fresh (no earlier checkpoint in {root})"
+
+
+def verify_checkpoint(directory: str) -> None:
+    """Collective: every file against the manifest (CheckpointError naming the first bad
+    one); a checkpoint older than manifests loads with a warning."""
+    try:
+        verified = integrity.verify_manifest(directory, earlier_fix(directory))
+    except integrity.IntegrityError as err:
+        raise CheckpointError(str(err)) from None
+    if not verified and dist.get_rank() == 0:
+        print(f"warning: {directory} has no {integrity.MANIFEST} (written before manifests "
+              "existed): its files are not verified", flush=True)
+
+
+def read_run_state(directory: str) -> Dict:
+    try:
+        with open(os.path.join(directory, RUN_STATE)) as fh:
+            meta = json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{directory}/{RUN_STATE} is unreadable ({err}): the checkpoint "
+                              "is corrupt. Fix: load an earlier iter_* directory") from err
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{directory}: format {meta.get('format')!r}, expected "
+                              f"{FORMAT!r}. Fix: load a checkpoint written by megatron_mvmoe")
+    return meta

@@ -1,0 +1,56 @@
+"""A run's model on this rank: run config -> MVMoETransformerConfig -> GPTModel
+chunks on the device. Nothing else: no DDP, optimizer or scheduler (training/build.py wraps
+these chunks for training; the analysis and checkpoint tools use them as they are).
+
+Design choices:
+- The one code path for making a run's chunks: the trainer (`training/build.build_trainer`),
+  warm start, and the tools that open a checkpoint (`analysis/model_access.py`,
+  `training/from_checkpoint.py`) all call `build_model` / `model_config`, so a tool sees
+  the very modules the trainer trains.
+- Takes the run's `RunConfig` (run_config.py, imported for annotations only). What is
+  read from it: `run.model` (the resolved model section), `run.parallel` (tp, pp, ep, etp, vpp),
+  `run.training.precision` and `run.training.seed`.
+- The RNG is seeded with the run's seed right before the chunks are built, as the trainer
+  always did, so a fresh init is the trainer's step-0 model bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List
+
+from megatron.core.models.gpt import GPTModel
+
+from megatron_mvmoe import platform
+from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.models.provider import build_model_chunks, transformer_config
+
+if TYPE_CHECKING:
+    from megatron_mvmoe.run_config import RunConfig
+
+
+def use_bf16(run: "RunConfig") -> bool:
+    """The run's precision on this machine: auto = bf16 on a GPU, fp32 on the CPU."""
+    if run.training.precision == "auto":
+        return platform.is_cuda()
+    return run.training.precision == "bf16"
+
+
+def model_config(run: "RunConfig") -> MVMoETransformerConfig:
+    """The run's full Megatron config for its layout on this machine (provider's one
+    translation of the resolved model section)."""
+    p = run.parallel
+    return transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                              use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+
+
+def build_model(run: "RunConfig", pg_collection) -> List[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), seeded with the run's seed
+    and placed on `platform.device()`. Every chunk holds the same config object
+    (`chunks[0].config`), the one the trainer hangs its schedule hooks on."""
+    config = model_config(run)
+    platform.seed_all(run.training.seed)
+    chunks = build_model_chunks(config, run.model, pg_collection)
+    device = platform.device()
+    for chunk in chunks:
+        chunk.to(device)
+    return chunks
