@@ -24,7 +24,6 @@ Design choices:
 from __future__ import annotations
 
 import os
-import queue
 import random
 import shutil
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from megatron_mvmoe.checkpointing.integrity import write_json_atomic
 from megatron_mvmoe.checkpointing.weights import (model_sharded_state_dict, open_checkpoint,
                                                   read_tensors, set_model_weights)
 from megatron_mvmoe.platform import is_cuda
+from megatron_mvmoe.platform import dist_ckpt_writer_queue as writer_queue
 from megatron_mvmoe.training.build import Trainer
 from megatron_mvmoe.training.schedule_rule import restore_scheduler
 
@@ -117,17 +117,6 @@ def _rng_state() -> Dict:
     return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
             "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
             "numpy_pos": int(np_state[2])}
-
-
-def _in_process_write_results() -> None:
-    """Megatron 0.16.1's file writer collects write results through a module-level queue
-    that it creates as `Manager().Queue()`: a helper *process* that outlives a rank killed
-    by its launcher (holding the job's stdout open forever). Our saves are synchronous, so
-    the queue is only used inside this process: hand it a plain in-process queue first."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
 
 
 def _refuse_nonfinite(trainer: Trainer, step: int, root: str) -> None:
@@ -216,18 +205,9 @@ def _publish(trainer: Trainer, root: str, name: str) -> None:
     dist.barrier()
 
 
-def _cross_process_write_results() -> None:
-    """A background save writes from a forked process: its results must travel through
-    Megatron's Manager queue, so drop the in-process one a sync save installed (the Manager
-    is shut down by close_writer_processes)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
-        filesystem_async._results_queue = None
-
-
 def _prepare(trainer: Trainer, root: str, state: ResumeState, background: bool = False) -> str:
-    (_cross_process_write_results if background else _in_process_write_results)()
+    (writer_queue.cross_process_results if background else
+     writer_queue.in_process_results)()
     _refuse_nonfinite(trainer, state.step, root)
     name = f"iter_{state.step:07d}"
     if dist.get_rank() == 0:
@@ -266,7 +246,7 @@ class AsyncSaver:
         self.pending: Optional[str] = None
         # Start the writer's results Manager (a spawned process, ~2 s) now, before step 1,
         # instead of inside the first save.
-        _cross_process_write_results()
+        writer_queue.cross_process_results()
         filesystem_async.get_write_results_queue()
 
     def save(self, trainer: Trainer, root: str, state: ResumeState) -> str:
@@ -358,17 +338,7 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
                        gamma=meta.get("gamma"), skipped_iters=meta.get("skipped_iters", 0))
 
 
-def close_writer_processes() -> None:
-    """Shut down the results-queue manager process Megatron's async file writer starts on
-    the first save (module-level in 0.16.1). Left running, it outlives a rank that exits
-    without atexit handlers (killed by a launcher or test spawner) and holds its stdout."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    queue = getattr(filesystem_async, "_results_queue", None)
-    manager = getattr(queue, "_manager", None)
-    if manager is not None:
-        manager.shutdown()
-    filesystem_async._results_queue = None
 
 
 def _layout(trainer: Trainer) -> Dict[str, Optional[int]]:

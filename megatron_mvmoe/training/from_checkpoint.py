@@ -29,7 +29,7 @@ from megatron_mvmoe.checkpointing.fingerprint import run_fingerprint
 from megatron_mvmoe.checkpointing.weights import load_weights
 from megatron_mvmoe.models.build import build_model
 from megatron_mvmoe.models.model_section import ModelSection
-from megatron_mvmoe.training import checkpoint as ckpt
+from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
 from megatron_mvmoe.run_config import RunConfig, saved_config_from_dict
 
 
@@ -72,7 +72,7 @@ def tool_session(run: RunConfig) -> Iterator[object]:
         yield initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts)
         destroy_layout()
     finally:
-        ckpt.close_writer_processes()
+        close_writer_processes()
         if started and dist.is_initialized():
             dist.destroy_process_group()
 

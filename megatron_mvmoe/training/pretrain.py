@@ -33,6 +33,7 @@ from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.integrity import remove_stale_tmp, write_json_atomic
 from megatron_mvmoe.data.run_data import RunData, resolve_tokenizer
+from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
 from megatron_mvmoe.run_config import RunConfig
@@ -279,7 +280,7 @@ class _Loop:
         self.stops.restore()
         if self.saver is not None:
             self.saver.close()
-        ckpt.close_writer_processes()
+        close_writer_processes()
         self.watch.close()
         if self.routing is not None:
             self.routing.close()
@@ -375,7 +376,7 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
         destroy_layout()
         return result
     finally:
-        ckpt.close_writer_processes()
+        close_writer_processes()
         if dist.is_initialized():
             dist.destroy_process_group()
 
