@@ -82,6 +82,10 @@ def parse_args(argv=None):
                         "from its last checkpoint (0 = only the final one)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--smooth", type=int, default=25, help="loss-curve moving-average window")
+    p.add_argument("--from-store", action="store_true",
+                   help="write the tables from the runs --runs-dir holds, training nothing "
+                        "(partial results while a comparison spans sessions); the missing "
+                        "runs are listed in the table")
     p.add_argument("--render-only", action="store_true",
                    help="re-write the table and PNG from OUT_DIR/compare_<suite>.json, no training")
     p.add_argument("--json", action="store_true",
@@ -168,7 +172,7 @@ def _write(out_dir, suite, payload, results, variants, smooth=25):
                  f"{sum(walls):.0f} s of training over {len(walls)} runs in all "
                  f"({sum(walls) / max(1, len(walls)):.0f} s per run; 1 gloo rank each, "
                  f"2 shared CPU cores{_reuse_line(payload)}){_data_line(payload)}. "
-                 f"Setup: {payload['setup']}\n\n"
+                 f"Setup: {payload['setup']}\n\n{_missing_line(payload)}"
                  "Held-out perplexity, mean ± std over seeds. Unpaired: 'inside seed noise' "
                  "= within 2 standard errors. Paired: per-seed differences (same data order), "
                  "95 % t interval, and the smallest difference the design detects at 80 % "
@@ -179,6 +183,21 @@ def _write(out_dir, suite, payload, results, variants, smooth=25):
                  f"{orderings_table(payload['orderings'])}\nLoss curves: "
                  f"`{os.path.basename(plot)}`\n")
     return base
+
+
+def _missing_line(payload) -> str:
+    missing = payload.get("missing") or []
+    if not missing:
+        return ""
+    total = len(missing) + len(payload["runs"])
+    seeds: dict = {}
+    for name in missing:  # "variant/seed3" -> {variant: [3, ...]}
+        variant, seed = name.split("/seed")
+        seeds.setdefault(variant, []).append(seed)
+    listed = "; ".join(f"{v} seed {', '.join(s)}" for v, s in seeds.items())
+    return (f"**Partial (--from-store): {len(payload['runs'])} of {total} runs are in the "
+            f"store; not yet trained: {listed}.** Every statistic below uses only the seeds "
+            "each variant has (paired ones: seeds both sides have).\n\n")
 
 
 def _reuse_line(payload) -> str:
@@ -262,7 +281,8 @@ def main(argv=None) -> int:
                          f"{args.seq_length} tokens, lr {args.lr} (warmup "
                          f"{warmup_iters(args)}), eval {args.eval_iters} x "
                          f"{args.micro_batch} seqs per domain, {args.seeds} seeds"),
-               "runs_dir": args.runs_dir, "runs": {}, "reused": [], "errors": {}}
+               "runs_dir": args.runs_dir, "runs": {}, "reused": [], "missing": [],
+               "errors": {}}
     for seed in range(1, args.seeds + 1):  # seed-major: partial results cover all variants
         for variant in chosen:
             run_one(variant, seed, args, store, run_key(variant.name, variant.model, seed,
@@ -281,6 +301,11 @@ def run_one(variant, seed, args, store, key, results, payload) -> None:
     if run is not None:
         payload["reused"].append(name)
         print(f"[compare] {name}: reused {store.path(key)}", file=sys.stderr, flush=True)
+    elif args.from_store:
+        payload["missing"].append(name)
+        print(f"[compare] {name}: not in {args.runs_dir} (--from-store: not trained)",
+              file=sys.stderr, flush=True)
+        return
     else:
         try:
             run = dict(tool_common.single_rank(_train, run_config(variant, seed, args),

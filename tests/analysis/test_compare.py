@@ -172,6 +172,14 @@ def test_compare_tool_tiny(tmp_path, capsys):
                                                      "multi_view/seed1"]
     assert again["runs"]["latent/seed1"]["eval"] == payload["runs"]["latent/seed1"]["eval"]
     assert again["runs"]["multi_view/seed2"]["eval"] == payload["runs"]["multi_view/seed2"]["eval"]
+    # --from-store: tables from what the store holds, nothing trained, the gap listed.
+    stored = sorted(os.listdir(tmp_path / "runs"))
+    os.remove(tmp_path / "runs" / [f for f in stored if f.startswith("latent_seed2")][0])
+    code = compare.main(argv + ["--from-store"])
+    partial = json.loads(capsys.readouterr().out)
+    assert code == 0 and partial["missing"] == ["latent/seed2"] and len(partial["runs"]) == 3
+    assert len(os.listdir(tmp_path / "runs")) == 3  # still: nothing was trained
+    assert "**Partial (--from-store): 3 of 4 runs" in (out / "compare_a.md").read_text()
 
 
 def test_compare_run_killed_mid_way_resumes_from_its_checkpoint(tmp_path, capsys):
