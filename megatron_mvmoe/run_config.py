@@ -24,7 +24,7 @@ import yaml
 
 from megatron_mvmoe.errors import require as _require
 from megatron_mvmoe.models.model_section import (
-    LEGACY_FIELDS, ModelSection, model_section_from_dict)
+    LEGACY_FIELDS, ModelSection, model_section_from_dict, run_field_names)
 from megatron_mvmoe.models.warm_start import NEW_HEADS as WARM_START_NEW_HEADS
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.typed_config import dataclass_from_dict
@@ -280,7 +280,10 @@ class RunConfig:
         from megatron_mvmoe.models.build import model_config
 
         self.model.validate(vocab_from_tokenizer=self.data.tokenizer_type is not None)
-        model_config(self)
+        try:
+            model_config(self)
+        except ValueError as err:
+            raise ValueError(run_field_names(str(err))) from None
 
     def _validate_layout(self, world_size: int, num_layers, num_experts) -> None:
         planned = self.parallel.world_size

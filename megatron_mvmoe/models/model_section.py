@@ -88,9 +88,12 @@ class ModelSection:
         require(not missing, "model", f"{missing} not set",
                 f"set model.preset (one of {preset_names()}) or give these fields in the "
                 "YAML/flags")
-        self.variant  # noqa: B018  (unknown variant -> ValueError naming moe_variant)
-        self.multi_view.validate(self.num_experts)
-        self.bitnet.validate()
+        try:
+            self.variant  # noqa: B018  (unknown variant -> ValueError naming moe_variant)
+            self.multi_view.validate(self.num_experts)
+            self.bitnet.validate()
+        except ValueError as err:
+            raise ValueError(run_field_names(str(err))) from None
 
 
 _REQUIRED = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads",
@@ -113,6 +116,27 @@ _MODELLED_ELSEWHERE = {"num_moe_experts": "model.num_experts", "moe_variant": "m
                        "latent_size": "model.latent_size", "multi_view": "model.multi_view",
                        "multi_head": "model.multi_head", "bitnet": "model.bitnet"}
 """MVMoETransformerConfig fields that `extra` must not carry: the section models them."""
+
+
+_MEGATRON_TO_RUN = {"num_moe_experts": "model.num_experts",
+                    "moe_router_topk": "model.moe_router_topk",
+                    "latent_size": "model.latent_size", "moe_variant": "model.moe_variant"}
+"""Megatron config names -> where a run config sets them (the rest live in model.extra)."""
+
+
+def run_field_names(message: str) -> str:
+    """An error of our configs' checks ("<field>: ...", named as MVMoETransformerConfig
+    names it) with the field named as a run config's YAML / flags write it."""
+    field, sep, rest = message.partition(": ")
+    if not sep or " " in field or field.startswith("model"):
+        return message
+    if field in _MEGATRON_TO_RUN:
+        where = _MEGATRON_TO_RUN[field]
+    elif field.split(".")[0] in _NESTED:
+        where = f"model.{field}"
+    else:
+        where = f"model.extra.{field}"
+    return f"{where}: {rest}"
 
 
 def _nested_dict(value: Any) -> Dict[str, Any]:

@@ -81,8 +81,8 @@ def test_multi_view_and_bitnet_switches_reach_the_layer_config():
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--multi-view-kernels", "cuda"], r"multi_view.kernels: unknown kernel backend 'cuda'"),
-    (["--gate-scale", "0"], r"multi_view.gate_scale: must be > 0"),
+    (["--multi-view-kernels", "cuda"], r"^model\.multi_view\.kernels: unknown kernel backend 'cuda'"),
+    (["--gate-scale", "0"], r"^model\.multi_view\.gate_scale: must be > 0"),
     (["--warm-start-new-heads", "clone"], r"training.warm_start_new_heads: unknown 'clone'"),
 ])
 def test_switch_errors_name_the_field(argv, match):

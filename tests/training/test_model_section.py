@@ -81,5 +81,15 @@ def test_fingerprint_keeps_the_flat_form_of_earlier_checkpoints():
 
 def test_a_model_invalid_for_its_variant_fails_at_validate():
     run = config_from_dict({"model": {"preset": "tiny_smoe", "moe_variant": "multi_view"}})
-    with pytest.raises(ValueError, match=r"latent_size: variant multi_view needs a positive"):
+    with pytest.raises(ValueError, match=r"^model\.latent_size: variant multi_view needs a positive"):
+        run.validate()
+
+
+def test_megatron_config_errors_name_the_run_config_field():
+    run = config_from_dict({"model": {"preset": "tiny_smoe", "moe_router_topk": 9}})
+    with pytest.raises(ValueError, match=r"^model\.moe_router_topk: top-k 9 must be in "):
+        run.validate()
+    run = config_from_dict({"model": {"preset": "tiny_multi_view",
+                                      "extra": {"moe_token_dispatcher_type": "allgather"}}})
+    with pytest.raises(ValueError, match=r"^model\.extra\.moe_token_dispatcher_type: "):
         run.validate()
