@@ -101,25 +101,24 @@ def _measure_one(variant, dispatcher, semantics, ep, args, pg):
     from megatron_mvmoe.analysis import model_access
     from megatron_mvmoe.analysis.a2a_counter import count_collectives
     from megatron_mvmoe.layers.dedup_dispatcher import use_dedup_dispatch
-    from megatron_mvmoe.training.build import build_trainer
+    from megatron_mvmoe.models.build import build_model
 
     run = model_access.run_config(PRESETS[variant], overrides={
         "model.seq_length": args.seq_length,
         "model.extra": {"moe_token_dispatcher_type": dispatcher}})
     run.parallel.ep = ep
-    trainer = build_trainer(run, pg)
-    model = trainer.unwrapped()[0].train()
+    model = build_model(run, pg)[0].train()  # the trainer's chunk, without DDP/optimizer
     if semantics != "row":
         if variant == "mh_moe":
             raise ValueError("semantics: no dedup model for MH-MoE sub-tokens")
         use_dedup_dispatch(model, semantics, _counted_node(args, ep))
     rank = torch.distributed.get_rank()
     batch = model_access.synthetic_batches(1, args.batch_size, args.seq_length,
-                                           trainer.shape.vocab_size, seed=rank)[0]
+                                           run.model.vocab_size, seed=rank)[0]
     with count_collectives(model) as counter:
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         loss.float().mean().backward()
-    config = trainer.config
+    config = model.config
     shape = dict(tokens=args.batch_size * args.seq_length, hidden=config.hidden_size,
                  topk=config.moe_router_topk, latent=config.latent_size,
                  heads=config.multi_head.num_heads, dtype_bytes=loss.new_empty(
