@@ -50,7 +50,14 @@ def run_fingerprint(run: "RunConfig") -> Dict:
     return model_fingerprint(run.model)
 
 
+ADDED_LATER = {"rotary_base": 10000}
+"""Fingerprint fields newer than the first checkpoints -> the value every model had before
+they were recorded (a checkpoint without the field was built with it)."""
+
+
 def check_fingerprint(saved: Dict, current: Dict, directory: str) -> None:
+    """CheckpointError naming every differing field (see ADDED_LATER for missing ones)."""
+    saved = {**ADDED_LATER, **saved}
     keys = sorted(set(saved) | set(current))
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {current.get(k)!r}"
              for k in keys if saved.get(k) != current.get(k)]

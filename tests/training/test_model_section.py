@@ -93,3 +93,16 @@ def test_megatron_config_errors_name_the_run_config_field():
                                       "extra": {"moe_token_dispatcher_type": "allgather"}}})
     with pytest.raises(ValueError, match=r"^model\.extra\.moe_token_dispatcher_type: "):
         run.validate()
+
+
+def test_checkpoints_older_than_a_fingerprint_field_still_match():
+    """0.16.1-era checkpoints carry no rotary_base: they were built with RoPE base 10000
+    (tools/resume_from_0161.sh found this); another base still fails."""
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
+    from megatron_mvmoe.checkpointing.fingerprint import check_fingerprint
+
+    current = model_fingerprint(model_section_from_dict({"preset": "tiny_multi_view"}))
+    old = {k: v for k, v in current.items() if k != "rotary_base"}
+    check_fingerprint(old, current, "ckpt")
+    with pytest.raises(CheckpointError, match=r"rotary_base: checkpoint 10000 vs this run 500000"):
+        check_fingerprint(old, dict(current, rotary_base=500000), "ckpt")
