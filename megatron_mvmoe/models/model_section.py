@@ -112,16 +112,12 @@ LEGACY_FIELDS = {
 }
 """Flat model fields of earlier versions -> (nested config, field)."""
 
-_MODELLED_ELSEWHERE = {"num_moe_experts": "model.num_experts", "moe_variant": "model.moe_variant",
-                       "latent_size": "model.latent_size", "multi_view": "model.multi_view",
-                       "multi_head": "model.multi_head", "bitnet": "model.bitnet"}
-"""MVMoETransformerConfig fields that `extra` must not carry: the section models them."""
-
-
-_MEGATRON_TO_RUN = {"num_moe_experts": "model.num_experts",
-                    "moe_router_topk": "model.moe_router_topk",
-                    "latent_size": "model.latent_size", "moe_variant": "model.moe_variant"}
-"""Megatron config names -> where a run config sets them (the rest live in model.extra)."""
+_MEGATRON_TO_RUN = {
+    "num_moe_experts": "model.num_experts",
+    **{f.name: f"model.{f.name}" for f in dataclasses.fields(ModelSection)
+       if f.name not in ("preset", "extra", "num_experts")}}
+"""MVMoETransformerConfig names of what the section models -> where a run config sets it.
+`extra` must not carry these (they would override the section's own values)."""
 
 
 def run_field_names(message: str) -> str:
@@ -139,23 +135,32 @@ def run_field_names(message: str) -> str:
     return f"{where}: {rest}"
 
 
-def _nested_dict(value: Any) -> Dict[str, Any]:
+def _as_mapping(value: Any) -> Dict[str, Any]:
+    """One of our config objects (as earlier versions put them in `extra`) or a mapping."""
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
+
+
+def _pop_nested(raw: Dict[str, Any], name: str) -> Dict[str, Any]:
+    """raw[name] as a mapping, removed from raw, when it is one (else {}, raw untouched:
+    `bitnet: true` is the flat switch of earlier versions)."""
+    value = raw.get(name)
+    if isinstance(value, Mapping) or dataclasses.is_dataclass(value):
+        return _as_mapping(raw.pop(name))
+    return {}
 
 
 def migrate_legacy(raw: Mapping[str, Any]) -> Dict[str, Any]:
     """A model mapping in today's nesting, from any earlier spelling (see module doc)."""
     raw = dict(raw)
     extra = dict(raw.get("extra") or {})
-    nested = {name: _nested_dict(raw.pop(name) or {}) if isinstance(raw.get(name), (Mapping,))
-              or dataclasses.is_dataclass(raw.get(name)) else {} for name in _NESTED}
+    nested = {name: _pop_nested(raw, name) for name in _NESTED}
     if "bitnet" in raw:  # the flat switch `bitnet: true`
         enabled = raw.pop("bitnet")
         if enabled is not None:
             nested["bitnet"]["enabled"] = enabled
     for name in _NESTED:
         if name in extra:
-            nested[name] = deep_merge(_nested_dict(extra.pop(name)), nested[name])
+            nested[name] = deep_merge(_as_mapping(extra.pop(name)), nested[name])
     for old, (section, new) in LEGACY_FIELDS.items():
         value = raw.pop(old, None)
         if value is not None:  # a nested value (e.g. from a flag) wins over the flat one
@@ -214,9 +219,9 @@ def _check_extra(values: Mapping[str, Any]) -> None:
     must not be fields this section models itself."""
     from megatron_mvmoe.config import MVMoETransformerConfig
 
-    ours = sorted(set(values) & set(_MODELLED_ELSEWHERE))
+    ours = sorted(set(values) & set(_MEGATRON_TO_RUN))
     require(not ours, "model.extra", f"{ours} are modelled by the model section",
-            "set " + ", ".join(_MODELLED_ELSEWHERE[name] for name in ours) + " instead")
+            "set " + ", ".join(_MEGATRON_TO_RUN[name] for name in ours) + " instead")
     known = {f.name for f in dataclasses.fields(MVMoETransformerConfig)}
     unknown = sorted(set(values) - known)
     require(not unknown, "model.extra", f"unknown MVMoETransformerConfig field(s) {unknown}",

@@ -106,3 +106,8 @@ def test_checkpoints_older_than_a_fingerprint_field_still_match():
     check_fingerprint(old, current, "ckpt")
     with pytest.raises(CheckpointError, match=r"rotary_base: checkpoint 10000 vs this run 500000"):
         check_fingerprint(old, dict(current, rotary_base=500000), "ckpt")
+
+
+def test_extra_cannot_override_the_sections_own_fields():
+    with pytest.raises(ValueError, match=r"model\.extra: \['hidden_size'\] .*model\.hidden_size"):
+        model_section_from_dict({"preset": "tiny_smoe", "extra": {"hidden_size": 128}})
