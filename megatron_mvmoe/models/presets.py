@@ -6,7 +6,7 @@ Design choices:
   config merges them into the one resolved `ModelSection` that both the model provider and
   the planner read, so the parameter count the planner reports is the one the provider
   builds.
-- Tiny presets (D = 64, 2 layers, vocab 4096 = the data engineer's small BPE) train at a
+- Tiny presets (D = 64, 2 layers, vocab 4096 = the corpus's small BPE) train at a
   few thousand tokens/s on 2 CPU cores; every variant keeps E = 4, top-2.
 - 10B-A1B (seed 000: "24-layer 10B-A1B backbone with top-8 routing and one always-active
   shared expert", latent MoE, R = K = 2, parameter overheads ~0.06 % for Multi-Router and
