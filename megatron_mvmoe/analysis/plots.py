@@ -88,13 +88,23 @@ def moving_average(values: Sequence[float], window: int) -> List[float]:
     return out
 
 
+_LINE_STYLES = ("-", "--", ":")
+
+
+def curve_style(index: int) -> tuple:
+    """(colour, line style) of the index-th curve: matplotlib's default cycle has 10
+    colours and suite b has 11 variants, so each pass through the colours changes the line
+    style; the first 30 curves are all distinguishable."""
+    return f"C{index % 10}", _LINE_STYLES[index // 10 % len(_LINE_STYLES)]
+
+
 def plot_curves(curves: Mapping[str, Sequence[Sequence[float]]], path: str, title: str,
                 ylabel: str = "training loss", smooth: int = 1) -> str:
     """Mean curve per label with a min-max band over seeds: label -> [seed][step] values;
     each run is first smoothed by a trailing moving average of `smooth` steps."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for label, runs in curves.items():
+    for index, (label, runs) in enumerate(curves.items()):
         runs = [moving_average(list(r), max(smooth, 1)) for r in runs]
         length = min(len(r) for r in runs)
         if length == 0:
@@ -102,7 +112,9 @@ def plot_curves(curves: Mapping[str, Sequence[Sequence[float]]], path: str, titl
         cols = [[r[i] for r in runs] for i in range(length)]
         mean = [sum(c) / len(c) for c in cols]
         steps = list(range(1, length + 1))
-        line, = ax.plot(steps, mean, label=label, linewidth=1.2)
+        color, linestyle = curve_style(index)
+        line, = ax.plot(steps, mean, label=label, linewidth=1.2, color=color,
+                        linestyle=linestyle)
         ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols],
                         color=line.get_color(), alpha=0.15)
     ax.set_xlabel("step")
