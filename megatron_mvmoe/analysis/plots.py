@@ -6,7 +6,7 @@ Each function takes the tools' JSON-ready dicts, writes one PNG and returns its 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 
 def _pyplot():
@@ -91,7 +91,7 @@ def moving_average(values: Sequence[float], window: int) -> List[float]:
 _LINE_STYLES = ("-", "--", ":")
 
 
-def curve_style(index: int) -> tuple:
+def curve_style(index: int) -> Tuple[str, str]:
     """(colour, line style) of the index-th curve: matplotlib's default cycle has 10
     colours and suite b has 11 variants, so each pass through the colours changes the line
     style; the first 30 curves are all distinguishable."""
@@ -113,10 +113,9 @@ def plot_curves(curves: Mapping[str, Sequence[Sequence[float]]], path: str, titl
         mean = [sum(c) / len(c) for c in cols]
         steps = list(range(1, length + 1))
         color, linestyle = curve_style(index)
-        line, = ax.plot(steps, mean, label=label, linewidth=1.2, color=color,
-                        linestyle=linestyle)
+        ax.plot(steps, mean, label=label, linewidth=1.2, color=color, linestyle=linestyle)
         ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols],
-                        color=line.get_color(), alpha=0.15)
+                        color=color, alpha=0.15)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel if smooth <= 1 else f"{ylabel} ({smooth}-step moving average)")
     ax.set_title(title)
