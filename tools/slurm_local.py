@@ -7,6 +7,8 @@
     python tools/slurm_local.py start --nodes 2    # two nodes n1, n2 in network namespaces
     python tools/slurm_local.py exec -- sbatch ... # a client command in n1's namespace
     python tools/slurm_local.py stop --nodes 2     # daemons by PID, namespaces, veth, mounts
+    python tools/slurm_local.py start --nodes 4 --instance 3  # 4 nodes, names mvw3_*
+    python tools/slurm_local.py reap --pid P --nodes 4 --instance 3  # stop it once P is gone
 
 Design choices (see docs/ENVIRONMENT.md, "MPI and Slurm"):
 - Every file lives in one state dir (default /tmp/mvmoe_slurm): slurm.conf, spool,
@@ -245,98 +247,136 @@ def start(state_dir: Path = DEFAULT_STATE_DIR, timeout_s: float = 60.0) -> Dict[
     return {**status(state_dir), "already_running": False}
 
 
-# ---------------------------------------------------------------- two nodes (slurm_netns.py)
-DEFAULT_STATE_DIR_2 = Path(os.environ.get("MVMOE_SLURM2_STATE", "/tmp/mvmoe_slurm2"))
-DAEMONS_2 = ("munged", "slurmctld", "slurmd_n1", "slurmd_n2")
-
-
+# ---------------------------------------------------------------- N nodes (slurm_netns.py)
 def _program(name: str) -> str:
     return name.split("_")[0]
 
 
-def status2(state_dir: Path = DEFAULT_STATE_DIR_2) -> Dict[str, object]:
+def _daemons_n(c) -> tuple:
+    return ("munged", "slurmctld", *(f"slurmd_{n}" for n in c.names))
+
+
+def status_n(c, state_dir: Path) -> Dict[str, object]:
     import slurm_netns as ns
 
     record = _read_pids(state_dir)
-    pids = {k: v for k, v in record.items() if k in DAEMONS_2}
+    pids = {k: v for k, v in record.items() if k in _daemons_n(c)}
     alive = {name: _runs(pid, _program(name)) for name, pid in pids.items() if pid}
-    nodes = ns.node_states(state_dir) if alive.get("slurmctld") else None
-    running = (len(alive) == len(DAEMONS_2) and all(alive.values()) and nodes is not None
-               and all(nodes.get(n) in ("idle", "mixed", "allocated") for n in ns.NODES))
-    return {"running": running, "nodes": 2, "state_dir": str(state_dir),
-            "slurm_conf": str(ns.paths(state_dir)["conf"]), "pids": pids, "alive": alive,
-            "node_states": nodes, "netns": ns.namespaces_exist(),
-            "addresses": {n: ns.address(n) for n in ns.NODES}, "partition": ns.PARTITION,
-            "veth": ns.veth_counters(), "client_prefix": ns.client_prefix(),
+    nodes = ns.node_states(c, state_dir) if alive.get("slurmctld") else None
+    running = (len(alive) == len(_daemons_n(c)) and all(alive.values()) and nodes is not None
+               and all(nodes.get(n) in ("idle", "mixed", "allocated") for n in c.names))
+    return {"running": running, "nodes": c.nodes, "instance": c.instance,
+            "state_dir": str(state_dir), "slurm_conf": str(ns.paths(state_dir)["conf"]),
+            "pids": pids, "alive": alive, "node_states": nodes, "netns": ns.namespaces_exist(c),
+            "addresses": {n: c.address(n) for n in c.names}, "partition": c.partition,
+            "links": {n: c.veth(n) for n in c.names}, "netns_of": {
+                n: c.netns(n) for n in c.names},
+            "veth": ns.read_counters(c), "client_prefix": c.client_prefix(),
             "env": {"SLURM_CONF": str(ns.paths(state_dir)["conf"])}}
 
 
-def stop2(state_dir: Path = DEFAULT_STATE_DIR_2) -> Dict[str, object]:
-    """Kill the recorded daemons (reverse order), then delete namespaces, veth and mounts."""
+def stop_n(c, state_dir: Path) -> Dict[str, object]:
+    """Cancel jobs, kill the recorded daemons (reverse order), kill what is left inside the
+    namespaces, then delete namespaces, veths (and their tc rules) and mounts."""
     import slurm_netns as ns
 
     record = _read_pids(state_dir)
-    for name in reversed(DAEMONS_2):
+    if record.get("slurmctld") and _runs(record["slurmctld"], "slurmctld"):
+        ns.cancel_jobs(c, state_dir)
+    for name in reversed(_daemons_n(c)):
         if record.get(name):
             _kill(record[name], _program(name))
-    ns.delete_network(bool(record.get("run_netns_was_mounted", True)))
+    widest = ns.Cluster(ns.MAX_NODES, c.instance)  # also nodes of a bigger earlier start
+    leftovers = ns.kill_namespace_processes(widest)
+    ns.delete_network(widest, bool(record.get("run_netns_was_mounted", True)))
     _paths(state_dir)["daemons"].unlink(missing_ok=True)
-    return {**status2(state_dir), "stopped": {k: v for k, v in record.items()
-                                              if k in DAEMONS_2 and v}}
+    return {**status_n(c, state_dir), "killed_in_namespaces": leftovers,
+            "stopped": {k: v for k, v in record.items() if k in _daemons_n(c) and v}}
 
 
-def start2(state_dir: Path = DEFAULT_STATE_DIR_2, timeout_s: float = 60.0) -> Dict[str, object]:
-    """Namespaces + veth, munged, slurmctld and slurmd n1 in n1, slurmd n2 in n2; waits
-    until both nodes are idle."""
+def start_n(c, state_dir: Path, timeout_s: float = 60.0) -> Dict[str, object]:
+    """Namespaces + bridge, munged, slurmctld and slurmd n1 in n1, slurmd nJ in nJ; waits
+    until every node is idle."""
     import slurm_netns as ns
 
     _require_tools()
-    current = status2(state_dir)
+    current = status_n(c, state_dir)
     if current["running"]:
         return {**current, "already_running": True}
-    stop2(state_dir)
-    if any(ns.namespaces_exist().values()):
-        raise SlurmLocalError(f"network namespaces {ns.namespaces_exist()} exist but no "
+    stop_n(c, state_dir)
+    if any(ns.namespaces_exist(c).values()):
+        raise SlurmLocalError(f"network namespaces {ns.namespaces_exist(c)} exist but no "
                               f"daemons are recorded in {state_dir}: remove them with "
-                              "`ip netns del mvmoe_n1 mvmoe_n2` (another state dir?)")
+                              f"`ip netns del {' '.join(c.all_netns())}` (another state dir?)")
     logs = ns.paths(state_dir)["logs"]
-    ns.write_files(state_dir, _node_resources())
-    record: Dict[str, object] = {}
+    ns.write_files(c, state_dir, _node_resources())
+    record: Dict[str, object] = {"nodes": c.nodes, "instance": c.instance}
     try:
-        record["run_netns_was_mounted"] = ns.create_network()
+        record["run_netns_was_mounted"] = ns.create_network(c)
         _write_pids(state_dir, record)
         record["munged"] = _spawn(ns.munged_cmd(state_dir), logs / "munged.out")
         _write_pids(state_dir, record)
         if not ns.wait_for(lambda: ns.munge_answers(state_dir), 20):
             raise SlurmLocalError(f"munged did not answer; see {logs / 'munged.out'}")
-        record["slurmctld"] = _spawn(ns.slurmctld_cmd(state_dir), logs / "slurmctld.out")
+        record["slurmctld"] = _spawn(ns.slurmctld_cmd(c, state_dir), logs / "slurmctld.out")
         _write_pids(state_dir, record)
-        for node in ns.NODES:
-            record[f"slurmd_{node}"] = _spawn(ns.slurmd_cmd(state_dir, node),
+        for node in c.names:
+            record[f"slurmd_{node}"] = _spawn(ns.slurmd_cmd(c, state_dir, node),
                                               logs / f"slurmd_{node}.out")
             _write_pids(state_dir, record)
-        if not ns.wait_for(lambda: status2(state_dir)["running"], timeout_s):
+        if not ns.wait_for(lambda: status_n(c, state_dir)["running"], timeout_s):
             raise SlurmLocalError(f"timed out after {timeout_s:.0f} s waiting for nodes "
-                                  f"{ns.NODES} to be idle; see {logs}")
+                                  f"{c.names} to be idle; see {logs}")
     except BaseException:
-        stop2(state_dir)
+        stop_n(c, state_dir)
         raise
-    return {**status2(state_dir), "already_running": False}
+    return {**status_n(c, state_dir), "already_running": False}
 
 
-def exec2(command: List[str], state_dir: Path = DEFAULT_STATE_DIR_2) -> int:
+def exec_n(c, command: List[str], state_dir: Path) -> int:
     """Run a Slurm client command in n1's network namespace with SLURM_CONF set."""
     import slurm_netns as ns
 
-    env = {**os.environ, "SLURM_CONF": str(ns.paths(state_dir)["conf"])}
-    return subprocess.run([*ns.client_prefix(), *command], env=env).returncode
+    return subprocess.run([*c.client_prefix(), *command],
+                          env=ns.client_env(state_dir)).returncode
+
+
+def reap(c, state_dir: Path, pid: int, poll_s: float = 0.5) -> Dict[str, object]:
+    """Wait until process `pid` is gone (however it ended, SIGKILL included), then stop the
+    cluster: a tool that starts a cluster spawns this so nothing outlives it."""
+    while _proc_state(pid) not in (None, "Z", "X"):
+        time.sleep(poll_s)
+    return stop_n(c, state_dir)
+
+
+def spawn_reaper(c, state_dir: Path, pid: int) -> int:
+    """Start `reap` detached (own session: a signal to the caller's group spares it)."""
+    log = state_dir / "reaper.out"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "reap", "--pid", str(pid),
+             "--nodes", str(c.nodes), "--instance", str(c.instance), "--state-dir",
+             str(state_dir), "--json"], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            start_new_session=True)
+    return proc.pid
+
+
+def _cluster(args):
+    import slurm_netns as ns
+
+    state = (args.state_dir or ns.default_state_dir(args.instance)).resolve()
+    recorded = _read_pids(state).get("nodes")
+    nodes = recorded if recorded and args.command != "start" else max(args.nodes, 2)
+    return ns.Cluster(nodes, args.instance), state
 
 
 def _dispatch(args) -> Dict[str, object]:
-    if args.nodes == 2 or args.command == "exec":
-        state = (args.state_dir or DEFAULT_STATE_DIR_2).resolve()
-        return {"start": lambda: start2(state, args.timeout_s), "stop": lambda: stop2(state),
-                "status": lambda: status2(state)}[args.command]()
+    if args.nodes >= 2 or args.instance or args.command == "reap":
+        c, state = _cluster(args)
+        return {"start": lambda: start_n(c, state, args.timeout_s),
+                "stop": lambda: stop_n(c, state), "status": lambda: status_n(c, state),
+                "reap": lambda: reap(c, state, args.pid)}[args.command]()
     state = (args.state_dir or DEFAULT_STATE_DIR).resolve()
     if args.command == "start":
         return start(state, args.timeout_s)
@@ -345,21 +385,32 @@ def _dispatch(args) -> Dict[str, object]:
 
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(
-        description="Local Slurm cluster: one node on localhost, or (--nodes 2) two nodes in "
-        "network namespaces joined by a veth pair. `exec -- CMD...` runs a Slurm client "
+        description="Local Slurm cluster: one node on localhost, or (--nodes 2..4) nodes in "
+        "network namespaces on a bridge. `exec -- CMD...` runs a Slurm client "
         "command (sbatch, srun, scontrol) where the 2-node cluster's controller is reachable.")
-    parser.add_argument("command", choices=["start", "stop", "status", "exec"])
+    parser.add_argument("command", choices=["start", "stop", "status", "exec", "reap"])
     parser.add_argument("rest", nargs="*", help="exec: the command to run (after --)")
-    parser.add_argument("--nodes", type=int, choices=[1, 2], default=1,
-                        help="1: one-node cluster on localhost; 2: two namespaced nodes")
+    parser.add_argument("--nodes", type=int, choices=[1, 2, 3, 4], default=1,
+                        help="1: one-node cluster on localhost; 2..4: namespaced nodes on a "
+                        "bridge")
+    parser.add_argument("--instance", type=int, default=0,
+                        help="namespaced clusters: 0 = mvmoe_nJ, 10.77.12.J; I > 0 = its own "
+                        "names (mvwI_nJ), subnet 10.77.(12+I), ports and state dir")
+    parser.add_argument("--pid", type=int, default=None, help="reap: the process to outlive")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="where slurm.conf, logs, state and recorded PIDs live (default "
-                        f"{DEFAULT_STATE_DIR}, or {DEFAULT_STATE_DIR_2} with --nodes 2)")
+                        f"{DEFAULT_STATE_DIR}, /tmp/mvmoe_slurm2 with --nodes >= 2, "
+                        "/tmp/mvmoe_slurm_iI with --instance I)")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="start: wait this long for 'idle'")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.rest = rest or args.rest
     if args.command == "exec":
-        return exec2(args.rest, (args.state_dir or DEFAULT_STATE_DIR_2).resolve())
+        cluster, state = _cluster(args)
+        return exec_n(cluster, args.rest, state)
+    if args.command == "reap" and not args.pid:
+        parser.error("reap: --pid is required")
     try:
         result = _dispatch(args)
     except (SlurmLocalError, subprocess.SubprocessError, OSError) as err:
@@ -378,7 +429,7 @@ def main(argv: List[str]) -> int:
             print(f"export SLURM_CONF={result['slurm_conf']}")
             if result.get("client_prefix"):
                 print(f"clients: {' '.join(result['client_prefix'])} sbatch ...")
-    return 0 if args.command == "stop" or result["running"] or args.command == "status" else 1
+    return 0 if args.command in ("stop", "status", "reap") or result["running"] else 1
 
 
 if __name__ == "__main__":

@@ -1,58 +1,120 @@
-"""A real 2-node Slurm cluster on one machine: two network namespaces joined by a veth pair.
+"""A real N-node Slurm cluster on one machine (N = 2..4): one network namespace per node, all
+joined through a bridge that lives in a namespace of its own.
 
-Used by `tools/slurm_local.py start --nodes 2` (and `stop`, `status`); see
+Used by `tools/slurm_local.py start --nodes N [--instance I]` (and `stop`, `status`); see
 docs/ENVIRONMENT.md, "A real 2-node Slurm cluster on one machine".
 
-    node n1: netns mvmoe_n1, veth mvmoe1 10.77.12.1/24, slurmctld + slurmd n1
-    node n2: netns mvmoe_n2, veth mvmoe2 10.77.12.2/24, slurmd n2
+    instance 0 (default):  node nJ in netns mvmoe_nJ, veth mvmoeJ = 10.77.12.J/24;
+                           bridge netns mvmoe_br (bridge br0, ports bJ); ports 6917/6918
+    instance I > 0:        prefix mvw<I> (netns mvw<I>_nJ, veth mvw<I>J), subnet 10.77.(12+I),
+                           ports 6917+2I / 6918+2I, state dir /tmp/mvmoe_slurm_i<I>
 
 Design choices:
+- A bridge in its own namespace, not a veth mesh: each node has ONE link (its veth), like a
+  node with one NIC on a switch, so that link's counters are the node's inter-node traffic
+  and one `tc` rule per direction shapes it (egress of mvmoeJ = node -> switch, egress of
+  the bridge port bJ = switch -> node). Ranks on the same node talk over the node's `lo`.
+- Instances differ in every name, subnet, port and state dir, so two clusters (two tests,
+  two helpers) can run side by side without touching each other.
 - Nothing in /etc changes: each slurmd runs in its own mount + UTS namespace
   (`unshare -m -u --propagation private`) with a private hosts file bind-mounted over
-  /etc/hosts and hostname nI; jobs inherit both. A node's hosts file names only itself
-  (gloo binds to the address its hostname resolves to), so the OTHER node's name does not
-  resolve inside a job: the rendezvous must take rank 0's address from Slurm (NodeAddr).
-- Its own munged, socket and key copy in the state dir (AuthInfo=socket=...), its own
-  ports (SlurmctldPort 6917, SlurmdPort 6918): a one-node cluster can run beside it.
+  /etc/hosts and hostname nJ; jobs inherit both. A node's hosts file names only itself
+  (gloo binds to the address its hostname resolves to), so other nodes' names do not
+  resolve inside a job: the rendezvous takes rank 0's address from Slurm (NodeAddr).
+- Its own munged, socket and key copy in the state dir (AuthInfo=socket=...).
 - Traffic stays inside the namespaces this tool creates; clients (sbatch, srun, scontrol)
   run in n1's namespace: `slurm_local.py exec -- sbatch ...` or the printed prefix.
-- Stop kills exactly the recorded PIDs, then deletes the namespaces (the veth pair goes
-  with them) and unmounts /run/netns if this tool mounted it.
+- Stop: cancel the jobs, kill the recorded daemons, SIGKILL whatever still runs inside
+  this cluster's namespaces (only processes of this cluster can be there), delete the
+  namespaces (veths and tc rules go with them), unmount /run/netns if this tool mounted it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-NODES = ("n1", "n2")
-SUBNET = "10.77.12"
-PREFIX = "mvmoe"
-CTLD_PORT, SLURMD_PORT = 6917, 6918
-PARTITION = "local2"
+MAX_NODES = 4
+MAX_INSTANCE = 200
+COUNTERS = ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets")
 
 
-def netns(node: str) -> str:
-    return f"{PREFIX}_{node}"
+@dataclass(frozen=True)
+class Cluster:
+    """Names, addresses and ports of one cluster instance."""
+
+    nodes: int = 2
+    """Node count N (2..MAX_NODES)."""
+    instance: int = 0
+    """0 keeps the historical names (mvmoe_n1, 10.77.12.x); others get their own."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"--nodes: {self.nodes} namespaced nodes; use 2..{MAX_NODES}")
+        if not 0 <= self.instance < MAX_INSTANCE:
+            raise ValueError(f"--instance: {self.instance}; use 0..{MAX_INSTANCE - 1}")
+
+    @property
+    def prefix(self) -> str:
+        return "mvmoe" if self.instance == 0 else f"mvw{self.instance}"
+
+    @property
+    def names(self) -> List[str]:
+        return [f"n{j}" for j in range(1, self.nodes + 1)]
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.prefix}_br"
+
+    @property
+    def subnet(self) -> str:
+        return f"10.77.{12 + self.instance}"
+
+    @property
+    def ctld_port(self) -> int:
+        return 6917 + 2 * self.instance
+
+    @property
+    def slurmd_port(self) -> int:
+        return 6918 + 2 * self.instance
+
+    @property
+    def partition(self) -> str:
+        return "local2" if self.instance == 0 else f"wire{self.instance}"
+
+    def netns(self, node: str) -> str:
+        return f"{self.prefix}_{node}"
+
+    def veth(self, node: str) -> str:
+        """The node's end of its link (in the node's namespace)."""
+        return f"{self.prefix}{node[1:]}"
+
+    def port(self, node: str) -> str:
+        """The bridge's end of the node's link (in the bridge namespace)."""
+        return f"b{node[1:]}"
+
+    def address(self, node: str) -> str:
+        return f"{self.subnet}.{node[1:]}"
+
+    def all_netns(self) -> List[str]:
+        return [*(self.netns(n) for n in self.names), self.bridge_ns]
+
+    def client_prefix(self) -> List[str]:
+        """Prefix a Slurm client command with this to run it in n1's network namespace."""
+        return ["nsenter", f"--net=/run/netns/{self.netns('n1')}"]
 
 
-def veth(node: str) -> str:
-    return f"{PREFIX}{node[1:]}"
-
-
-def address(node: str) -> str:
-    return f"{SUBNET}.{node[1:]}"
-
-
-def client_prefix() -> List[str]:
-    """Prefix a Slurm client command with this to run it in n1's network namespace."""
-    return ["nsenter", f"--net=/run/netns/{netns('n1')}"]
+def default_state_dir(instance: int) -> Path:
+    if instance == 0:
+        return Path(os.environ.get("MVMOE_SLURM2_STATE", "/tmp/mvmoe_slurm2"))
+    return Path(f"/tmp/mvmoe_slurm_i{instance}")
 
 
 def _sh(cmd: List[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -60,8 +122,8 @@ def _sh(cmd: List[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 # ---------------------------------------------------------------- network
-def namespaces_exist() -> Dict[str, bool]:
-    return {n: Path(f"/run/netns/{netns(n)}").exists() for n in NODES}
+def namespaces_exist(c: Cluster) -> Dict[str, bool]:
+    return {ns: Path(f"/run/netns/{ns}").exists() for ns in c.all_netns()}
 
 
 def is_mount_point(path: str) -> bool:
@@ -71,41 +133,87 @@ def is_mount_point(path: str) -> bool:
         return any(line.split()[4] == path for line in fh)
 
 
-def create_network() -> bool:
-    """Two namespaces, loopback up, a veth pair between them. Returns whether /run/netns
-    was already a mount point (so stop knows whether to unmount it)."""
+def create_network(c: Cluster) -> bool:
+    """Node namespaces, a bridge namespace, one veth per node into the bridge. Returns
+    whether /run/netns was already a mount point (so stop knows whether to unmount it)."""
     was_mounted = is_mount_point("/run/netns")
-    for node in NODES:
-        _sh(["ip", "netns", "add", netns(node)])
-        _sh(["ip", "-n", netns(node), "link", "set", "lo", "up"])
-    _sh(["ip", "link", "add", veth("n1"), "netns", netns("n1"), "type", "veth",
-         "peer", "name", veth("n2"), "netns", netns("n2")])
-    for node in NODES:
-        _sh(["ip", "-n", netns(node), "addr", "add", f"{address(node)}/24", "dev", veth(node)])
-        _sh(["ip", "-n", netns(node), "link", "set", veth(node), "up"])
+    for ns in c.all_netns():
+        _sh(["ip", "netns", "add", ns])
+        _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+    br = c.bridge_ns
+    _sh(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
+    _sh(["ip", "-n", br, "link", "set", "br0", "up"])
+    for node in c.names:
+        _sh(["ip", "link", "add", c.veth(node), "netns", c.netns(node), "type", "veth",
+             "peer", "name", c.port(node), "netns", br])
+        _sh(["ip", "-n", br, "link", "set", c.port(node), "master", "br0"])
+        _sh(["ip", "-n", br, "link", "set", c.port(node), "up"])
+        _sh(["ip", "-n", c.netns(node), "addr", "add", f"{c.address(node)}/24", "dev",
+             c.veth(node)])
+        _sh(["ip", "-n", c.netns(node), "link", "set", c.veth(node), "up"])
     return was_mounted
 
 
-def delete_network(was_mounted: bool) -> None:
-    for node in NODES:
-        if Path(f"/run/netns/{netns(node)}").exists():
-            _sh(["ip", "netns", "del", netns(node)], check=False)
+def pids_in_namespaces(c: Cluster) -> List[int]:
+    pids: List[int] = []
+    for ns, exists in namespaces_exist(c).items():
+        if exists:
+            out = _sh(["ip", "netns", "pids", ns], check=False)
+            pids += [int(p) for p in out.stdout.split()]
+    return sorted(set(pids) - {os.getpid()})
+
+
+def kill_namespace_processes(c: Cluster, grace_s: float = 5.0) -> List[int]:
+    """SIGTERM, then SIGKILL, every process still inside this cluster's namespaces (jobs
+    whose slurmd is gone): a namespace outlives `ip netns del` while a process holds it."""
+    found = pids_in_namespaces(c)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids_in_namespaces(c):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if not wait_for(lambda: not pids_in_namespaces(c), grace_s):
+            continue
+        break
+    return found
+
+
+def delete_network(c: Cluster, was_mounted: bool) -> None:
+    for ns in c.all_netns():
+        if Path(f"/run/netns/{ns}").exists():
+            _sh(["ip", "netns", "del", ns], check=False)
     while (not was_mounted and is_mount_point("/run/netns")
            and not os.listdir("/run/netns")):
         if _sh(["umount", "/run/netns"], check=False).returncode != 0:
             break
 
 
-def veth_counters() -> Dict[str, Dict[str, int]]:
-    """rx/tx bytes of each end of the veth pair (from `ip -s -j link`)."""
+def read_counters(c: Cluster) -> Dict[str, Dict[str, int]]:
+    """rx/tx bytes and packets of each node's link, node side, keyed by veth name: read
+    from /proc/net/dev inside the node's namespace (a sysfs mount shows the host's)."""
     counters = {}
-    for node in NODES:
-        out = _sh(["ip", "-n", netns(node), "-s", "-j", "link", "show", veth(node)], check=False)
-        if out.returncode != 0:
+    for node in c.names:
+        if not Path(f"/run/netns/{c.netns(node)}").exists():
             continue
-        stats = json.loads(out.stdout)[0]["stats64"]
-        counters[veth(node)] = {"rx_bytes": stats["rx"]["bytes"], "tx_bytes": stats["tx"]["bytes"]}
+        out = _sh(["ip", "netns", "exec", c.netns(node), "cat", "/proc/net/dev"], check=False)
+        parsed = parse_proc_net_dev(out.stdout).get(c.veth(node))
+        if parsed:
+            counters[c.veth(node)] = parsed
     return counters
+
+
+def parse_proc_net_dev(text: str) -> Dict[str, Dict[str, int]]:
+    """{device: {rx_bytes, rx_packets, tx_bytes, tx_packets}} from /proc/net/dev."""
+    out = {}
+    for line in text.splitlines()[2:]:
+        if ":" not in line:
+            continue
+        name, fields = line.split(":", 1)
+        v = [int(x) for x in fields.split()]
+        out[name.strip()] = {"rx_bytes": v[0], "rx_packets": v[1], "tx_bytes": v[8],
+                             "tx_packets": v[9]}
+    return out
 
 
 # ---------------------------------------------------------------- files
@@ -115,27 +223,28 @@ def paths(state_dir: Path) -> Dict[str, Path]:
             "logs": state_dir / "logs", "munge": state_dir / "munge"}
 
 
-def write_files(state_dir: Path, resources: Dict[str, str]) -> None:
+def write_files(c: Cluster, state_dir: Path, resources: Dict[str, str]) -> None:
     p = paths(state_dir)
-    for d in (p["ctld"], p["logs"], p["munge"], *(p["spool"] / n for n in NODES)):
+    for d in (p["ctld"], p["logs"], p["munge"], *(p["spool"] / n for n in c.names)):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(p["munge"], 0o700)
     key = p["munge"] / "munge.key"
+    key.unlink(missing_ok=True)
     shutil.copyfile("/etc/munge/munge.key", key)
     os.chmod(key, 0o400)
-    for node in NODES:
+    for node in c.names:
         (state_dir / f"hosts.{node}").write_text(
-            f"127.0.0.1\tlocalhost\n{address(node)}\t{node}\n")
-    p["conf"].write_text(slurm_conf(state_dir, resources))
+            f"127.0.0.1\tlocalhost\n{c.address(node)}\t{node}\n")
+    p["conf"].write_text(slurm_conf(c, state_dir, resources))
 
 
-def slurm_conf(state_dir: Path, res: Dict[str, str]) -> str:
+def slurm_conf(c: Cluster, state_dir: Path, res: Dict[str, str]) -> str:
     p, host = paths(state_dir), socket.gethostname()
-    nodes = [f"NodeName={n} NodeAddr={address(n)} CPUs={res['CPUs']} "
-             f"RealMemory={res['RealMemory']} State=UNKNOWN" for n in NODES]
+    nodes = [f"NodeName={n} NodeAddr={c.address(n)} CPUs={res['CPUs']} "
+             f"RealMemory={res['RealMemory']} State=UNKNOWN" for n in c.names]
     return "\n".join([
-        "ClusterName=mvmoe-local2", f"SlurmctldHost={host}({address('n1')})",
-        f"SlurmctldPort={CTLD_PORT}", f"SlurmdPort={SLURMD_PORT}",
+        f"ClusterName=mvmoe-{c.partition}", f"SlurmctldHost={host}({c.address('n1')})",
+        f"SlurmctldPort={c.ctld_port}", f"SlurmdPort={c.slurmd_port}",
         "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", "CredType=cred/munge",
         f"AuthInfo=socket={p['munge'] / 'munge.socket'}",
@@ -151,8 +260,8 @@ def slurm_conf(state_dir: Path, res: Dict[str, str]) -> str:
         "ReturnToService=2", "SchedulerType=sched/backfill", "MailProg=/bin/true",
         "SlurmdTimeout=30", "KillWait=10", "MessageTimeout=10",
         *nodes,
-        f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE "
-        "State=UP",
+        f"PartitionName={c.partition} Nodes={','.join(c.names)} Default=YES "
+        "MaxTime=INFINITE State=UP",
         "",
     ])
 
@@ -165,17 +274,17 @@ def munged_cmd(state_dir: Path) -> List[str]:
             f"--seed-file={m / 'munged.seed'}", f"--log-file={m / 'munged.log'}"]
 
 
-def slurmctld_cmd(state_dir: Path) -> List[str]:
-    return [*client_prefix(), "slurmctld", "-D", "-c", "-f", str(paths(state_dir)["conf"])]
+def slurmctld_cmd(c: Cluster, state_dir: Path) -> List[str]:
+    return [*c.client_prefix(), "slurmctld", "-D", "-c", "-f", str(paths(state_dir)["conf"])]
 
 
-def slurmd_cmd(state_dir: Path, node: str) -> List[str]:
+def slurmd_cmd(c: Cluster, state_dir: Path, node: str) -> List[str]:
     """nsenter (net) -> unshare (mount, UTS) -> sh (bind hosts, set hostname) -> exec slurmd:
     each step execs the next, so the PID recorded ends up being slurmd's own."""
     hosts, conf = state_dir / f"hosts.{node}", paths(state_dir)["conf"]
     script = (f"mount --bind {hosts} /etc/hosts && hostname {node} && "
               f"exec slurmd -D -N {node} -f {conf}")
-    return ["nsenter", f"--net=/run/netns/{netns(node)}", "unshare", "-m", "-u",
+    return ["nsenter", f"--net=/run/netns/{c.netns(node)}", "unshare", "-m", "-u",
             "--propagation", "private", "sh", "-c", script]
 
 
@@ -188,17 +297,30 @@ def munge_answers(state_dir: Path) -> bool:
                           capture_output=True, timeout=10).returncode == 0
 
 
-def node_states(state_dir: Path) -> Optional[Dict[str, str]]:
+def client_env(state_dir: Path) -> Dict[str, str]:
+    return {**os.environ, "SLURM_CONF": str(paths(state_dir)["conf"])}
+
+
+def node_states(c: Cluster, state_dir: Path) -> Optional[Dict[str, str]]:
     """{node: state} from sinfo run in n1's namespace, or None when slurmctld is unreachable."""
-    env = {**os.environ, "SLURM_CONF": str(paths(state_dir)["conf"])}
     try:
-        out = subprocess.run([*client_prefix(), "sinfo", "-h", "-N", "-o", "%N %T"],
-                             capture_output=True, text=True, timeout=15, env=env)
+        out = subprocess.run([*c.client_prefix(), "sinfo", "-h", "-N", "-o", "%N %T"],
+                             capture_output=True, text=True, timeout=15,
+                             env=client_env(state_dir))
     except subprocess.TimeoutExpired:
         return None
     if out.returncode != 0:
         return None
     return dict(line.split()[:2] for line in out.stdout.splitlines() if line.strip())
+
+
+def cancel_jobs(c: Cluster, state_dir: Path) -> None:
+    """scancel every job of this cluster's partition (best effort, bounded)."""
+    try:
+        subprocess.run([*c.client_prefix(), "scancel", "--partition", c.partition],
+                       capture_output=True, timeout=15, env=client_env(state_dir))
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def wait_for(ready, timeout_s: float) -> bool:
