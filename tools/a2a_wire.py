@@ -84,6 +84,16 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=None, help="keep specs, worker output and logs here")
     p.add_argument("--analyse", nargs="+", default=None,
                    help="only analyse worker output files (e.g. from a real cluster)")
+    p.add_argument("--write-spec", default=None,
+                   help="real cluster: only write the worker spec for --layouts' first entry "
+                        "(or this Slurm job's nodes x tasks) here, output to --worker-out")
+    p.add_argument("--worker-out", default=None, help="--write-spec: worker output path")
+    p.add_argument("--iface", default=None,
+                   help="--write-spec: the NIC to read (default: the one holding the host "
+                        "name's address)")
+    p.add_argument("--header-bytes", type=int, default=66,
+                   help="frame header bytes per packet: 66 Ethernet+IPv4+TCP timestamps; "
+                        "56 on IPoIB")
     p.add_argument("--markdown", default=None, help="write the results page here")
     p.add_argument("--plot", default=None, help="PNG: measured vs predicted bytes and times")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -133,6 +143,23 @@ def time_cases(args, ep: int) -> list:
             case.update(views_case=True, overrides=views_overrides(ep))
         out.append(case)
     return out
+
+
+def write_spec(args) -> int:
+    """A worker spec for the current Slurm job (a real cluster: no tc, real NIC)."""
+    env = os.environ
+    if env.get("SLURM_JOB_NUM_NODES") and env.get("SLURM_NTASKS_PER_NODE"):
+        nodes, ranks = int(env["SLURM_JOB_NUM_NODES"]), int(env["SLURM_NTASKS_PER_NODE"])
+    else:
+        nodes, ranks = parse_layout(args.layouts[0])
+    spec = {"batch_size": args.batch_size, "seq_length": args.seq_length,
+            "repeats": args.repeats, "timeout_s": 300, "iface": args.iface,
+            "cases": cases_for(args, nodes, ranks),
+            "out": args.worker_out or str(Path(args.write_spec).with_name("worker.json"))}
+    Path(args.write_spec).write_text(json.dumps(spec, indent=1))
+    print(json.dumps({"spec": args.write_spec, "nodes": nodes, "ranks_per_node": ranks,
+                      "cases": len(spec["cases"]), "out": spec["out"]}))
+    return 0
 
 
 # ---- the cluster -----------------------------------------------------------------------------
@@ -252,7 +279,7 @@ def analyse(payload: dict, args) -> dict:
     for layout in payload["layouts"]:
         w = layout["worker"]
         for result in w["results"]:
-            entry = case_bytes(result, w["hosts"], w["ranks_per_node"])
+            entry = case_bytes(result, w["hosts"], w["ranks_per_node"], args.header_bytes)
             entry.update(layout=layout["layout"], summary=case_summary(entry),
                          wall_s=round(result["wall_s"], 2))
             entry["within_tolerance"] = entry["max_abs_error"] <= args.tolerance
@@ -301,6 +328,8 @@ def main(argv=None) -> int:
     try:
         for text in args.layouts:
             parse_layout(text)
+        if args.write_spec:
+            return write_spec(args)
         if args.analyse:
             payload = {"layouts": [{"layout": Path(f).stem, "wall_s": None,
                                     "worker": json.loads(Path(f).read_text())}

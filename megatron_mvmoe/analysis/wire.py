@@ -82,9 +82,9 @@ def node_link_bytes(m_PP: torch.Tensor, node_of_rank: Sequence[int]) -> Dict[int
             for n in sorted(set(node_of_rank))}
 
 
-def tcp_payload(delta: Dict[str, int]) -> Dict[str, int]:
+def tcp_payload(delta: Dict[str, int], header_bytes: int = HEADER_BYTES) -> Dict[str, int]:
     """TCP payload bytes per direction of one interface's counter delta."""
-    return {d: delta[f"{d}_bytes"] - HEADER_BYTES * delta[f"{d}_packets"] for d in DIRECTIONS}
+    return {d: delta[f"{d}_bytes"] - header_bytes * delta[f"{d}_packets"] for d in DIRECTIONS}
 
 
 def counter_delta(before: Dict[str, int], after: Dict[str, int]) -> Dict[str, int]:
@@ -92,15 +92,17 @@ def counter_delta(before: Dict[str, int], after: Dict[str, int]) -> Dict[str, in
 
 
 def measured_payload(window: Dict[str, int], replay: Dict[str, int],
-                     replay_predicted: Dict[str, int]) -> Dict[str, Dict[str, int]]:
+                     replay_predicted: Dict[str, int],
+                     header_bytes: int = HEADER_BYTES) -> Dict[str, Dict[str, int]]:
     """Payload and the two overheads per direction of one node link (counter deltas of the
-    window and of its minimal-size replay)."""
+    window and of its minimal-size replay); header_bytes per frame (66 on Ethernet; an
+    IPoIB link has a 4-byte encapsulation instead of Ethernet's 14: 56)."""
     out = {}
-    w, r = tcp_payload(window), tcp_payload(replay)
+    w, r = tcp_payload(window, header_bytes), tcp_payload(replay, header_bytes)
     for d in DIRECTIONS:
         control = r[d] - replay_predicted[d]
         out[d] = {"bytes": window[f"{d}_bytes"], "packets": window[f"{d}_packets"],
-                  "headers": HEADER_BYTES * window[f"{d}_packets"], "control": control,
+                  "headers": header_bytes * window[f"{d}_packets"], "control": control,
                   "payload": w[d] - control}
     return out
 

@@ -19,7 +19,7 @@ import torch
 from megatron_mvmoe.analysis.dispatch_semantics import link_bytes, payload_for_variant
 from megatron_mvmoe.analysis.link_time import WireLink, collective_wire_time_s, fit_wire_link
 from megatron_mvmoe.analysis.placement import EpPlacement
-from megatron_mvmoe.analysis.wire import (DIRECTIONS, WireRecord, counter_delta,
+from megatron_mvmoe.analysis.wire import (DIRECTIONS, HEADER_BYTES, WireRecord, counter_delta,
                                           measured_payload, minimal_replay_sizes,
                                           node_link_bytes, rank_matrix, relative_error)
 
@@ -51,7 +51,8 @@ def _analytic(result: dict, variant: str, semantics: str, ranks_per_node: int):
     return out
 
 
-def case_bytes(result: dict, hosts: Sequence[str], ranks_per_node: int) -> dict:
+def case_bytes(result: dict, hosts: Sequence[str], ranks_per_node: int,
+               header_bytes: int = HEADER_BYTES) -> dict:
     """Predicted vs measured payload of one case: rows per pass, node and direction."""
     case, node_of = result["case"], _nodes(hosts)
     records, world = _records(result), len(hosts)
@@ -66,7 +67,8 @@ def case_bytes(result: dict, hosts: Sequence[str], ranks_per_node: int) -> dict:
         meta_nodes = node_link_bytes(meta, node_of)
         replay_pred = node_link_bytes(rank_matrix([minimal_replay_sizes(rs) for rs in mine],
                                                   world), node_of)
-        rows += _measured_rows(result, p, predicted, meta_nodes, replay_pred, hosts)
+        rows += _measured_rows(result, p, predicted, meta_nodes, replay_pred, hosts,
+                               header_bytes)
     worst = max(abs(r["error"]) for r in rows)
     return {"case": case, "rows": rows, "analytic_equals_counted": bool(exact),
             "max_abs_error": worst, "outside_dispatchers": result["ranks"][0][
@@ -100,7 +102,8 @@ def views_mode_pairs(result: dict, ranks_per_node: int) -> int:
     return total
 
 
-def _measured_rows(result, p, predicted, meta_nodes, replay_pred, hosts) -> List[dict]:
+def _measured_rows(result, p, predicted, meta_nodes, replay_pred, hosts,
+                   header_bytes) -> List[dict]:
     index = 1 if p == "fwd" else 2
     rows = []
     for rank, info in enumerate(result["ranks"]):
@@ -111,7 +114,8 @@ def _measured_rows(result, p, predicted, meta_nodes, replay_pred, hosts) -> List
         for model, replay in zip(info["windows"]["model"], info["windows"]["replay"]):
             per_repeat.append(measured_payload(
                 counter_delta(model[index - 1], model[index]),
-                counter_delta(replay[index - 1], replay[index]), replay_pred[node]))
+                counter_delta(replay[index - 1], replay[index]), replay_pred[node],
+                header_bytes))
         for d in DIRECTIONS:
             med = {k: median(m[d][k] for m in per_repeat) for k in per_repeat[0][d]}
             spread = [m[d]["payload"] for m in per_repeat]

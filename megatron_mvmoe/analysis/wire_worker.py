@@ -16,7 +16,8 @@ replayed at full size under `tc tbf` rates and timed.
 Design choices:
 - Only local rank 0 of a node reads the node's counters (one link per node); every rank
   reads the same interface, found as the one holding the address gloo binds to (the host
-  name's), or the one the spec names.
+  name's), or the one the spec names (`iface`: a real cluster's fabric NIC, which should
+  also be gloo's: GLOO_SOCKET_IFNAME).
 - tc: local rank 0 of each node sets its node's egress rate, and the switch side's egress
   towards its node when the spec names the bridge namespace (the local cluster); on a real
   cluster the spec has no rates and nothing is shaped.
@@ -64,7 +65,7 @@ class Link:
     def __init__(self, spec: dict, local_rank: int) -> None:
         host = socket.gethostname()
         self.node = host
-        self.iface = (spec.get("links") or {}).get(host) or find_iface(
+        self.iface = spec.get("iface") or (spec.get("links") or {}).get(host) or find_iface(
             socket.gethostbyname(host))
         self.reader = local_rank == 0
         self.bridge = spec.get("bridge_ns")
