@@ -146,6 +146,10 @@ class MVMoETransformerConfig(TransformerConfig):
     """L: latent size of the latent MoE (down-projection D -> L before dispatch, up after
     combine). Required for latent, multi_router and multi_view."""
 
+    cpu_grouped_experts: bool = False
+    """Run SequentialMLP's experts as grouped GEMMs on CPU (layers/grouped_experts.py: same
+    parameters and checkpoints); set by the fast-path rule `cpu_grouped_experts`."""
+
     multi_view: MultiViewConfig = field(default_factory=MultiViewConfig)
     multi_head: MultiHeadConfig = field(default_factory=MultiHeadConfig)
     bitnet: BitNetConfig = field(default_factory=BitNetConfig)

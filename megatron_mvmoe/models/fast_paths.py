@@ -12,6 +12,9 @@ Design choices:
   is SequentialMLP anyway (legacy GroupedMLP is gone), RoPE fusion and flash attention need
   TE, gradient-accumulation fusion needs TE linears (or apex), overlapped grad-reduce /
   param-gather need asynchronous (NCCL) collectives to overlap with.
+- On CPU, SequentialMLP's per-expert loop is replaced by `cpu_grouped_experts` (the same
+  parameters, two torch._grouped_mm calls) wherever torch runs _grouped_mm on CPU, and not
+  under BitNet (its expert linears are Bit linears).
 - BitNet quantizes Megatron's local Column/RowParallelLinear: TE linears (and so TE grouped
   experts, fused RoPE, TE attention) are off under BitNet, with that reason.
 - Multi-View's per-row dispatcher gathers (token, slot) rows itself: TE's fused permute
@@ -68,6 +71,7 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
               "TEGroupedMLP: one grouped GEMM over all local experts",
               "dense model" if variant == "dense" else no_te + " (SequentialMLP loops over "
               "local experts)", {"moe_grouped_gemm": te and variant != "dense"}),
+        _cpu_grouped_experts(target, variant, bitnet),
         _path("flash_attention", te, "TEDotProductAttention (flash/fused backend)",
               no_te + " (Megatron's DotProductAttention)"),
         _path("rope_fusion", te, "TE fused RoPE", no_te, {"apply_rope_fusion": te}),
@@ -102,6 +106,25 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
         _path("bf16", gpu, "bf16 weights and activations, fp32 main params",
               "CPU: fp32 (bf16 matmuls are emulated and slow)"),
     ]
+
+
+def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool) -> FastPath:
+    """SequentialMLP's experts as two torch._grouped_mm calls (layers/grouped_experts.py)."""
+    from megatron_mvmoe.layers.grouped_experts import grouped_mm_runs_here
+
+    if variant == "dense":
+        why_off = "dense model"
+    elif target.cuda:
+        why_off = "GPU: TEGroupedMLP with TE, else SequentialMLP (not validated on CUDA)"
+    elif bitnet:
+        why_off = "BitNet: the experts are Bit linears (SequentialMLP loops over them)"
+    elif not grouped_mm_runs_here():
+        why_off = "torch._grouped_mm does not run on this CPU build (SequentialMLP loops)"
+    else:
+        why_off = ""
+    return _path("cpu_grouped_experts", not why_off,
+                 "CPU: all local experts as 2 grouped GEMMs (torch._grouped_mm), "
+                 "SequentialMLP's parameters", why_off, {"cpu_grouped_experts": not why_off})
 
 
 def _path(name: str, on: bool, why_on: str, why_off: str,

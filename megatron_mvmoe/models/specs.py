@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
 from megatron_mvmoe.layers.builders import build, module_of, parts, rebuilt
+from megatron_mvmoe.layers.grouped_experts import with_grouped_experts
 from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.variants import Variant, get_variant
@@ -85,6 +86,7 @@ def moe_mlp_spec(config, moe_spec):
     """The MLP builder of an MoE slot for the variant, derived from Megatron's `moe_spec`
     (a builder or a ModuleSpec; the result has the same form)."""
     variant = get_variant(getattr(config, "moe_variant", "smoe"))
+    moe_spec = with_grouped_experts(moe_spec, config)  # the CPU grouped-GEMM experts rule
     if variant.multi_head:
         return _mh_moe_spec(config, moe_spec)
     if not variant.latent:
