@@ -11,11 +11,20 @@ divisible by ep, batch not divisible) is refused here too, with exit code 2.
   python tools/plan.py --config mvmoe_10b_a1b --tp 1 --pp 1 --ep 8 --world-size 8
   python tools/plan.py --config examples/tiny_cpu.yaml --dry-run
   python tools/plan.py --config examples/configs/mvmoe_10b_a1b_64gpu.yaml --fast-paths --json
+  python tools/plan.py --config examples/configs/mvmoe_10b_a1b_slice_cpu.yaml --precision cpu_fp32
+  python tools/plan.py --validate runs/slices/mv_ep2 --json   # planner vs a run's memory
+
+Memory by category per rank and pipeline stage (analysis/plan_memory.py): parameters,
+gradient (main-grad) buffers, optimizer states sharded like the distributed optimizer,
+activations per microbatch x microbatches in flight (MoE dispatch buffers and views
+included), the checkpoint save's transient; for the GPU bf16 + fp32-master run and the CPU
+fp32 run. --validate sets it against what a run recorded in <run_dir>/memory/.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,6 +32,8 @@ import sys
 from megatron_mvmoe.analysis.overheads import overhead_lines, parameter_overheads
 from megatron_mvmoe.analysis.plan import (PlanTarget, check_layout, dry_run_build, plan,
                                           planned_world_size)
+from megatron_mvmoe.analysis.plan_memory import PRECISIONS, memory_by_stage
+from megatron_mvmoe.analysis.plan_validate import table_lines, validate
 from megatron_mvmoe.models import fast_paths
 from megatron_mvmoe.models.model_section import model_from_preset
 from megatron_mvmoe.models.presets import PRESETS, preset_names
@@ -30,12 +41,20 @@ from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.run_config import load_yaml
 
 
-def _model(name: str):
+def _model(name: str, num_layers=None):
     if name in PRESETS:
-        return model_from_preset(name), None
-    if os.path.isfile(name):
+        model, run = model_from_preset(name), None
+    elif os.path.isfile(name):
         run = load_yaml(name)
-        return run.model, run
+        model = run.model
+    else:
+        model = None
+    if model is not None:
+        if num_layers is not None:
+            model = dataclasses.replace(model, num_layers=num_layers)
+            if run is not None:
+                run = dataclasses.replace(run, model=model)
+        return model, run
     raise ValueError(f"--config: {name!r} is neither a preset ({preset_names()}) nor a YAML "
                      "file. Fix: pass one of those")
 
@@ -98,6 +117,14 @@ def _human(report) -> str:
              f"all-to-all: {a2a['per_layer_dispatch'] / 2**20:.1f} MiB per layer dispatch, "
              f"{a2a['per_rank_per_step'] / 2**30:.2f} GiB per rank per step",
              *overhead_lines(report["parameter_overheads"])]
+    for precision, stages in report.get("memory_by_rank", {}).items():
+        lines.append(f"memory per rank by category ({precision}; runtime not included):")
+        for row in stages:
+            lines.append(f"  stage {row['stage']}: " + ", ".join(
+                f"{k} {gib(row[k])}" for k in ("params", "grads", "optimizer", "activations",
+                                              "checkpoint_save_transient", "total_with_save"))
+                + f" (activations {gib(row['activations_per_microbatch'])} per microbatch x "
+                  f"{row['microbatches_in_flight']:.0f} in flight)")
     if "fast_paths" in report:
         lines += _human_fast_paths(report["fast_paths"])
     if "dry_run" in report:
@@ -109,7 +136,8 @@ def _human(report) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="preset name or run YAML")
+    parser.add_argument("--config", help="preset name or run YAML (required without "
+                                           "--validate)")
     for flag, what in (("--tp", "tensor-parallel size"), ("--pp", "pipeline stages"),
                        ("--ep", "expert-parallel size"), ("--etp", "expert tensor-parallel"),
                        ("--world-size", "GPUs (default: see above)"),
@@ -117,6 +145,13 @@ def main(argv=None) -> int:
                        ("--global-batch-size", "sequences per step")):
         parser.add_argument(flag, type=int, default=None,
                             help=f"{what}; default: the YAML's, else 1 (global batch 256)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="plan the config with this many layers (e.g. a larger slice)")
+    parser.add_argument("--precision", choices=(*PRECISIONS, "both"), default="both",
+                        help="memory by category for cpu_fp32, gpu_bf16 (+ fp32 master) or both")
+    parser.add_argument("--validate", metavar="RUN_DIR", default=None,
+                        help="print the planner's memory per rank and category against what "
+                             "the run in RUN_DIR measured (its memory/rank<R>.json)")
     parser.add_argument("--dry-run", action="store_true",
                         help="build rank 0 on the meta device to validate shapes")
     parser.add_argument("--fast-paths", action="store_true",
@@ -129,10 +164,21 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
-        model, run = _model(args.config)
+        if args.validate is not None:
+            checked = validate(args.validate)
+            print(json.dumps(checked, indent=1) if args.json else "\n".join(table_lines(checked)))
+            return 0
+        if args.config is None:
+            raise ValueError("--config: required (a preset name or a run YAML). Fix: pass "
+                             "--config, or --validate RUN_DIR")
+        model, run = _model(args.config, args.num_layers)
         target = _target(args, run)
         check_layout(model, target)
         report = plan(model, target)
+        dist_opt = run.optimizer.use_distributed_optimizer if run is not None else True
+        precisions = PRECISIONS if args.precision == "both" else (args.precision,)
+        report["memory_by_rank"] = {p: memory_by_stage(model, target, p, dist_opt)
+                                    for p in precisions}
         report["parameter_overheads"] = parameter_overheads(model)
         if args.dry_run:
             report["dry_run"] = dry_run_build(model, target)

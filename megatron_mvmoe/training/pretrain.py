@@ -37,6 +37,7 @@ from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processe
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
 from megatron_mvmoe.run_config import RunConfig
+from megatron_mvmoe.training.memory_report import memory_hook
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, routing_summary)
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, nonfinite_error
@@ -310,6 +311,7 @@ def pretrain(run: RunConfig, pg_collection,
     run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
     if run.training.warm_start_from is not None:
         check_target(shape)  # before any weight is built
+    on_step = memory_hook(run, on_step)  # fit check before building; memory/rank<R>.json
     loop = _Loop(run, pg_collection, on_step)
     t = run.training
     loop.stops.install()

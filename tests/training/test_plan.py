@@ -129,3 +129,73 @@ def test_dry_run_10b_rank0_matches_plan():
     count = int(out.stdout.split("COUNT")[1].split()[0])
     c = parameter_counts(model_from_preset("mvmoe_10b_a1b"))
     assert count == c["total"] - c["experts"] + c["experts"] // 8
+
+
+# ------------------------------------------------------------ memory: measured vs planned
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_validate_tiny_run_static_categories_match(tmp_path):
+    """A 2-rank EP=2 tiny run records memory/rank<R>.json; plan.py --validate sets the
+    planner's per-rank categories against it: params/grads/optimizer within 2 % (without
+    the distributed optimizer's 64-element padding, which dominates only tiny tensors)."""
+    from harness import tiny_run, train
+    from textdata import build_token_dir
+
+    data = build_token_dir(str(tmp_path / "tokens"))
+    raw = tiny_run(data, parallel=dict(ep=2), train_iters=5, save_interval=3,
+                   save=str(tmp_path / "ckpt"))
+    raw["optimizer"]["use_distributed_optimizer"] = False
+    raw["logging"].update(run_dir=str(tmp_path / "run"))
+    train(raw, 2)
+    out = _plan_tool("--validate", str(tmp_path / "run"), "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    for rank in report["ranks"]:
+        rows = rank["rows"]
+        for name in ("params", "grads", "optimizer"):
+            assert rows[name]["within"], (name, rows[name])
+        assert rows["activations"]["measured"] is not None and rows["total"]["measured"] > 0
+        assert rows["checkpoint_save_transient"]["measured"] is not None  # step 3 saved
+    human = _plan_tool("--validate", str(tmp_path / "run"))
+    assert "planner vs measured" in human.stdout and "optimizer" in human.stdout
+
+
+def test_static_bytes_against_naive_count():
+    """fp32 Adam on CPU is 16 B per parameter without sharding; the distributed optimizer
+    divides Adam's 8 B over the data-parallel (dense) and expert-data-parallel (experts)
+    ranks; bf16 + fp32 master is 2 + 4 + 12 / shard."""
+    from megatron_mvmoe.analysis.plan_memory import stage_parameters, static_bytes
+
+    m = model_from_preset("mvmoe_10b_a1b")
+    target = PlanTarget(ParallelLayout(ep=8), world_size=16)  # dp 16, expert dp 2
+    p = stage_parameters(m, target, 0)
+    c = parameter_counts(m)
+    assert p["experts"] == c["experts"] // 8
+    assert p["dense"] + p["experts"] == c["total"] - c["experts"] + c["experts"] // 8
+    fp32 = static_bytes(m, target, 0, "cpu_fp32", distributed_optimizer=False)
+    n = p["dense"] + p["experts"]
+    assert fp32["params"] + fp32["grads"] + fp32["optimizer"] == 16 * n
+    bf16 = static_bytes(m, target, 0, "gpu_bf16")
+    shard = p["dense"] / 16 + p["experts"] / 2
+    fp32_only = p["fp32_only"]
+    assert bf16["optimizer"] == pytest.approx(12 * shard - 4 * fp32_only / 16)
+    assert bf16["params"] == 2 * (n - fp32_only) + 4 * fp32_only
+
+
+def test_slice_that_does_not_fit_fails_before_allocating(tmp_path):
+    """The 24-layer 10B-A1B on 2 CPU ranks needs far more than any such machine has: the
+    start-up check refuses it with the planner's estimate and what to reduce, before the
+    model is built (the run takes seconds, not the minutes a build would)."""
+    from harness import tiny_run, train
+    from textdata import build_token_dir
+
+    data = build_token_dir(str(tmp_path / "tokens"))
+    raw = tiny_run(data, parallel=dict(ep=2))
+    raw["model"] = dict(preset="mvmoe_10b_a1b", vocab_size=512, seq_length=32)
+    with pytest.raises(Exception) as err:
+        train(raw, 2, timeout_s=120)
+    text = str(err.value)
+    assert "memory: the planner estimates" in text and "GiB per rank" in text, text[-2000:]
+    assert "Fix: reduce model.num_layers (24)" in text, text[-2000:]

@@ -1,0 +1,258 @@
+"""Per-rank memory by category, for any model, layout and pipeline stage: what
+Megatron-Core 0.19.2 allocates for parameters, gradient buffers, optimizer states and
+activations, for the CPU fp32 run and the GPU bf16 + fp32-master run.
+
+Legend: t tokens of one microbatch on this rank (S x B / TP under sequence parallelism),
+D hidden, L latent, F expert width, Fs shared-expert width, E experts, k top-k, R routers
+(= K views), V vocab, h attention heads, g query groups, S sequence length.
+
+What Megatron allocates (read from megatron/core 0.19.2):
+- parameters: DDP moves every parameter into a contiguous `param_data` buffer when the
+  distributed optimizer is on (`param_and_grad_buffer.py`; each parameter starts on a
+  64-element boundary, the bucket end is padded to a multiple of the data-parallel size);
+  otherwise each keeps its own storage. Element size: the params dtype (fp32 on CPU, bf16 on
+  GPU); the latent projections are always fp32 (layers/latent_moe.py).
+- gradients: `grad_data`, always full size (ZeRO-1, not 2) and fp32 (grad_reduce_in_fp32);
+  `param.main_grad` is a view of it. With fp32 params the distributed optimizer's main
+  grads are views of the same buffer.
+- optimizer: Adam's exp_avg and exp_avg_sq (fp32) for this rank's shard only: dense
+  parameters over the data-parallel group, expert parameters over the expert-data-parallel
+  group (`distrib_optimizer.py`, `_build_model_and_main_param_groups`). fp32 params: the
+  main params are views of `param_data` (no copy); bf16 params: an fp32 master shard
+  (`shard_fp32_from_float16_groups`). Without the distributed optimizer nothing is sharded.
+- activations: the tensors autograd keeps per layer and microbatch (`activation_elements`),
+  times the microbatches in flight on this pipeline stage (1F1B: min(pp - stage, m); one
+  without a pipeline), plus the step's largest transients (the gradient of the largest
+  parameter before DDP's hook adds it into main_grad, and Adam's per-tensor temporaries).
+- checkpoint save: the dp_reshardable optimizer state is a view (no copy); the save's
+  transient is what the writer stages, modelled as one copy of the largest shard file
+  (`save_transient`); measured against a save step by --validate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from megatron_mvmoe.analysis.plan import PlanTarget, attention_params, moe_params, swiglu
+from megatron_mvmoe.models.model_section import ModelSection
+
+PRECISIONS = ("cpu_fp32", "gpu_bf16")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Bytes per element of each kind of tensor."""
+
+    param: int
+    grad: int
+    master: int  # fp32 master copy per parameter (0: the params are the masters)
+    activation: int
+    flash_attention: bool
+
+    @staticmethod
+    def of(precision: str) -> "Numerics":
+        if precision == "cpu_fp32":
+            return Numerics(param=4, grad=4, master=0, activation=4, flash_attention=False)
+        if precision == "gpu_bf16":
+            return Numerics(param=2, grad=4, master=4, activation=2, flash_attention=True)
+        raise ValueError(f"precision: unknown {precision!r}. Fix: one of {PRECISIONS}")
+
+
+# ----------------------------------------------------------------------- parameters
+def stage_parameters(m: ModelSection, target: PlanTarget, stage: int) -> Dict[str, int]:
+    """This rank's parameter counts on pipeline stage `stage`: dense (data-parallel),
+    experts (expert-data-parallel), fp32-only (the latent projections, in `dense` too)
+    and the largest single tensor."""
+    lay = target.layout
+    layers = m.num_layers // lay.pp
+    D, V = m.hidden_size, m.vocab_size
+    dense = attention_params(m) // lay.tp * layers  # norms are tiny: split like the rest
+    experts = largest = fp32_only = 0
+    if m.is_moe:
+        per = moe_params(m)
+        dense += (per["router"] + per["projections"] + per["shared"] // lay.tp) * layers
+        fp32_only = per["projections"] * layers
+        experts = per["expert_one"] * (m.num_experts // lay.ep) // lay.etp * layers
+        width = m.latent_size if m.is_latent else D
+        largest = 2 * m.moe_ffn_hidden_size * width // lay.etp
+    else:
+        dense += swiglu(D, m.ffn_hidden_size) // lay.tp * layers
+    if stage == 0:
+        dense += V * D // lay.tp
+    if stage == lay.pp - 1:
+        dense += V * D // lay.tp + D
+    largest = max(largest, V * D // lay.tp if stage in (0, lay.pp - 1) else 0,
+                  (m.num_attention_heads + 2 * (m.num_query_groups or m.num_attention_heads))
+                  * (D // m.num_attention_heads) * D // lay.tp)
+    return {"dense": dense, "experts": experts, "fp32_only": fp32_only, "largest": largest}
+
+
+def static_bytes(m: ModelSection, target: PlanTarget, stage: int, precision: str,
+                 distributed_optimizer: bool = True) -> Dict[str, float]:
+    """params, grads (main-grad buffers) and optimizer states of one rank, in bytes."""
+    n = Numerics.of(precision)
+    p = stage_parameters(m, target, stage)
+    total = p["dense"] + p["experts"]
+    params = (total - p["fp32_only"]) * n.param + p["fp32_only"] * 4
+    shard = (p["dense"] / target.dp() + p["experts"] / target.expert_dp()
+             if distributed_optimizer else float(total))
+    master = (shard - (p["fp32_only"] / target.dp() if distributed_optimizer
+                       else p["fp32_only"])) * n.master
+    return {"params": float(params), "grads": float(total * n.grad),
+            "optimizer": float(8 * shard + master), "params_numel": float(total),
+            "optimizer_shard_numel": float(shard)}
+
+
+# ---------------------------------------------------------------------- activations
+def attention_elements(m: ModelSection, t: int, b: int, tp: int, flash: bool) -> float:
+    """Saved per layer and microbatch by the attention half (local spec, no dropout): the
+    RMSNorm's input, normalised input and output (3 tD), the rotated queries, the keys and
+    values repeated to all heads for GQA, the context and its [s, b, hD] copy (5 tD), and
+    the softmax output b h S^2 (flash attention keeps only its log-sum-exp)."""
+    D, h, S = m.hidden_size, m.num_attention_heads // tp, m.seq_length
+    scores = t * h if flash else b * h * S * S
+    return 3 * t * D + 5 * t * D / tp + scores
+
+
+def moe_elements(m: ModelSection, t: int, tp: int) -> float:
+    """Saved per layer and microbatch by the MLP half: the pre-MLP RMSNorm (3 tD); for MoE
+    the router (logits, scores, probabilities: 3 tE per router), the shared expert's fc1
+    output and activation (3 t Fs), the down-projected latent (tL), the Multi-View views
+    (t R L) and blends (t k L), and per routed slot (t k): the expert input after dispatch,
+    fc1 output (2F), activation (F) and the combined output scaled by its probability."""
+    D = m.hidden_size
+    base = 3 * t * D
+    if not m.is_moe:
+        return base + 3 * t * m.ffn_hidden_size / tp
+    k, F, E = m.moe_router_topk, m.moe_ffn_hidden_size, m.num_experts
+    heads = max(1, m.multi_head.num_heads) if m.moe_variant == "mh_moe" else 1
+    width = m.latent_size if m.is_latent else D // heads
+    routers = m.multi_view.num_routers if m.is_latent else 1
+    shared = 3 * t * (m.moe_shared_expert_intermediate_size or 0) / tp
+    latent = 2 * t * width if m.is_latent else 0  # down-projected input, up-projection input
+    views = 0.0
+    if m.moe_variant == "multi_view":
+        views = t * m.multi_view.num_views * width + t * k * width
+    slots = t * k * heads
+    return (base + 3 * t * E * routers + shared + latent + views
+            + slots * (2 * width + 3 * F))
+
+
+def loss_elements(m: ModelSection, t: int, tp: int) -> float:
+    """Last stage: final norm (3 tD), the logits and the cross entropy's softmax (2 tV)."""
+    return 3 * t * m.hidden_size + 2 * t * m.vocab_size / tp
+
+
+def microbatches_in_flight(target: PlanTarget, stage: int) -> int:
+    m = max(1, target.global_batch_size // (target.micro_batch_size * target.dp()))
+    return 1 if target.layout.pp == 1 else min(target.layout.pp - stage, m)
+
+
+def activation_bytes(m: ModelSection, target: PlanTarget, stage: int,
+                     precision: str) -> Dict[str, float]:
+    n, lay = Numerics.of(precision), target.layout
+    b = target.micro_batch_size
+    t = m.seq_length * b // lay.tp
+    layer = attention_elements(m, t, b, lay.tp, n.flash_attention) + moe_elements(m, t, lay.tp)
+    per_mb = layer * (m.num_layers // lay.pp)
+    if stage == lay.pp - 1:
+        per_mb += loss_elements(m, t, lay.tp)
+    flight = microbatches_in_flight(target, stage)
+    largest = stage_parameters(m, target, stage)["largest"]
+    # The gradient of the largest parameter before DDP's hook adds it into main_grad, and
+    # Adam's per-tensor denominator of the largest shard: two fp32 copies at most.
+    transient = 2 * 4 * largest
+    return {"per_microbatch": per_mb * n.activation, "in_flight": float(flight),
+            "transient": float(transient),
+            "activations": per_mb * n.activation * flight + transient}
+
+
+def save_transient(m: ModelSection, target: PlanTarget, stage: int, precision: str) -> float:
+    """The writer stages each tensor it serialises; modelled as one copy of the largest
+    tensor of the save (a parameter, or its exp_avg / exp_avg_sq shard)."""
+    return float(4 * stage_parameters(m, target, stage)["largest"])
+
+
+# --------------------------------------------------------------------------- per rank
+def rank_memory(m: ModelSection, target: PlanTarget, stage: int, precision: str = "cpu_fp32",
+                distributed_optimizer: bool = True, runtime: float = 0.0) -> Dict[str, float]:
+    """Bytes by category of one rank on pipeline stage `stage`; `runtime` is the resident
+    memory of the process before the model is built (measured where known, else 0)."""
+    out = static_bytes(m, target, stage, precision, distributed_optimizer)
+    act = activation_bytes(m, target, stage, precision)
+    out.update(activations=act["activations"], activations_per_microbatch=act["per_microbatch"],
+               microbatches_in_flight=act["in_flight"], step_transient=act["transient"],
+               checkpoint_save_transient=save_transient(m, target, stage, precision),
+               runtime=float(runtime))
+    out["total"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
+                    + runtime)
+    out["total_with_save"] = out["total"] + out["checkpoint_save_transient"]
+    return out
+
+
+def memory_by_stage(m: ModelSection, target: PlanTarget, precision: str = "cpu_fp32",
+                    distributed_optimizer: bool = True, runtime: float = 0.0) -> List[Dict]:
+    """`rank_memory` for every pipeline stage (ranks of a stage differ only by rounding)."""
+    return [dict(rank_memory(m, target, s, precision, distributed_optimizer, runtime), stage=s)
+            for s in range(target.layout.pp)]
+
+
+def busiest(stages: List[Dict], key: str = "total_with_save") -> Dict:
+    return max(stages, key=lambda s: s[key])
+
+
+# ------------------------------------------------------------------------ fit check
+def _what_to_reduce(m: ModelSection, target: PlanTarget, row: Dict) -> str:
+    static = row["params"] + row["grads"] + row["optimizer"]
+    lay = target.layout
+    hints = []
+    if static >= row["activations"]:
+        hints.append(f"model.num_layers ({m.num_layers}) or more pipeline stages (pp "
+                     f"{lay.pp})")
+        if m.is_moe:
+            hints.append(f"more expert parallelism across nodes (ep {lay.ep}: "
+                         f"{m.num_experts // lay.ep} experts per rank)")
+        if m.vocab_size * m.hidden_size > 0.2 * row["params_numel"]:
+            hints.append(f"model.vocab_size ({m.vocab_size})")
+    hints.append(f"model.seq_length ({m.seq_length}) or training.micro_batch_size "
+                 f"({target.micro_batch_size})")
+    return "; ".join(hints)
+
+
+def fit_error(run, world: int, local_ranks: int, available: float,
+              runtime: float) -> Optional[str]:
+    """None when `local_ranks` ranks of `run` fit in `available` bytes, else the one-line
+    error naming the planner's estimate and what to reduce."""
+    from megatron_mvmoe.analysis.plan import PlanTarget
+
+    m, t = run.model, run.training
+    target = PlanTarget(run.parallel.layout(), world_size=world,
+                        micro_batch_size=t.micro_batch_size,
+                        global_batch_size=t.global_batch_size)
+    precision = "cpu_fp32" if run_precision_is_fp32(run) else "gpu_bf16"
+    stages = memory_by_stage(m, target, precision, run.optimizer.use_distributed_optimizer,
+                             runtime)
+    row = busiest(stages)
+    need = row["total_with_save"] * local_ranks
+    if need <= available:
+        return None
+    gib = 2 ** 30
+    return (f"memory: the planner estimates {row['total_with_save'] / gib:.1f} GiB per rank "
+            f"({precision}: params {row['params'] / gib:.1f}, grads {row['grads'] / gib:.1f}, "
+            f"optimizer {row['optimizer'] / gib:.1f}, activations "
+            f"{row['activations'] / gib:.1f}, runtime {runtime / gib:.1f}, save "
+            f"{row['checkpoint_save_transient'] / gib:.1f}) x {local_ranks} ranks on this "
+            f"node = {need / gib:.1f} GiB, but {available / gib:.1f} GiB is available. Fix: "
+            f"reduce {_what_to_reduce(m, target, row)} (tools/plan.py --config <yaml> shows "
+            "the estimate; MVMOE_MEMORY_CHECK=off skips this check)")
+
+
+def run_precision_is_fp32(run) -> bool:
+    """What the trainer will run in: fp32 on CPU (training.precision auto/fp32), else bf16."""
+    from megatron_mvmoe import platform
+
+    precision = getattr(run.training, "precision", "auto")
+    if precision == "auto":
+        return not platform.is_cuda()
+    return precision == "fp32"
