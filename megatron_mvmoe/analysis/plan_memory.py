@@ -20,10 +20,15 @@ What Megatron allocates (read from megatron/core 0.19.2):
   group (`distrib_optimizer.py`, `_build_model_and_main_param_groups`). fp32 params: the
   main params are views of `param_data` (no copy); bf16 params: an fp32 master shard
   (`shard_fp32_from_float16_groups`). Without the distributed optimizer nothing is sharded.
-- activations: the tensors autograd keeps per layer and microbatch (`activation_elements`),
-  times the microbatches in flight on this pipeline stage (1F1B: min(pp - stage, m); one
-  without a pipeline), plus the step's largest transients (the gradient of the largest
-  parameter before DDP's hook adds it into main_grad, and Adam's per-tensor temporaries).
+- activations: the tensors autograd keeps per layer and microbatch (`attention_elements`,
+  `moe_elements`), times the microbatches in flight on this pipeline stage (1F1B:
+  min(pp - stage, m); one without a pipeline), plus the step's largest transient. On CPU
+  with the grouped expert path (layers/grouped_experts.py, chosen by models/fast_paths.py)
+  each forward stacks the local experts' weights ([E, 2F, I] and [E, I, F], a copy autograd
+  keeps until that layer's backward) and the backward of the fc1 GEMM holds the stacked
+  fc1 weight's gradient while the layer's stacked fc2 is already freed: transient
+  E I F elements. Otherwise the transient is two fp32 copies of the largest parameter (its
+  gradient before DDP's hook adds it into main_grad; Adam's per-tensor denominator).
 - checkpoint save: the dp_reshardable optimizer state is a view (no copy); the save's
   transient is what the writer stages, modelled as one copy of the largest shard file
   (`save_transient`); measured against a save step by --validate.
@@ -149,23 +154,49 @@ def microbatches_in_flight(target: PlanTarget, stage: int) -> int:
     return 1 if target.layout.pp == 1 else min(target.layout.pp - stage, m)
 
 
-def activation_bytes(m: ModelSection, target: PlanTarget, stage: int,
-                     precision: str) -> Dict[str, float]:
+def stacked_expert_elements(m: ModelSection, target: PlanTarget) -> Dict[str, int]:
+    """Elements of one layer's stacked local expert weights (fc1 [E, 2F, I], fc2 [E, I, F])
+    on the grouped CPU path."""
+    if not m.is_moe:
+        return {"fc1": 0, "fc2": 0}
+    lay = target.layout
+    heads = max(1, m.multi_head.num_heads) if m.moe_variant == "mh_moe" else 1
+    width = m.latent_size if m.is_latent else m.hidden_size // heads
+    local = m.num_experts // lay.ep
+    F = m.moe_ffn_hidden_size // lay.etp
+    return {"fc1": local * 2 * F * width, "fc2": local * width * F}
+
+
+def grouped_experts_on(m: ModelSection, precision: str, bitnet: bool = False) -> bool:
+    """Whether the run stacks expert weights per forward: the CPU fast-path rule."""
+    if precision != "cpu_fp32" or not m.is_moe:
+        return False
+    from megatron_mvmoe.models import fast_paths
+
+    paths = fast_paths.choose_fast_paths(fast_paths.Target(cuda=False, te=False),
+                                         m.moe_variant, bitnet=bitnet)
+    return any(p.name == "cpu_grouped_experts" and p.on for p in paths)
+
+
+def activation_bytes(m: ModelSection, target: PlanTarget, stage: int, precision: str,
+                     stacked: bool = False) -> Dict[str, float]:
     n, lay = Numerics.of(precision), target.layout
     b = target.micro_batch_size
     t = m.seq_length * b // lay.tp
+    layers = m.num_layers // lay.pp
     layer = attention_elements(m, t, b, lay.tp, n.flash_attention) + moe_elements(m, t, lay.tp)
-    per_mb = layer * (m.num_layers // lay.pp)
+    per_mb = layer * layers * n.activation
     if stage == lay.pp - 1:
-        per_mb += loss_elements(m, t, lay.tp)
+        per_mb += loss_elements(m, t, lay.tp) * n.activation
     flight = microbatches_in_flight(target, stage)
-    largest = stage_parameters(m, target, stage)["largest"]
-    # The gradient of the largest parameter before DDP's hook adds it into main_grad, and
-    # Adam's per-tensor denominator of the largest shard: two fp32 copies at most.
-    transient = 2 * 4 * largest
-    return {"per_microbatch": per_mb * n.activation, "in_flight": float(flight),
-            "transient": float(transient),
-            "activations": per_mb * n.activation * flight + transient}
+    if stacked:
+        w = stacked_expert_elements(m, target)
+        per_mb += 4 * (w["fc1"] + w["fc2"]) * layers
+        transient = 4 * (w["fc1"] - w["fc2"])  # fc1's weight grad while fc2's copy is freed
+    else:
+        transient = 2 * 4 * stage_parameters(m, target, stage)["largest"]
+    return {"per_microbatch": float(per_mb), "in_flight": float(flight),
+            "transient": float(transient), "activations": per_mb * flight + transient}
 
 
 def save_transient(m: ModelSection, target: PlanTarget, stage: int, precision: str) -> float:
@@ -176,15 +207,19 @@ def save_transient(m: ModelSection, target: PlanTarget, stage: int, precision: s
 
 # --------------------------------------------------------------------------- per rank
 def rank_memory(m: ModelSection, target: PlanTarget, stage: int, precision: str = "cpu_fp32",
-                distributed_optimizer: bool = True, runtime: float = 0.0) -> Dict[str, float]:
+                distributed_optimizer: bool = True, runtime: float = 0.0,
+                stacked: Optional[bool] = None) -> Dict[str, float]:
     """Bytes by category of one rank on pipeline stage `stage`; `runtime` is the resident
-    memory of the process before the model is built (measured where known, else 0)."""
+    memory of the process before the model is built (measured where known, else 0);
+    `stacked`: the grouped CPU expert path (None = what the fast-path rule picks)."""
+    if stacked is None:
+        stacked = grouped_experts_on(m, precision)
     out = static_bytes(m, target, stage, precision, distributed_optimizer)
-    act = activation_bytes(m, target, stage, precision)
+    act = activation_bytes(m, target, stage, precision, stacked)
     out.update(activations=act["activations"], activations_per_microbatch=act["per_microbatch"],
                microbatches_in_flight=act["in_flight"], step_transient=act["transient"],
                checkpoint_save_transient=save_transient(m, target, stage, precision),
-               runtime=float(runtime))
+               runtime=float(runtime), stacked_expert_weights=float(stacked))
     out["total"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
                     + runtime)
     out["total_with_save"] = out["total"] + out["checkpoint_save_transient"]

@@ -55,6 +55,19 @@ def measured(record: Dict) -> Dict[str, Optional[float]]:
             "resident_at_step_start": None if top is None else float(top["start_rss"])}
 
 
+def timings(record: Dict) -> Dict[str, Optional[float]]:
+    """Seconds of a plain step (median), of each save beyond a plain step, and from start-up
+    to the first step (build, plus the load when resumed)."""
+    import statistics
+
+    plain = [s["seconds"] for s in _plain_steps(record) if "seconds" in s]
+    step = statistics.median(plain) if plain else None
+    saves = [s["seconds"] - step for s in record["steps"]
+             if s["saved"] and "seconds" in s and step is not None]
+    return {"step_seconds": step, "save_seconds": saves or None,
+            "seconds_to_first_step": record.get("seconds_to_first_step")}
+
+
 def validate(run_dir: str) -> Dict:
     """{"ranks": [{rank, stage, rows: {category: {measured, predicted, diff_percent,
     target_percent, within}}}], "config": path}."""
@@ -80,7 +93,7 @@ def validate(run_dir: str) -> Dict:
         rows = {c: _row(got[c], want[c], TARGET_PERCENT[c]) for c in CATEGORIES}
         ranks.append({"rank": record["rank"], "stage": record["pp_rank"],
                       "ep_rank": record.get("ep_rank"), "precision": precision,
-                      "rows": rows})
+                      "rows": rows, "timings": timings(record)})
     return {"run_dir": run_dir, "world_size": world, "layout": target.as_dict(),
             "ranks": ranks, "all_within": all(r["within"] is not False for rank in ranks
                                               for r in rank["rows"].values())}
@@ -106,4 +119,9 @@ def table_lines(report: Dict) -> List[str]:
             target = "" if r["target_percent"] is None else f"(target {r['target_percent']:.0f}%)"
             lines.append(f"  {name:26s} {gib(r['measured'])} {gib(r['predicted'])} "
                          f"{diff:>8s} {target} {mark}")
+        t = rank["timings"]
+        sec = lambda v: "-" if v is None else f"{v:.1f} s"
+        saves = ", ".join(f"{v:.1f} s" for v in t["save_seconds"] or []) or "-"
+        lines.append(f"  time: step {sec(t['step_seconds'])}, save(s) beyond a step {saves}, "
+                     f"start-up to step 1 {sec(t['seconds_to_first_step'])}")
     return lines

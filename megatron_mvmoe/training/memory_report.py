@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -130,11 +131,14 @@ class MemoryRecorder:
         self.record: Dict = {"rank": rank, **layout_ranks, "runtime_rss": rss_bytes(),
                              "peak_reset_supported": reset_peak_rss(), "steps": []}
         self.step_start_rss: Optional[int] = None
+        self.created = self.step_started = time.perf_counter()
 
     def __call__(self, step: int, trainer) -> None:
         if step == 1:
             import torch.distributed as dist
 
+            # build + resume (--load) or warm start: a resumed run's extra is the load time
+            self.record["seconds_to_first_step"] = time.perf_counter() - self.created
             self.record["after_build_rss"] = rss_bytes()
             self.record["bf16"] = bool(trainer.config.bf16)
             self.record["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
@@ -144,11 +148,13 @@ class MemoryRecorder:
             self._finish_step(step - 1, trainer)
         reset_peak_rss()
         self.step_start_rss = rss_bytes()
+        self.step_started = time.perf_counter()
 
     def _finish_step(self, step: int, trainer) -> None:
         t = self.run.training
         self.record["steps"].append({
             "step": step, "start_rss": self.step_start_rss, "peak_rss": peak_rss_bytes(),
+            "seconds": time.perf_counter() - self.step_started,  # a save step includes it
             "saved": t.save is not None and t.save_interval > 0 and step % t.save_interval == 0,
             "evaluated": t.eval_interval > 0 and step % t.eval_interval == 0})
         if "census" not in self.record:
