@@ -67,6 +67,8 @@ class OptimizerSection:
     """Floor of the cosine decay."""
     warmup_iters: int = 0
     """Linear warmup steps from 0 to lr (must be below the decay length)."""
+    init_lr: float = 0.0
+    """Learning rate at the start of warmup (Megatron-LM's --lr-warmup-init)."""
     decay_iters: Optional[int] = None
     """Cosine decay length in steps (None = training.train_iters)."""
     weight_decay: float = 0.1

@@ -87,7 +87,7 @@ def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
     # train_iters = 0 (save/evaluate the initial model) still needs a valid schedule.
     decay = max(o.decay_iters or t.train_iters, o.warmup_iters + 1)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
+        optimizer, init_lr=o.init_lr, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
         lr_decay_steps=decay, lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
         **scheduler_switches(t))

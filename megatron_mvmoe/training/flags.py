@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from megatron_mvmoe.models.presets import PRESETS
 from megatron_mvmoe.run_config import RunConfig, config_from_dict, read_yaml, set_field
-from megatron_mvmoe.training import megatron_flags
+from megatron_mvmoe.training import megatron_flags, megatron_lm_rules, megatron_lm_table
 
 
 class Flag(NamedTuple):
@@ -36,6 +36,16 @@ class Flag(NamedTuple):
     const: Any = None
     """A bare switch that sets this value (e.g. --bf16 -> precision bf16)."""
     nargs: Optional[str] = None
+
+
+def _moe_freq(text: str):
+    """Megatron-LM's own `moe_freq_type` (an int N, or a Python list expression such as
+    '[0]*1+[1]*3'), imported only when the flag is given."""
+    from megatron.training.arguments import moe_freq_type
+    try:
+        return moe_freq_type(text)
+    except Exception as err:  # eval of a malformed expression
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
 
 
 def _bool(text: str) -> bool:
@@ -106,8 +116,13 @@ FLAGS: List[Flag] = [
     Flag("--moe-router-topk-scaling-factor", "model", "extra.moe_router_topk_scaling_factor",
          float, "scale on the routing probabilities"),
     Flag("--moe-router-dtype", "model", "extra.moe_router_dtype", str, "fp32|fp64 router math"),
-    Flag("--moe-layer-freq", "model", "extra.moe_layer_freq", int,
-         "every N-th layer is MoE (1 = all)"),
+    Flag("--moe-layer-freq", "model", "extra.moe_layer_freq", _moe_freq,
+         "every N-th layer is MoE (1 = all), or Megatron-LM's list form, e.g. "
+         "'[0]*1+[1]*3' (1 = MoE layer)"),
+    Flag("--norm-epsilon", "model", "extra.layernorm_epsilon", float,
+         "epsilon of the norms (Megatron-LM's name for TransformerConfig.layernorm_epsilon)"),
+    Flag("--attention-softmax-in-fp32", "model", "extra.attention_softmax_in_fp32", None,
+         "run the attention softmax in fp32", const=True),
     Flag("--init-method-std", "model", "extra.init_method_std", float, "weight init std"),
     Flag("--attention-dropout", "model", "extra.attention_dropout", float, "attention dropout"),
     Flag("--hidden-dropout", "model", "extra.hidden_dropout", float, "hidden dropout"),
@@ -142,6 +157,8 @@ FLAGS: List[Flag] = [
     Flag("--lr", "optimizer", "lr", float, "peak learning rate"),
     Flag("--min-lr", "optimizer", "min_lr", float, "floor of the cosine decay"),
     Flag("--lr-warmup-iters", "optimizer", "warmup_iters", int, "linear warmup steps"),
+    Flag("--lr-warmup-init", "optimizer", "init_lr", float,
+         "learning rate at the start of warmup (default 0)"),
     Flag("--lr-decay-iters", "optimizer", "decay_iters", int,
          "cosine decay steps (default --train-iters)"),
     Flag("--weight-decay", "optimizer", "weight_decay", float, "weight decay"),
@@ -223,6 +240,8 @@ FLAGS: List[Flag] = [
     Flag("--exit-on-nonfinite", "training", "exit_on_nonfinite", _bool,
          "stop with an error naming the step on a NaN/inf loss; true/false"),
     # --- fault tolerance (NaN/inf, retention, preemption, async save)
+    Flag("--no-check-for-nan-in-loss-and-grad", "training", "exit_on_nonfinite", None,
+         "Megatron-LM's switch for --exit-on-nonfinite false", const=False),
     Flag("--skip-nonfinite", "training", "skip_nonfinite", _bool,
          "skip (count and log) an update whose loss or grad norm is NaN/inf instead of "
          "stopping; bare flag = true"),
@@ -254,14 +273,24 @@ FLAGS: List[Flag] = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one-line ValueErrors (exit 2 with one line in pretrain's
+    main), never a usage dump."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message}. Fix: see --help")
+
+
 def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description=description, allow_abbrev=False,  # a Megatron flag must not prefix-match ours
         epilog="Every flag overrides one field of the run config (shown as [section.field]); "
         "unset flags keep the YAML / preset value, an empty string clears an optional field. "
         "Megatron-LM switches that describe what this trainer always does are accepted and "
-        f"noted at start-up: {' '.join(sorted(megatron_flags.ACCEPTED))}. Megatron-LM "
-        "flags we do not implement fail with the reason and what to use instead.")
+        f"noted at start-up: {' '.join(sorted(megatron_flags.ACCEPTED))}. Every other flag "
+        "of Megatron-LM's arguments.py is known too (megatron_mvmoe/training/"
+        "megatron_lm_flags.json): accepted with a note, or refused with the reason and what "
+        "to use instead (megatron_lm_table.py); all refusals of a line are reported at once.")
     parser.add_argument("--config", help="run config YAML (examples/*.yaml); flags override it")
     for flag in FLAGS:
         parser.add_argument(flag.name, default=None, help=f"{flag.help} [{flag.section}."
@@ -273,6 +302,9 @@ def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.Ar
                            help=rule.note or "accepted",
                            **({"metavar": "VALUE"} if takes_value else
                               {"action": "store_const", "const": True}))
+    megatron_lm_rules.add_converted_flags(parser)
+    taken = {a for action in parser._actions for a in action.option_strings}
+    megatron_lm_table.add_table_flags(parser, taken)
     return parser
 
 
@@ -296,20 +328,26 @@ def _dest(flag: Flag) -> str:
 
 
 def _metavar(flag: Flag) -> str:
-    return {int: "N", float: "X", _bool: "BOOL"}.get(flag.type, "STR")
+    return {int: "N", float: "X", _bool: "BOOL", _moe_freq: "N|LIST"}.get(flag.type, "STR")
 
 
 def apply_flags(raw: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
     """Set every flag given on the command line on its field of the run config mapping
     `raw` (YAML's nesting; in place). An empty string clears an optional field (e.g.
     --save "" turns saving off)."""
+    problems = _apply(raw, args)
+    if problems:
+        raise refusal_error(problems)
+    return raw
+
+
+def _apply(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     for flag in FLAGS:
         value = getattr(args, _dest(flag))
-        if value is None:
-            continue
-        set_field(raw, f"{flag.section}.{flag.field}", None if value == "" else value)
+        if value is not None:
+            set_field(raw, f"{flag.section}.{flag.field}", None if value == "" else value)
     _megatron_rules(raw, args)
-    return raw
+    return megatron_lm_rules.apply_conversions(raw, args)
 
 
 def _megatron_rules(raw: Dict[str, Any], args: argparse.Namespace) -> None:
@@ -324,10 +362,6 @@ def _megatron_rules(raw: Dict[str, Any], args: argparse.Namespace) -> None:
         data["path"] = path[0]  # our preprocessed directory, not a Megatron prefix
     if args.tensorboard_dir:
         raw.setdefault("logging", {})["tensorboard"] = True
-    for name in megatron_flags.ACCEPTED:
-        value = getattr(args, _compat_dest(name))
-        if value is not None:
-            megatron_flags.check_accepted(name, value)
     max_positions = args.compat_max_position_embeddings
     seq_length = model.get("seq_length", preset.get("seq_length"))
     if max_positions is not None and seq_length is not None and int(max_positions) < \
@@ -336,29 +370,76 @@ def _megatron_rules(raw: Dict[str, Any], args: argparse.Namespace) -> None:
                          f"{seq_length}. Fix: raise it or lower --seq-length")
 
 
+def _table_given(args: argparse.Namespace):
+    """(name, value) of the other Megatron-LM flags on the command line."""
+    for name in megatron_lm_table.table():
+        value = getattr(args, megatron_lm_table.dest(name), None)
+        if value is not None:
+            yield name, value
+
+
 def compat_notes(args: argparse.Namespace) -> List[str]:
     """Notes for the accepted-as-is Megatron-LM flags given on the command line."""
-    return megatron_flags.notes(name for name in megatron_flags.ACCEPTED
-                                if getattr(args, _compat_dest(name)) is not None)
+    given = megatron_flags.notes(name for name in megatron_flags.ACCEPTED
+                                 if getattr(args, _compat_dest(name)) is not None)
+    return given + [v.note for v in (megatron_lm_table.classify(n, x) for n, x in
+                                     _table_given(args)) if v.note]
+
+
+def refusal_error(problems: List[str]) -> ValueError:
+    """One error for all of a launch line's refusals (one line each)."""
+    if len(problems) == 1:
+        return ValueError(problems[0])
+    return ValueError(f"{len(problems)} flags refused:\n  " + "\n  ".join(problems))
+
+
+def flag_problems(args: argparse.Namespace, unknown: List[str],
+                  known: Sequence[str]) -> List[str]:
+    """Every refusal of a parsed launch line (unknown, unsupported, unsupported values)."""
+    problems = megatron_flags.unknown_flag_lines(unknown, known) if unknown else []
+    for name in megatron_flags.ACCEPTED:
+        value = getattr(args, _compat_dest(name))
+        if value is not None:
+            try:
+                megatron_flags.check_accepted(name, value)
+            except ValueError as err:
+                problems.append(str(err))
+    for name, value in _table_given(args):
+        if name in megatron_flags.UNSUPPORTED:
+            why, instead = megatron_flags.UNSUPPORTED[name]
+            problems.append(f"{name}: not supported: {why}. Use instead: {instead}")
+            continue
+        verdict = megatron_lm_table.classify(name, value)
+        if verdict.refusal:
+            problems.append(verdict.refusal)
+    return problems
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
                parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
-    """argparse, with unknown or unsupported Megatron-LM flags as one-line ValueErrors."""
+    """argparse, with every unknown or unsupported flag of the line in one ValueError."""
+    args, problems = _parse(argv, parser)
+    if problems:
+        raise refusal_error(problems)
+    return args
+
+
+def _parse(argv, parser) -> tuple:
     parser = parser or build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        known = [a for action in parser._actions for a in action.option_strings]
-        raise megatron_flags.unknown_flag_error(unknown, known)
-    return args
+    known = [a for action in parser._actions for a in action.option_strings]
+    return args, flag_problems(args, unknown, known)
 
 
 def config_from_args(argv: Optional[Sequence[str]] = None,
                      parser: Optional[argparse.ArgumentParser] = None) -> RunConfig:
     """YAML (if --config) then flag overrides, validated field by field."""
-    args = parse_args(argv, parser)
+    args, problems = _parse(argv, parser)
     raw = read_yaml(args.config) if args.config else {}
-    config = config_from_dict(apply_flags(raw, args))
+    problems += _apply(raw, args)  # every refusal of the line in one error
+    if problems:
+        raise refusal_error(problems)
+    config = config_from_dict(raw)
     config.validate()
     if os.environ.get("RANK", "0") == "0":
         for note in compat_notes(args):

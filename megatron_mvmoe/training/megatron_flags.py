@@ -124,17 +124,21 @@ def notes(given: Iterable[str]) -> List[str]:
     return [f"{name}: {ACCEPTED[name].note}" for name in given if ACCEPTED[name].note]
 
 
-def unknown_flag_error(tokens: List[str], known: Iterable[str]) -> ValueError:
-    """The error for command-line tokens argparse did not recognise."""
+def unknown_flag_lines(tokens: List[str], known: Iterable[str]) -> List[str]:
+    """One refusal line per command-line token argparse did not recognise."""
     flags = [t.split("=")[0] for t in tokens if t.startswith("--")]
     if not flags:
-        return ValueError(f"unexpected arguments {tokens}. Fix: every value follows its flag")
+        return [f"unexpected arguments {tokens}. Fix: every value follows its flag"]
+    lines = []
     for name in flags:
         if name in UNSUPPORTED:
             why, instead = UNSUPPORTED[name]
-            return ValueError(f"{name}: not supported: {why}. Use instead: {instead}")
-    name = flags[0]
-    close = difflib.get_close_matches(name, list(known) + list(UNSUPPORTED), n=3)
-    hint = f"did you mean {', '.join(close)}?" if close else "see --help for every flag"
-    return ValueError(f"{name}: unknown flag (neither ours nor a Megatron-LM flag we know). "
-                      f"Fix: {hint}")
+            lines.append(f"{name}: not supported: {why}. Use instead: {instead}")
+            continue
+        close = difflib.get_close_matches(name, list(known) + list(UNSUPPORTED), n=3,
+                                          cutoff=0.8)
+        hint = f"did you mean {', '.join(close)}?" if close else "see --help for every flag"
+        lines.append(f"{name}: unknown flag (neither ours nor one of Megatron-LM's "
+                     f"arguments.py). Fix: {hint}")
+    return lines
+

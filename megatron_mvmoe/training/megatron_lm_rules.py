@@ -1,0 +1,100 @@
+"""Megatron-LM launch-line rules that turn a flag into other run-config fields, as
+Megatron-LM does:
+
+- samples-based schedules (`--train-samples`, `--lr-decay-samples`, `--lr-warmup-samples`)
+  become step counts: Megatron-LM's scheduler counts samples and advances by the global
+  batch per step, so N samples are N / global_batch_size steps exactly when that divides;
+  otherwise the step count would not be exact and the flag is refused with the nearest
+  exact values;
+- `--lr-warmup-fraction` is that fraction of the decay length (Megatron-LM's
+  `lr_warmup_fraction * lr_decay_steps`);
+- `--distributed-timeout-minutes` is the collective timeout in minutes.
+
+Each rule returns its problems as lines so a launch line's refusals come in one pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, List, Optional
+
+from megatron_mvmoe.run_config import TrainingSection
+
+CONVERTED = {
+    "--train-samples": (int, "training samples; steps = samples / --global-batch-size"),
+    "--lr-decay-samples": (int, "decay length in samples (/ --global-batch-size = steps)"),
+    "--lr-warmup-samples": (int, "warmup in samples (/ --global-batch-size = steps)"),
+    "--lr-warmup-fraction": (float, "warmup as a fraction of the decay length"),
+    "--distributed-timeout-minutes": (float, "collective timeout in minutes"),
+}
+_IN_STEPS = {"--train-samples": ("training", "train_iters", "--train-iters"),
+             "--lr-decay-samples": ("optimizer", "decay_iters", "--lr-decay-iters"),
+             "--lr-warmup-samples": ("optimizer", "warmup_iters", "--lr-warmup-iters")}
+
+
+def _dest(name: str) -> str:
+    return "conv_" + name.lstrip("-").replace("-", "_")
+
+
+def add_converted_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Megatron-LM flags converted to our fields")
+    for name, (kind, text) in CONVERTED.items():
+        group.add_argument(name, dest=_dest(name), type=kind, default=None, metavar="N",
+                           help=text)
+
+
+def given(args: argparse.Namespace, name: str) -> Optional[Any]:
+    return getattr(args, _dest(name), None)
+
+
+def _section(raw: Dict[str, Any], name: str) -> Dict[str, Any]:
+    if not isinstance(raw.get(name), dict):
+        raw[name] = {}
+    return raw[name]
+
+
+def apply_conversions(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+    """Set the step / timeout fields from the samples / minutes flags (in place); returns
+    refusal lines."""
+    problems: List[str] = []
+    training, optimizer = _section(raw, "training"), _section(raw, "optimizer")
+    gbs = int(training.get("global_batch_size", TrainingSection.global_batch_size))
+    sections = {"training": training, "optimizer": optimizer}
+    for name, (section, field, iters_flag) in _IN_STEPS.items():
+        samples = given(args, name)
+        if samples is None:
+            continue
+        if getattr(args, iters_flag.lstrip("-").replace("-", "_"), None) is not None:
+            problems.append(f"{name}: not supported together with {iters_flag} (Megatron-LM "
+                            f"refuses both too). Use instead: one of them")
+        elif samples % gbs:
+            low, high = samples // gbs * gbs, (samples // gbs + 1) * gbs
+            problems.append(f"{name} {samples}: not supported: not a multiple of "
+                            f"--global-batch-size {gbs}, so the step count would not be "
+                            f"exact. Use instead: {name} {low} or {high}")
+        else:
+            sections[section][field] = samples // gbs
+    fraction = given(args, "--lr-warmup-fraction")
+    if fraction is not None:
+        problems += _warmup_fraction(fraction, training, optimizer, args)
+    minutes = given(args, "--distributed-timeout-minutes")
+    if minutes is not None:
+        _section(raw, "parallel")["distributed_timeout_seconds"] = 60.0 * minutes
+    return problems
+
+
+def _warmup_fraction(fraction: float, training: Dict, optimizer: Dict,
+                     args: argparse.Namespace) -> List[str]:
+    if args.lr_warmup_iters is not None or given(args, "--lr-warmup-samples") is not None:
+        return ["--lr-warmup-fraction: not supported together with --lr-warmup-iters / "
+                "--lr-warmup-samples (Megatron-LM refuses both too). Use instead: one of them"]
+    decay = optimizer.get("decay_iters") or training.get(
+        "train_iters", TrainingSection.train_iters)
+    steps = fraction * decay
+    if abs(steps - round(steps)) > 1e-9:
+        return [f"--lr-warmup-fraction {fraction}: not supported: {fraction} x {decay} decay "
+                f"steps = {steps:g} is not a whole step. Use instead: --lr-warmup-iters "
+                f"{int(steps)} or {int(steps) + 1}"]
+    optimizer["warmup_iters"] = int(round(steps))
+    return []
+

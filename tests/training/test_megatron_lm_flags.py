@@ -1,0 +1,159 @@
+"""Every flag of Megatron-LM's arguments.py is known and classified; a launch line's
+refusals come in one pass; list/expression and samples-based forms mean what they mean in
+Megatron-LM (checked against Megatron-LM's own code, not a copy of it)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_mvmoe.training import flags, megatron_flags, megatron_lm_rules
+from megatron_mvmoe.training import megatron_lm_table as mlt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+REFUSAL = re.compile(r"^--[\w-]+( \S+)?: not supported: .+\. Use instead: .+$")
+# The flags of issue 26 that were "unknown" before.
+ISSUE_FLAGS = ["--train-samples", "--lr-decay-samples", "--lr-warmup-samples",
+               "--lr-warmup-fraction", "--lr-warmup-init", "--norm-epsilon",
+               "--distributed-timeout-minutes", "--rotary-scaling-factor",
+               "--calculate-per-token-loss", "--manual-gc", "--no-mmap-bin-files",
+               "--log-params-norm", "--log-num-zeros-in-grad", "--logging-level",
+               "--auto-detect-ckpt-format", "--dist-ckpt-strictness", "--deterministic-mode",
+               "--attention-softmax-in-fp32", "--no-bias-gelu-fusion",
+               "--use-persistent-ckpt-worker", "--no-check-for-nan-in-loss-and-grad",
+               "--q-lora-rank"]
+
+
+def _arguments_py():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gen_megatron_lm_flags as gen
+    try:
+        return gen, gen.arguments_file()
+    except FileNotFoundError as err:
+        pytest.skip(f"Megatron-LM's arguments.py is not installed ({err})")
+
+
+def test_table_has_every_add_argument_call_of_arguments_py():
+    gen, path = _arguments_py()
+    explicit = gen.ast_flags(path)
+    assert len(explicit) > 300
+    for name, takes_value in explicit.items():
+        assert name in mlt.table(), name
+        assert mlt.table()[name].takes_value == takes_value, name
+
+
+@pytest.mark.slow
+def test_table_equals_megatron_lm_parser():
+    _arguments_py()
+    proc = subprocess.run([sys.executable, "tools/gen_megatron_lm_flags.py", "--check",
+                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[-1])["same"], \
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def _non_default(row):
+    if not row.takes_value:
+        return True
+    return "[1]" if row.nargs in ("+", "*") else "not-the-default-123"
+
+
+def test_every_table_flag_is_classified():
+    parser = flags.build_parser()
+    ours = {f.name for f in flags.FLAGS} | set(megatron_lm_rules.CONVERTED)
+    counts = {"implemented": 0, "accepted": 0, "refused": 0}
+    for name, row in mlt.table().items():
+        assert any(name in a.option_strings for a in parser._actions), name
+        if name in ours:
+            counts["implemented"] += 1
+        elif name in megatron_flags.ACCEPTED:
+            counts["accepted"] += 1
+        elif name in megatron_flags.UNSUPPORTED:
+            why, instead = megatron_flags.UNSUPPORTED[name]
+            assert why and instead, name
+            counts["refused"] += 1
+        else:
+            verdict = mlt.classify(name, _non_default(row))
+            if verdict.refusal:
+                assert REFUSAL.match(verdict.refusal), verdict.refusal
+                counts["refused"] += 1
+                if row.takes_value and row.default is not None:  # the default is harmless
+                    assert mlt.classify(name, row.default).note, name
+            else:
+                assert verdict.note.startswith(name) and len(verdict.note) > len(name) + 10
+                counts["accepted"] += 1
+    assert sum(counts.values()) == len(mlt.table()) and min(counts.values()) > 10, counts
+
+
+def _refusals(argv):
+    with pytest.raises(ValueError) as err:
+        flags.config_from_args(argv)
+    return str(err.value)
+
+
+def test_refusals_of_a_line_come_in_one_pass():
+    text = _refusals(["--model-preset", "tiny_smoe", "--q-lora-rank", "32", "--fp16",
+                      "--frobnicate", "--normalization", "LayerNorm", "--train-samples",
+                      "100", "--global-batch-size", "8", "--rotary-scaling-factor", "40"])
+    lines = text.splitlines()
+    assert lines[0] == "6 flags refused:", text
+    for name in ("--q-lora-rank", "--fp16", "--frobnicate", "--normalization",
+                 "--train-samples 100", "--rotary-scaling-factor"):
+        assert any(line.strip().startswith(name) for line in lines[1:]), (name, text)
+    assert "--train-samples 96 or 104" in text
+
+
+def test_issue_flags_are_known_not_unknown():
+    for name in ISSUE_FLAGS:
+        assert name in mlt.table(), name
+        value = [] if not mlt.table()[name].takes_value else ["2"]
+        try:
+            flags.config_from_args(["--model-preset", "tiny_smoe", name, *value])
+        except ValueError as err:
+            assert "unknown flag" not in str(err) and "Fix" in str(err) or \
+                REFUSAL.match(str(err)), err
+
+
+def test_moe_layer_freq_list_form_is_megatron_lms():
+    config = flags.config_from_args(["--model-preset", "tiny_smoe", "--num-layers", "4",
+                                     "--moe-layer-freq", "[0]*1+[1]*3"])
+    assert config.model.extra["moe_layer_freq"] == [0, 1, 1, 1]  # naive: the list's meaning
+    text = _refusals(["--model-preset", "tiny_smoe", "--moe-layer-freq", "[0]*"])
+    assert text.count("\n") == 0 and "--moe-layer-freq" in text
+
+
+def _lrs(scheduler, steps, increment):
+    out = []
+    for _ in range(steps):
+        scheduler.step(increment=increment)
+        out.append(scheduler.get_lr(scheduler.optimizer.param_groups[0]))
+    return out
+
+
+def test_samples_schedule_equals_megatron_lms_sample_counting():
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = 4
+    config = flags.config_from_args(
+        ["--model-preset", "tiny_smoe", "--global-batch-size", str(gbs), "--train-samples",
+         "48", "--lr-decay-samples", "40", "--lr-warmup-fraction", "0.1", "--lr", "1e-3",
+         "--min-lr", "1e-4", "--lr-warmup-init", "1e-5", "--distributed-timeout-minutes",
+         "3"])
+    o = config.optimizer
+    assert (config.training.train_iters, o.decay_iters, o.warmup_iters) == (12, 10, 1)
+    assert config.parallel.distributed_timeout_seconds == 180.0
+
+    def scheduler(warmup, decay):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+        return OptimizerParamScheduler(
+            opt, init_lr=1e-5, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=warmup,
+            lr_decay_steps=decay, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+            wd_incr_steps=decay, wd_incr_style="constant")
+    # Megatron-LM: steps in samples, warmup = fraction * decay samples, +gbs per step.
+    megatron = _lrs(scheduler(0.1 * 40, 40), 12, gbs)
+    ours = _lrs(scheduler(o.warmup_iters, o.decay_iters), 12, 1)
+    assert megatron == pytest.approx(ours, rel=1e-12)
