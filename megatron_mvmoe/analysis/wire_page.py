@@ -98,7 +98,15 @@ def write_page(payload: dict, path: str) -> str:
             f"Fitted on {m['fit_rates_mbit']} Mbit/s: efficiency **{m['efficiency']:.3f}**, "
             f"per-message cost **{m['per_message_s'] * 1e6:.0f} us** (latency 0: netem "
             "absent, so the veth's microsecond latency is inside the per-message term).", "",
-            *timing_table(t), ""]
+            *timing_table(t), "",
+            "Why the time model misses by more than the bytes model: gloo keeps one TCP "
+            "connection per rank pair and an all-to-all sends both ways at once, so each "
+            "direction's acknowledgements queue behind the other direction's data in the same "
+            "tbf FIFO; how long they wait depends on how the two flows interleave, which varies "
+            "from repeat to repeat (the measured ranges above span up to several x at one "
+            "rate). A constant efficiency and per-message cost cannot follow that, and on this "
+            "2-core machine shared with other jobs the CPU adds its own noise. The byte "
+            "figures do not depend on any of it.", ""]
     _ensure_dir(path)
     Path(path).write_text("\n".join(lines) + "\n")
     Path(path).with_suffix(".json").write_text(json.dumps(payload, indent=1, default=float))
@@ -127,7 +135,8 @@ def write_plot(payload: dict, path: str) -> str:
                           key=lambda s: s["rate_bps"])
             rates = [s["rate_bps"] / 1e6 for s in mine]
             line, = axes[1].loglog(rates, [s["seconds"] * 1e3 for s in mine], "o",
-                                   label=f"{key[0]} {key[1].split('.')[-2]}")
+                                   label=f"{key[0]} layer {key[1].split('.')[2]} "
+                                   f"{key[1].rsplit('/', 1)[1]}")
             axes[1].vlines(rates, [s["min_s"] * 1e3 for s in mine],
                            [s["max_s"] * 1e3 for s in mine], color=line.get_color())
             axes[1].plot(rates, [predict(s, WireLink(s["rate_bps"], m["efficiency"],
