@@ -263,6 +263,7 @@ def status_n(c, state_dir: Path) -> Dict[str, object]:
     pids = {k: v for k, v in record.items() if k in _daemons_n(c)}
     alive = {name: _runs(pid, _program(name)) for name, pid in pids.items() if pid}
     nodes = ns.node_states(c, state_dir) if alive.get("slurmctld") else None
+    counters = ns.read_counters(c)
     running = (len(alive) == len(_daemons_n(c)) and all(alive.values()) and nodes is not None
                and all(nodes.get(n) in ("idle", "mixed", "allocated") for n in c.names))
     return {"running": running, "nodes": c.nodes, "instance": c.instance,
@@ -271,7 +272,9 @@ def status_n(c, state_dir: Path) -> Dict[str, object]:
             "addresses": {n: c.address(n) for n in c.names}, "partition": c.partition,
             "links": {n: c.veth(n) for n in c.names}, "netns_of": {
                 n: c.netns(n) for n in c.names},
-            "veth": ns.read_counters(c), "client_prefix": c.client_prefix(),
+            "veth": {dev: {k: v for k, v in counts.items() if k.endswith("_bytes")}
+                     for dev, counts in counters.items()},  # bytes only, as before N nodes
+            "link_counters": counters, "client_prefix": c.client_prefix(),
             "env": {"SLURM_CONF": str(ns.paths(state_dir)["conf"])}}
 
 
