@@ -51,8 +51,7 @@ LAYOUTS = ("2x1", "2x2", "4x1")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS),
                    help="NODESxRANKS_PER_NODE (nodes 2..4, ranks 1 or 2)")
