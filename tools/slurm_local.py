@@ -416,7 +416,7 @@ def main(argv: List[str]) -> int:
         parser.error("reap: --pid is required")
     try:
         result = _dispatch(args)
-    except (SlurmLocalError, subprocess.SubprocessError, OSError) as err:
+    except (SlurmLocalError, subprocess.SubprocessError, OSError, ValueError) as err:
         if args.json:
             print(json.dumps({"error": str(err), "command": args.command}))
         else:

@@ -57,9 +57,9 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if not 2 <= self.nodes <= MAX_NODES:
-            raise ValueError(f"--nodes: {self.nodes} namespaced nodes; use 2..{MAX_NODES}")
+            raise ValueError(f"--nodes: {self.nodes} namespaced nodes. Fix: use 2..{MAX_NODES}")
         if not 0 <= self.instance < MAX_INSTANCE:
-            raise ValueError(f"--instance: {self.instance}; use 0..{MAX_INSTANCE - 1}")
+            raise ValueError(f"--instance: {self.instance} is out of range. Fix: use 0..{MAX_INSTANCE - 1}")
 
     @property
     def prefix(self) -> str:
