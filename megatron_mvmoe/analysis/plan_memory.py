@@ -29,9 +29,15 @@ What Megatron allocates (read from megatron/core 0.19.2):
   fc1 weight's gradient while the layer's stacked fc2 is already freed: transient
   E I F elements. Otherwise the transient is two fp32 copies of the largest parameter (its
   gradient before DDP's hook adds it into main_grad; Adam's per-tensor denominator).
-- checkpoint save: the dp_reshardable optimizer state is a view (no copy); the save's
-  transient is what the writer stages, modelled as one copy of the largest shard file
-  (`save_transient`); measured against a save step by --validate.
+- checkpoint save (torch_dist, `filesystem_async.prepare_write_data`): before writing,
+  every CPU tensor of this rank's share that is a view of a larger storage is cloned, all
+  at once (`_clone_or_dequantize_if_needed`). With the distributed optimizer that is every
+  parameter this rank writes (views of `param_data`: the experts of expert-data-parallel
+  replica 0, the dense ones of data-parallel replica 0) and, with fp32 params, the main
+  parameter shards of the dp_reshardable optimizer state (views of the same buffer); Adam's
+  moments are tensors of their own and are written in place. GPU tensors are copied to
+  host memory later, so on a GPU the save adds nothing to device memory. The save runs
+  after the step's backward, so its peak is max(activations, save), not the sum.
 """
 
 from __future__ import annotations
@@ -199,16 +205,25 @@ def activation_bytes(m: ModelSection, target: PlanTarget, stage: int, precision:
             "transient": float(transient), "activations": per_mb * flight + transient}
 
 
-def save_transient(m: ModelSection, target: PlanTarget, stage: int, precision: str) -> float:
-    """The writer stages each tensor it serialises; modelled as one copy of the largest
-    tensor of the save (a parameter, or its exp_avg / exp_avg_sq shard)."""
-    return float(4 * stage_parameters(m, target, stage)["largest"])
+def save_transient(m: ModelSection, target: PlanTarget, stage: int, precision: str,
+                   distributed_optimizer: bool = True, writes_dense: bool = True,
+                   writes_experts: bool = True) -> float:
+    """Bytes the checkpoint writer clones on this rank (see the module docstring);
+    writes_dense / writes_experts: this rank is replica 0 of its (expert-)data-parallel
+    group (the worst case, and the default)."""
+    if precision != "cpu_fp32" or not distributed_optimizer:
+        return 0.0  # GPU: staged in host memory; without param_data nothing is a view
+    p = stage_parameters(m, target, stage)
+    n = Numerics.of(precision)
+    written = p["dense"] * writes_dense + p["experts"] * writes_experts
+    main_shards = p["dense"] / target.dp() + p["experts"] / target.expert_dp()
+    return float(n.param * written + 4 * main_shards)
 
 
 # --------------------------------------------------------------------------- per rank
 def rank_memory(m: ModelSection, target: PlanTarget, stage: int, precision: str = "cpu_fp32",
                 distributed_optimizer: bool = True, runtime: float = 0.0,
-                stacked: Optional[bool] = None) -> Dict[str, float]:
+                stacked: Optional[bool] = None, writes=(True, True)) -> Dict[str, float]:
     """Bytes by category of one rank on pipeline stage `stage`; `runtime` is the resident
     memory of the process before the model is built (measured where known, else 0);
     `stacked`: the grouped CPU expert path (None = what the fast-path rule picks)."""
@@ -218,11 +233,13 @@ def rank_memory(m: ModelSection, target: PlanTarget, stage: int, precision: str 
     act = activation_bytes(m, target, stage, precision, stacked)
     out.update(activations=act["activations"], activations_per_microbatch=act["per_microbatch"],
                microbatches_in_flight=act["in_flight"], step_transient=act["transient"],
-               checkpoint_save_transient=save_transient(m, target, stage, precision),
+               checkpoint_save_transient=save_transient(m, target, stage, precision,
+                                                        distributed_optimizer, *writes),
                runtime=float(runtime), stacked_expert_weights=float(stacked))
     out["total"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
                     + runtime)
-    out["total_with_save"] = out["total"] + out["checkpoint_save_transient"]
+    out["total_with_save"] = (out["total"] - out["activations"]
+                              + max(out["activations"], out["checkpoint_save_transient"]))
     return out
 
 

@@ -8,8 +8,11 @@ Measured, per rank:
   cannot predict what torch and the libraries map);
 - activations: the largest (peak - resident at the step's start) over plain steps >= 2
   (no save, no evaluation): what a training step adds on top of the static part;
-- checkpoint save: the same over save steps, minus the plain steps' activations;
-- total: the largest resident peak over plain steps >= 2 (VmHWM);
+- checkpoint save: the same over save steps (the save follows the backward, whose
+  activations are freed by then, so the step's peak is the save's when it is larger);
+- total: the largest resident peak over plain steps >= 2 before the first save (VmHWM);
+- total_with_save: the largest peak over all steps >= 2, against runtime + static +
+  max(activations, save) (after a save the process keeps that high-water mark);
 - resident_at_step_start: the resident set when that step began, against runtime + the
   static categories: the difference is what the allocator and libraries hold beyond the
   tensors (it explains most of a gap in the total).
@@ -28,13 +31,20 @@ from megatron_mvmoe.training.memory_report import load_records
 
 TARGET_PERCENT = {"params": 2.0, "grads": 2.0, "optimizer": 2.0, "activations": 15.0,
                   "total": 15.0, "checkpoint_save_transient": None, "runtime": None,
-                  "resident_at_step_start": None}
+                  "resident_at_step_start": None, "total_with_save": 15.0}
 CATEGORIES = tuple(TARGET_PERCENT)
 
 
 def _plain_steps(record: Dict) -> List[Dict]:
-    return [s for s in record["steps"] if s["step"] >= 2 and not s["saved"]
-            and not s["evaluated"]]
+    """Steps >= 2 without save or evaluation, before the first save where there are such:
+    glibc keeps the heap the save's clones freed (medium blocks fall under its dynamic mmap
+    threshold), so after a save every step starts from the save's high-water mark."""
+    first = record["steps"][0]["step"] if record["steps"] else 0
+    plain = [s for s in record["steps"] if s["step"] > max(1, first) and not s["saved"]
+             and not s["evaluated"] and s["start_rss"] is not None]
+    first_save = min((s["step"] for s in record["steps"] if s["saved"]), default=None)
+    before = [s for s in plain if first_save is None or s["step"] < first_save]
+    return before or plain
 
 
 def measured(record: Dict) -> Dict[str, Optional[float]]:
@@ -45,14 +55,18 @@ def measured(record: Dict) -> Dict[str, Optional[float]]:
     plain = _plain_steps(record)
     act = max((s["peak_rss"] - s["start_rss"] for s in plain), default=None)
     top = max(plain, key=lambda s: s["peak_rss"], default=None)
-    saves = [s["peak_rss"] - s["start_rss"] for s in record["steps"] if s["saved"]]
+    # The save runs after the step's backward (activations freed): its own peak.
+    saves = [s["peak_rss"] - s["start_rss"] for s in record["steps"]
+             if s["saved"] and s["start_rss"] is not None]
     return {"params": float(census["params"] + census.get("module_buffers", 0)),
             "grads": float(census["grads"]), "optimizer": float(census["optimizer"]),
             "runtime": float(record["runtime_rss"]), "activations": act,
-            "checkpoint_save_transient": (max(saves) - act if saves and act is not None
-                                          else None),
+            "checkpoint_save_transient": max(saves) if saves else None,
             "total": None if top is None else float(top["peak_rss"]),
-            "resident_at_step_start": None if top is None else float(top["start_rss"])}
+            "resident_at_step_start": None if top is None else float(top["start_rss"]),
+            "total_with_save": (max(float(s["peak_rss"]) for s in record["steps"]
+                                    if s["start_rss"] is not None) if saves and plain
+                                else None)}
 
 
 def timings(record: Dict) -> Dict[str, Optional[float]]:
@@ -87,7 +101,9 @@ def validate(run_dir: str) -> Dict:
         precision = "gpu_bf16" if record.get("bf16") else "cpu_fp32"
         got = measured(record)
         want = rank_memory(run.model, target, record["pp_rank"], precision,
-                           run.optimizer.use_distributed_optimizer, got["runtime"])
+                           run.optimizer.use_distributed_optimizer, got["runtime"],
+                           writes=(record.get("dp_rank", 0) == 0,
+                                   record.get("expert_dp_rank", 0) == 0))
         want["resident_at_step_start"] = (got["runtime"] + want["params"] + want["grads"]
                                           + want["optimizer"])
         rows = {c: _row(got[c], want[c], TARGET_PERCENT[c]) for c in CATEGORIES}

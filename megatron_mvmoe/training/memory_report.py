@@ -124,7 +124,8 @@ def tensor_census(model_chunks: List[torch.nn.Module], optimizer) -> Dict[str, i
 # ------------------------------------------------------------------------------ hook
 class MemoryRecorder:
     """Called before each step: records the census once the optimizer states exist (before
-    step 2), and each finished step's resident peak; rewrites rank<R>.json every step."""
+    the second step of the call), and each finished step's resident peak; rewrites
+    rank<R>.json every step."""
 
     def __init__(self, run, rank: int, layout_ranks: Dict[str, int]) -> None:
         self.run, self.rank = run, rank
@@ -134,7 +135,7 @@ class MemoryRecorder:
         self.created = self.step_started = time.perf_counter()
 
     def __call__(self, step: int, trainer) -> None:
-        if step == 1:
+        if "after_build_rss" not in self.record:  # the first step of this call (a resume's > 1)
             import torch.distributed as dist
 
             # build + resume (--load) or warm start: a resumed run's extra is the load time
@@ -176,7 +177,8 @@ def _layout_ranks() -> Dict[str, int]:
     return {"pp_rank": ps.get_pipeline_model_parallel_rank(),
             "ep_rank": ps.get_expert_model_parallel_rank(),
             "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "dp_rank": ps.get_data_parallel_rank()}
+            "dp_rank": ps.get_data_parallel_rank(),
+            "expert_dp_rank": ps.get_expert_data_parallel_rank()}
 
 
 def check_fits(run) -> None:

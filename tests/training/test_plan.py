@@ -184,6 +184,26 @@ def test_static_bytes_against_naive_count():
     assert bf16["params"] == 2 * (n - fp32_only) + 4 * fp32_only
 
 
+def test_save_and_stacked_expert_terms_against_naive_count():
+    """The torch_dist writer clones every view it writes: the parameters of replica 0 and
+    the fp32 main-parameter shards (4 B each); the grouped CPU expert path keeps the
+    stacked local expert weights per layer (64 x 3 x 256 x 3968 at EP = 2)."""
+    from megatron_mvmoe.analysis.plan_memory import (save_transient, stacked_expert_elements,
+                                                     stage_parameters)
+
+    m = model_from_preset("mvmoe_10b_a1b")
+    target = PlanTarget(ParallelLayout(ep=2), world_size=2)  # dp 2, expert dp 1
+    p = stage_parameters(m, target, 0)
+    assert save_transient(m, target, 0, "cpu_fp32") == 4 * (p["dense"] + p["experts"]) + \
+        4 * (p["dense"] / 2 + p["experts"])
+    assert save_transient(m, target, 0, "cpu_fp32", writes_dense=False) == \
+        4 * p["experts"] + 4 * (p["dense"] / 2 + p["experts"])
+    assert save_transient(m, target, 0, "gpu_bf16") == 0.0
+    w = stacked_expert_elements(m, target)
+    assert w["fc1"] + w["fc2"] == 64 * 3 * 256 * 3968
+    assert w["fc1"] == 2 * w["fc2"]
+
+
 def test_slice_that_does_not_fit_fails_before_allocating(tmp_path):
     """The 24-layer 10B-A1B on 2 CPU ranks needs far more than any such machine has: the
     start-up check refuses it with the planner's estimate and what to reduce, before the
