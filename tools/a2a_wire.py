@@ -77,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--time-seq-length", type=int, default=256)
     p.add_argument("--time-repeats", type=int, default=7)
     p.add_argument("--burst-kb", type=int, default=64, help="tbf bucket (>= a GSO frame)")
+    p.add_argument("--tbf-latency-ms", type=float, default=20,
+                   help="tbf queue length as time at the rate: a short queue keeps one "
+                        "direction's ACKs from waiting behind the other's data (bufferbloat)")
     p.add_argument("--instance", type=int, default=1,
                    help="cluster instance (own namespaces, subnet, ports; see slurm_local)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per srun job")
@@ -245,10 +248,12 @@ def run_on_cluster(args, out_dir: Path) -> dict:
             spec = {"batch_size": args.time_batch_size, "seq_length": args.time_seq_length,
                     "repeats": 1, "timeout_s": 300, "cases": time_cases(args, n * r),
                     "time": {"rates_mbit": args.rates_mbit, "repeats": args.time_repeats,
-                             "burst_kb": args.burst_kb}}
+                             "burst_kb": args.burst_kb, "latency_ms": args.tbf_latency_ms}}
             job = run_job(c, state, n, r, spec, out_dir, f"time_{args.time_layout}",
                           args.timeout)
             payload["timing"] = {"layout": args.time_layout, "wall_s": round(job["wall_s"], 1),
+                                 "tbf": {"burst_kb": args.burst_kb,
+                                         "latency_ms": args.tbf_latency_ms},
                                  "worker": job["output"]}
     finally:
         if reaper:

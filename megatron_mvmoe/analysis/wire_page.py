@@ -45,6 +45,12 @@ def timing_table(timing: dict) -> List[str]:
     return lines
 
 
+def _tbf(timing: dict) -> str:
+    tbf = timing.get("tbf")
+    return (f"burst {tbf['burst_kb']} kB, queue {tbf['latency_ms']:g} ms at the rate" if tbf
+            else "burst 64 kB, queue 200 ms at the rate")
+
+
 def write_page(payload: dict, path: str) -> str:
     cases = payload["cases"]
     worst = max(e["max_abs_error"] for e in cases)
@@ -90,7 +96,8 @@ def write_page(payload: dict, path: str) -> str:
         m = t["model"]
         lines += [
             "## Time on links of set rate (tc tbf on both ends of every node link)", "",
-            f"Layout {t['layout']}; job {t['wall_s']:.0f} s. Each layer's recorded collectives "
+            f"Layout {t['layout']}; job {t['wall_s']:.0f} s; tbf "
+            f"{_tbf(t)} on both ends of every node link. Each layer's recorded collectives "
             "of one direction (dispatch + combine, forward or backward) replayed at full size; "
             "time = max over ranks, median over repeats. Model (`link_time.WireLink`): per "
             "collective, busiest node link bytes / (efficiency x rate) + latency + "

@@ -77,7 +77,7 @@ class Link:
         dist.barrier()
         return value
 
-    def shape(self, rate_mbit: Optional[float], burst_kb: int) -> None:
+    def shape(self, rate_mbit: Optional[float], burst_kb: int, latency_ms: float = 20) -> None:
         if self.reader:
             for prefix, dev in ((), self.iface), (("ip", "netns", "exec", self.bridge),
                                                   self.port):
@@ -86,7 +86,7 @@ class Link:
                 cmd = ([*prefix, "tc", "qdisc", "del", "dev", dev, "root"] if rate_mbit is None
                        else [*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
                              "rate", f"{rate_mbit}mbit", "burst", f"{burst_kb}kb",
-                             "latency", "200ms"])
+                             "latency", f"{latency_ms}ms"])
                 subprocess.run(cmd, capture_output=True, check=rate_mbit is not None)
         dist.barrier()
 
@@ -203,7 +203,7 @@ def time_layers(records: List[WireRecord], group, spec: dict, link: Link) -> dic
     out: Dict[str, dict] = {}
     try:
         for rate in cfg["rates_mbit"]:
-            link.shape(rate, cfg.get("burst_kb", 64))
+            link.shape(rate, cfg.get("burst_kb", 64), cfg.get("latency_ms", 20))
             per_key = {}
             for layer, direction in keys:
                 picked = [i for i, r in enumerate(records)
