@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="largest relative payload error accepted")
     p.add_argument("--time", action="store_true", help="also time the a2a on shaped links")
+    p.add_argument("--skip-bytes", action="store_true",
+                   help="with --time: only the timing job (no byte layouts)")
     p.add_argument("--time-layout", default="2x1")
     p.add_argument("--time-cases", nargs="+", default=["latent:row", "smoe:row",
                                                        "multi_view:rank"],
@@ -217,7 +219,7 @@ def run_on_cluster(args, out_dir: Path) -> dict:
     import slurm_local
     import slurm_netns as ns
 
-    layouts = [parse_layout(x) for x in args.layouts]
+    layouts = [] if args.skip_bytes and args.time else [parse_layout(x) for x in args.layouts]
     nodes = max([n for n, _ in layouts] + ([parse_layout(args.time_layout)[0]]
                                            if args.time else []))
     c = ns.Cluster(nodes, args.instance)

@@ -75,8 +75,8 @@ def _tbf_on(instance: int) -> bool:
 def test_run_killed_half_way_leaves_nothing(tmp_path, sig):
     instance = 8
     assert not any(_leftovers(instance).values()), "leftovers before the test"
-    cmd = [sys.executable, "tools/a2a_wire.py", "--layouts", "2x1", "--variants", "latent",
-           "--semantics", "row", "--repeats", "1", "--time", "--time-cases", "latent:row",
+    cmd = [sys.executable, "tools/a2a_wire.py", "--skip-bytes", "--time", "--time-cases",
+           "latent:row",
            "--rates-mbit", "50", "--fit-rates-mbit", "50", "--time-repeats", "200",
            "--time-batch-size", "2", "--time-seq-length", "64", "--instance", str(instance),
            "--out-dir", str(tmp_path), "--json"]
