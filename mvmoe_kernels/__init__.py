@@ -1,7 +1,7 @@
 """mvmoe_kernels: Triton kernels for Multi-View MoE (seed 000), each with a torch reference.
 
-Installed from the repository's kernels/ directory under the package name `mvmoe_kernels`
-(a name that cannot clash with the PyPI package called `kernels`). Triton is optional:
+The repository's mvmoe_kernels/ package (named so it cannot clash
+with the PyPI package called `kernels`). Triton is optional:
 importing this package never imports triton; the kernels are decorated at first use.
 
 Public API (legend: T tokens, E experts, R routing heads = K views, S slots, L latent,

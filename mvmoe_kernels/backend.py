@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -67,6 +67,21 @@ def resolve_backend(requested: Optional[str], device: torch.device) -> str:
             f"{source}=triton on {device.type} tensors needs the Triton interpreter. Fix: set "
             "TRITON_INTERPRET=1 (tests only; it is slow) or use the reference backend")
     return "triton"
+
+
+class KernelLaunch(NamedTuple):
+    """One kernel call as a launcher builds it: run by `launch`, or compiled ahead of time for
+    a GPU target by aot.py from the very same arguments (so the two cannot drift apart)."""
+
+    kernel_fn: Callable  # the undecorated body (decorated per mode by jit_for)
+    grid: Tuple[int, ...]
+    args: Tuple[Any, ...]  # positional runtime arguments: tensors and scalars
+    constexprs: Dict[str, Any]  # compile-time parameters, by name
+
+
+def launch(call: KernelLaunch, device: torch.device) -> None:
+    """Run `call` on `device` (compiled on CUDA, interpreted on CPU)."""
+    jit_for(call.kernel_fn, device)[call.grid](*call.args, **call.constexprs)
 
 
 def jit_for(kernel_fn: Callable, device: torch.device):

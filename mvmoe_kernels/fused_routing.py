@@ -12,7 +12,7 @@ Design choices:
   (plus S*R gathered logits per token) and writes only the outputs. The backward reads the
   logits once more and writes their gradient, also in one pass: the scores are recomputed
   from the logits rather than stored (R*E per token is more than the outputs).
-- The maths matches kernels/reference.py (the project's routing/views contracts) exactly,
+- The maths matches reference.py (the project's routing/views contracts) exactly,
   including ties to the lower expert id, the k = 1 gate rule and the uniform-mix fallback.
 - Outputs are fp32 whatever the logits' dtype; the logits' gradient comes back in their dtype.
 - alpha is a float, a 0-d tensor or alpha_E [E]; a tensor that requires grad gets one (the
@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 import torch
 
-from .backend import jit_for, resolve_backend
+from .backend import KernelLaunch, launch, resolve_backend
 from .reference import RouterOutput, reference_multi_router
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -99,11 +99,8 @@ def multi_router_forward(
     block_t: Optional[int] = None,
 ) -> RouterOutput:
     """Launch the forward kernel (no autograd). Tensors must be contiguous, on one device."""
-    from . import _routing_triton
-
     num_tokens, num_heads, num_experts = logits_TRE.shape
     _require_same_device(logits_TRE, bias_E=bias_E, alpha_E=alpha_E)
-    block_t, block_e = _block_sizes(num_tokens, num_experts, logits_TRE.device, block_t)
     f32 = dict(dtype=torch.float32, device=logits_TRE.device)
     out = RouterOutput(
         topk_idx_TS=torch.empty(num_tokens, k, dtype=torch.int64, device=logits_TRE.device),
@@ -113,12 +110,26 @@ def multi_router_forward(
     )
     if num_tokens == 0:
         return out
-    kernel = jit_for(_routing_triton.multi_router_fwd, logits_TRE.device)
-    kernel[(_cdiv(num_tokens, block_t),)](
-        logits_TRE, bias_E.contiguous(), alpha_E.contiguous(), *out,
-        num_tokens, num_experts, float(eps),
-        NUM_HEADS=num_heads, NUM_SLOTS=k, BLOCK_T=block_t, BLOCK_E=block_e)
+    launch(forward_launch(logits_TRE, bias_E.contiguous(), alpha_E.contiguous(), out, eps,
+                          block_t), logits_TRE.device)
     return out
+
+
+def forward_launch(logits_TRE, bias_E, alpha_E, out: RouterOutput, eps: float,
+                   block_t: Optional[int] = None,
+                   device_type: Optional[str] = None) -> KernelLaunch:
+    """The forward kernel call on these tensors (T >= 1). device_type (default: the logits'
+    device) picks the block sizes: aot.py passes "cuda" with meta tensors."""
+    from . import _routing_triton
+
+    num_tokens, num_heads, num_experts = logits_TRE.shape
+    block_t, block_e = _block_sizes(num_tokens, num_experts,
+                                    device_type or logits_TRE.device.type, block_t)
+    return KernelLaunch(
+        _routing_triton.multi_router_fwd, (_cdiv(num_tokens, block_t),),
+        (logits_TRE, bias_E, alpha_E, *out, num_tokens, num_experts, float(eps)),
+        dict(NUM_HEADS=num_heads, NUM_SLOTS=out.topk_idx_TS.shape[1], BLOCK_T=block_t,
+             BLOCK_E=block_e))
 
 
 def multi_router_backward(
@@ -134,27 +145,39 @@ def multi_router_backward(
 
     None upstream gradients count as zero; d_summed_TE None skips its [T, E] read.
     """
+    d_gates_TS = _f32_or_zeros(d_gates_TS, gates_TS)
+    d_mix_TSR = _f32_or_zeros(d_mix_TSR, mix_TSR)
+    d_summed_TE = None if d_summed_TE is None else d_summed_TE.float().contiguous()
+    d_logits_TRE = torch.empty_like(logits_TRE)
+    d_alpha_TS = torch.empty_like(gates_TS) if needs_dalpha else None
+    if logits_TRE.shape[0] > 0:
+        launch(backward_launch(logits_TRE, alpha_E, topk_idx_TS, gates_TS, mix_TSR, summed_TE,
+                               d_gates_TS, d_mix_TSR, d_summed_TE, d_logits_TRE, d_alpha_TS,
+                               eps, block_t), logits_TRE.device)
+    return d_logits_TRE, d_alpha_TS
+
+
+def backward_launch(logits_TRE, alpha_E, topk_idx_TS, gates_TS, mix_TSR, summed_TE,
+                    d_gates_TS, d_mix_TSR, d_summed_TE: Optional[torch.Tensor], d_logits_TRE,
+                    d_alpha_TS: Optional[torch.Tensor], eps: float,
+                    block_t: Optional[int] = None,
+                    device_type: Optional[str] = None) -> KernelLaunch:
+    """The backward kernel call (T >= 1); d_summed_TE / d_alpha_TS None: not read / written
+    (a placeholder pointer is passed). device_type as in forward_launch."""
     from . import _routing_triton
 
     num_tokens, num_heads, num_experts = logits_TRE.shape
-    num_slots = topk_idx_TS.shape[1]
-    block_t, block_e = _block_sizes(num_tokens, num_experts, logits_TRE.device, block_t)
-    d_gates_TS = _f32_or_zeros(d_gates_TS, gates_TS)
-    d_mix_TSR = _f32_or_zeros(d_mix_TSR, mix_TSR)
-    has_dsummed = d_summed_TE is not None
-    d_summed_TE = d_summed_TE.float().contiguous() if has_dsummed else summed_TE  # unread
-    d_logits_TRE = torch.empty_like(logits_TRE)
-    d_alpha_TS = torch.empty_like(gates_TS) if needs_dalpha else gates_TS  # unwritten if not
-    if num_tokens == 0:
-        return d_logits_TRE, (d_alpha_TS if needs_dalpha else None)
-    kernel = jit_for(_routing_triton.multi_router_bwd, logits_TRE.device)
-    kernel[(_cdiv(num_tokens, block_t),)](
-        logits_TRE, alpha_E, topk_idx_TS, gates_TS, mix_TSR, summed_TE,
-        d_gates_TS, d_mix_TSR, d_summed_TE, d_logits_TRE, d_alpha_TS,
-        num_tokens, num_experts, float(eps),
-        NUM_HEADS=num_heads, NUM_SLOTS=num_slots, HAS_DSUMMED=has_dsummed,
-        NEEDS_DALPHA=needs_dalpha, BLOCK_T=block_t, BLOCK_E=block_e)
-    return d_logits_TRE, (d_alpha_TS if needs_dalpha else None)
+    block_t, block_e = _block_sizes(num_tokens, num_experts,
+                                    device_type or logits_TRE.device.type, block_t)
+    has_dsummed, needs_dalpha = d_summed_TE is not None, d_alpha_TS is not None
+    return KernelLaunch(
+        _routing_triton.multi_router_bwd, (_cdiv(num_tokens, block_t),),
+        (logits_TRE, alpha_E, topk_idx_TS, gates_TS, mix_TSR, summed_TE,
+         d_gates_TS, d_mix_TSR, d_summed_TE if has_dsummed else summed_TE,  # unread
+         d_logits_TRE, d_alpha_TS if needs_dalpha else gates_TS,  # unwritten
+         num_tokens, num_experts, float(eps)),
+        dict(NUM_HEADS=num_heads, NUM_SLOTS=topk_idx_TS.shape[1], HAS_DSUMMED=has_dsummed,
+             NEEDS_DALPHA=needs_dalpha, BLOCK_T=block_t, BLOCK_E=block_e))
 
 
 def _validate_router_inputs(logits_TRE, bias_E, k, alpha, eps) -> int:
@@ -196,11 +219,11 @@ def _alpha_vector(alpha, num_experts: int, device: torch.device) -> torch.Tensor
     return torch.full((num_experts,), float(alpha), dtype=torch.float32, device=device)
 
 
-def _block_sizes(num_tokens: int, num_experts: int, device: torch.device,
+def _block_sizes(num_tokens: int, num_experts: int, device_type: str,
                  block_t: Optional[int]):
     block_e = _next_pow2(num_experts)
     if block_t is None:
-        if device.type == "cuda":  # keep a [BLOCK_T, BLOCK_E] fp32 tile around 4k elements
+        if device_type == "cuda":  # keep a [BLOCK_T, BLOCK_E] fp32 tile around 4k elements
             block_t = max(1, min(64, 4096 // block_e))
         else:  # the interpreter pays ~2 ms per program: few, large programs
             block_t = min(256, _next_pow2(num_tokens))

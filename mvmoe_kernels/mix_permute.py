@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .backend import jit_for, resolve_backend
+from .backend import KernelLaunch, launch, resolve_backend
 from .reference import reference_mix_and_permute
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,44 +98,61 @@ class _MixAndPermute(torch.autograd.Function):
 def mix_permute_forward(views_TRL, mix_TSR, row_of_TS, num_rows: int,
                         block_t: Optional[int] = None, block_l: Optional[int] = None):
     """Launch the forward kernel (no autograd). Tensors contiguous, on one device."""
+    num_tokens, _, latent = views_TRL.shape
+    any_unsent = num_rows != num_tokens * mix_TSR.shape[1]  # padding rows are never written
+    alloc = torch.zeros if any_unsent else torch.empty
+    rows_NL = alloc(num_rows, latent, dtype=views_TRL.dtype, device=views_TRL.device)
+    if num_tokens > 0 and latent > 0:
+        launch(forward_launch(views_TRL, mix_TSR, row_of_TS, rows_NL, block_t, block_l),
+               views_TRL.device)
+    return rows_NL
+
+
+def forward_launch(views_TRL, mix_TSR, row_of_TS, rows_NL, block_t: Optional[int] = None,
+                   block_l: Optional[int] = None,
+                   device_type: Optional[str] = None) -> KernelLaunch:
+    """The forward kernel call (T, L >= 1). device_type (default: the views' device) picks
+    the block sizes: aot.py passes "cuda" with meta tensors."""
     from . import _mix_permute_triton
 
     num_tokens, num_views, latent = views_TRL.shape
-    num_slots = mix_TSR.shape[1]
-    any_unsent = num_rows != num_tokens * num_slots  # padding rows are never written
-    alloc = torch.zeros if any_unsent else torch.empty
-    rows_NL = alloc(num_rows, latent, dtype=views_TRL.dtype, device=views_TRL.device)
-    if num_tokens == 0 or latent == 0:
-        return rows_NL
-    block_t, block_l = _block_sizes(num_tokens, num_views, latent, views_TRL.device,
-                                    block_t, block_l)
-    kernel = jit_for(_mix_permute_triton.mix_permute_fwd, views_TRL.device)
-    grid = (_cdiv(num_tokens, block_t), _cdiv(latent, block_l))
-    kernel[grid](views_TRL, mix_TSR, row_of_TS, rows_NL, num_tokens, latent,
-                 NUM_VIEWS=num_views, NUM_SLOTS=num_slots, VIEWS_PAD=_next_pow2(num_views),
-                 BLOCK_T=block_t, BLOCK_L=block_l)
-    return rows_NL
+    block_t, block_l = _block_sizes(num_tokens, num_views, latent,
+                                    device_type or views_TRL.device.type, block_t, block_l)
+    return KernelLaunch(
+        _mix_permute_triton.mix_permute_fwd, (_cdiv(num_tokens, block_t), _cdiv(latent, block_l)),
+        (views_TRL, mix_TSR, row_of_TS, rows_NL, num_tokens, latent),
+        dict(NUM_VIEWS=num_views, NUM_SLOTS=mix_TSR.shape[1], VIEWS_PAD=_next_pow2(num_views),
+             BLOCK_T=block_t, BLOCK_L=block_l))
 
 
 def mix_permute_backward(views_TRL, mix_TSR, row_of_TS, d_rows_NL,
                          block_t: Optional[int] = None, block_l: Optional[int] = None):
     """Launch the backward kernel. Returns (d_views_TRL, d_mix_TSR) in their inputs' dtypes."""
-    from . import _mix_permute_triton
-
-    num_tokens, num_views, latent = views_TRL.shape
-    num_slots = mix_TSR.shape[1]
+    num_tokens, _, latent = views_TRL.shape
     d_views_TRL = torch.empty_like(views_TRL)
     d_mix_TSR = torch.empty_like(mix_TSR)
     if num_tokens == 0 or latent == 0:
         return d_views_TRL.zero_(), d_mix_TSR.zero_()
-    block_t, block_l = _block_sizes(num_tokens, num_views, latent, views_TRL.device,
-                                    block_t, block_l)
-    kernel = jit_for(_mix_permute_triton.mix_permute_bwd, views_TRL.device)
-    kernel[(_cdiv(num_tokens, block_t),)](
-        views_TRL, mix_TSR, row_of_TS, d_rows_NL, d_views_TRL, d_mix_TSR, num_tokens, latent,
-        NUM_VIEWS=num_views, NUM_SLOTS=num_slots, VIEWS_PAD=_next_pow2(num_views),
-        SLOTS_PAD=_next_pow2(num_slots), BLOCK_T=block_t, BLOCK_L=block_l)
+    launch(backward_launch(views_TRL, mix_TSR, row_of_TS, d_rows_NL, d_views_TRL, d_mix_TSR,
+                           block_t, block_l), views_TRL.device)
     return d_views_TRL, d_mix_TSR
+
+
+def backward_launch(views_TRL, mix_TSR, row_of_TS, d_rows_NL, d_views_TRL, d_mix_TSR,
+                    block_t: Optional[int] = None, block_l: Optional[int] = None,
+                    device_type: Optional[str] = None) -> KernelLaunch:
+    """The backward kernel call (T, L >= 1); device_type as in forward_launch."""
+    from . import _mix_permute_triton
+
+    num_tokens, num_views, latent = views_TRL.shape
+    num_slots = mix_TSR.shape[1]
+    block_t, block_l = _block_sizes(num_tokens, num_views, latent,
+                                    device_type or views_TRL.device.type, block_t, block_l)
+    return KernelLaunch(
+        _mix_permute_triton.mix_permute_bwd, (_cdiv(num_tokens, block_t),),
+        (views_TRL, mix_TSR, row_of_TS, d_rows_NL, d_views_TRL, d_mix_TSR, num_tokens, latent),
+        dict(NUM_VIEWS=num_views, NUM_SLOTS=num_slots, VIEWS_PAD=_next_pow2(num_views),
+             SLOTS_PAD=_next_pow2(num_slots), BLOCK_T=block_t, BLOCK_L=block_l))
 
 
 def _reference_with_padding(views_TRL, mix_TSR, row_token_N, row_slot_N):
@@ -198,11 +215,11 @@ def _check_index_values(row_token_N, row_slot_N, num_tokens: int, num_slots: int
                          "Fix: each selected pair is dispatched once")
 
 
-def _block_sizes(num_tokens, num_views, latent, device, block_t, block_l):
+def _block_sizes(num_tokens, num_views, latent, device_type: str, block_t, block_l):
     if block_l is None:
-        block_l = min(128, _next_pow2(latent)) if device.type == "cuda" else _next_pow2(latent)
+        block_l = min(128, _next_pow2(latent)) if device_type == "cuda" else _next_pow2(latent)
     if block_t is None:
-        if device.type == "cuda":  # a [BLOCK_T, R, BLOCK_L] fp32 tile of about 4k elements
+        if device_type == "cuda":  # a [BLOCK_T, R, BLOCK_L] fp32 tile of about 4k elements
             block_t = max(1, min(64, 4096 // (_next_pow2(num_views) * block_l)))
         else:  # the interpreter pays ~2 ms per program: few, large programs
             block_t = min(256, _next_pow2(num_tokens))

@@ -16,9 +16,7 @@ Speed is only ever reported here, side by side in one run, never asserted in tes
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import pathlib
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -30,21 +28,6 @@ from megatron_mvmoe import platform
 NO_GPU = "not timed (no GPU)"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INDEX_BYTES, F32 = 8, 4
-
-
-def load_kernels():
-    """mvmoe_kernels, from the install or (until setup.py maps it) from ../kernels."""
-    if importlib.util.find_spec("mvmoe_kernels") is None:
-        kernels_dir = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-        spec = importlib.util.spec_from_file_location(
-            "mvmoe_kernels", kernels_dir / "__init__.py",
-            submodule_search_locations=[str(kernels_dir)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["mvmoe_kernels"] = module
-        spec.loader.exec_module(module)
-    import mvmoe_kernels
-
-    return mvmoe_kernels
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -147,7 +130,7 @@ def mix_cases(mk, args, device, dtype) -> Dict[str, Callable]:
 
 
 def measure(args) -> dict:
-    mk = load_kernels()
+    import mvmoe_kernels as mk
     device, dtype = platform.device(), DTYPES[args.dtype]
     gpu = device.type == "cuda"
     bandwidth = args.peak_gbs or (copy_bandwidth_gbs(device) if gpu else None)

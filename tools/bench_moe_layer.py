@@ -1,249 +1,215 @@
 """Benchmark one MoE layer: latent baseline vs Multi-Router vs Multi-View, side by side.
 
-    python tools/bench_moe_layer.py                       # D=1024, L=512, E=64, top-8, R=K=2
-    python tools/bench_moe_layer.py --tokens 256 --repeats 3 --json
+    python tools/bench_moe_layer.py                          # 10B-A1B layer, 512 tokens
+    python tools/bench_moe_layer.py --preset mvmoe_10b_a1b --tokens 4096 --json
+    python tools/bench_moe_layer.py --hidden 1024 --latent 512 --experts 64 --expert-ffn 512
+    python tools/bench_moe_layer.py --sweep --out examples/results/scaling.json   # item 3
     python tools/bench_moe_layer.py --preset mvmoe_10b_a1b --dtype bf16 --tokens 16384  # GPU
 
-Single process (gloo world of 1, or NCCL on a GPU). Each timed iteration runs forward +
-backward of every variant in turn (round-robin, so machine noise hits all of them alike);
-the median over --repeats after --warmup iterations is reported with the ratio to the
-baseline, next to the analytic forward FLOP ratio, the check
-`time_ratio(MV) <= 1.1 x flop_ratio(MV)` and the achieved TFLOP/s (3 x analytic forward
-FLOPs per token x tokens / time). `--preset` takes D, L, E, k, R and F from a model preset
-(one 10B-A1B layer at real size); the layer takes the fast paths of this machine
-(models/fast_paths.py: TE grouped experts and fusions on a GPU with TE). Memory: on CUDA the allocator peak of one
-forward+backward; on CPU (no allocator statistics) the bytes of activations saved for
-backward, a deterministic proxy measured with autograd saved-tensor hooks.
+Single process (gloo world of 1, or NCCL on a GPU). The layers are the trainer's: the
+preset's model section with the given fields overridden, `provider.transformer_config`
+(SwiGLU, shared expert, sigmoid routing, this machine's fast paths) and the decoder block's
+MoE builder (megatron_mvmoe/analysis/layer_bench.py). On CPU the experts are
+GroupedMatmulExperts (fast-path rule `cpu_grouped_experts`) and by default each variant is
+also timed through SequentialMLP.forward on the same weights (`--experts-impl both`).
+Every timed round runs each (variant, impl) once in turn; ratios are per round (median,
+min, max). Achieved GFLOP/s is 3 x analytic forward FLOPs x tokens / time, next to the
+measured matmul peak (training/run_info.measured_matmul_peak, measured before and after).
+Memory: on CPU the bytes autograd saves for backward; on CUDA the allocator peak.
+
+--sweep varies one field at a time over tokens per rank, experts, top-k and hidden size,
+the others at the preset's values (D-derived widths keep the 10B-A1B ratios), and writes
+--out (JSON) plus the results page and plots next to it (analysis/scaling_report.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import os
-import statistics
 import sys
-import time
 import warnings
 from typing import Dict, List
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
-VARIANTS = ("latent", "multi_router", "multi_view")
+
+from megatron_mvmoe.analysis import layer_bench as lb  # noqa: E402
+
+_SHAPE_FLAGS = {"hidden": "hidden_size", "latent": "latent_size", "experts": "num_experts",
+                "topk": "moe_router_topk", "expert_ffn": "moe_ffn_hidden_size",
+                "shared_ffn": "moe_shared_expert_intermediate_size",
+                "routers": "num_routers"}
+"""--flag -> LayerShape field."""
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default=None,
-                   help="take --hidden/--latent/--experts/--topk/--routers/--expert-ffn from "
-                        "this model preset (e.g. mvmoe_10b_a1b); explicit flags still win")
-    p.add_argument("--hidden", type=int, default=1024, help="D: model hidden size")
-    p.add_argument("--latent", type=int, default=512, help="L: latent size")
-    p.add_argument("--experts", type=int, default=64, help="E: routed experts")
-    p.add_argument("--topk", type=int, default=8, help="k: experts per token")
-    p.add_argument("--routers", type=int, default=2, help="R = K: routing heads / views")
-    p.add_argument("--expert-ffn", type=int, default=512, help="F: expert FFN hidden size")
+    p.add_argument("--preset", default="mvmoe_10b_a1b",
+                   help="model preset the layers come from (its D, L, E, k, F, S, R)")
+    p.add_argument("--hidden", type=int, help="D: model hidden size (default: preset's)")
+    p.add_argument("--latent", type=int, help="L: latent size")
+    p.add_argument("--experts", type=int, help="E: routed experts")
+    p.add_argument("--topk", type=int, help="k: experts per token")
+    p.add_argument("--routers", type=int, help="R = K: routing heads / views")
+    p.add_argument("--expert-ffn", type=int, help="F: expert FFN hidden size")
+    p.add_argument("--shared-ffn", type=int, help="S: shared-expert width (0: none)")
     p.add_argument("--tokens", type=int, default=512, help="T: tokens per forward")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations")
-    p.add_argument("--repeats", type=int, default=5, help="timed iterations (median)")
+    p.add_argument("--experts-impl", choices=["both", "built"], default="both",
+                   help="both: time grouped experts and SequentialMLP on the same weights "
+                        "(CPU); built: only what the fast paths built")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds")
     p.add_argument("--tolerance", type=float, default=1.1,
-                   help="pass if time ratio <= tolerance x analytic FLOP ratio")
+                   help="pass if MV time ratio <= tolerance x analytic FLOP ratio")
+    p.add_argument("--sweep", action="store_true", help="the scaling sweep (see above)")
+    p.add_argument("--sweep-base-tokens", type=int, default=1024,
+                   help="tokens per rank while another field is swept")
+    p.add_argument("--out", default=None, help="--sweep: JSON path (page and plots beside)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    if args.preset:
-        _apply_preset(args, p, argv)
-    for name in ("hidden", "latent", "experts", "topk", "routers", "expert_ffn", "tokens",
-                 "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.topk > args.experts:
-        p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
-    return args
-
-
-_PRESET_FIELDS = {"hidden": "hidden_size", "latent": "latent_size", "experts": "num_experts",
-                  "topk": "moe_router_topk", "routers": "multi_view.num_routers",
-                  "expert_ffn": "moe_ffn_hidden_size"}
-"""--flag -> ModelSection field (dotted: a nested config's)."""
-
-
-def _apply_preset(args, parser, argv: List[str]) -> None:
-    from megatron_mvmoe.models.model_section import model_from_preset
     from megatron_mvmoe.models.presets import PRESETS
 
     if args.preset not in PRESETS:
-        parser.error(f"--preset {args.preset!r}: not a preset (choose from {sorted(PRESETS)})")
-    shape = model_from_preset(args.preset)
-    given = {a.split("=")[0] for a in argv if a.startswith("--")}
-    for name, field in _PRESET_FIELDS.items():
-        value = functools.reduce(getattr, field.split("."), shape)
-        if f"--{name.replace('_', '-')}" not in given and value:
-            setattr(args, name, value)
+        p.error(f"--preset {args.preset!r}: not a preset (choose from {sorted(PRESETS)})")
+    for name in ("tokens", "repeats", "sweep_base_tokens", *_SHAPE_FLAGS):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "shared_ffn" else 1):
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.sweep and not args.out:
+        p.error("--sweep needs --out PATH.json (e.g. examples/results/scaling.json)")
+    return args
 
 
-def analytic_flops(args, variant: str) -> int:
-    """Forward multiply-add FLOPs per token (backward is ~2x for every term alike)."""
-    D, L, E, k, R, F = (args.hidden, args.latent, args.experts, args.topk, args.routers,
-                        args.expert_ffn)
-    heads = 1 if variant == "latent" else R
-    flops = 2 * D * E * heads            # router GEMM(s)
-    flops += 2 * D * L + 2 * L * D       # down and up projections
-    flops += k * (2 * L * F + 2 * F * L)  # k experts in latent space
-    if variant == "multi_view":
-        flops += (R - 1) * 2 * D * L     # view perturbations dP_m h
-        flops += k * R * L * 2           # per-(token, slot) blend of R views
-    return flops
+def base_shape(args) -> lb.LayerShape:
+    """The preset's layer with the explicit flags applied."""
+    from megatron_mvmoe.models.model_section import model_from_preset
+
+    shape = lb.LayerShape.of(model_from_preset(args.preset))
+    given = {field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items()
+             if getattr(args, flag) is not None}
+    if given.get("moe_shared_expert_intermediate_size") == 0:
+        given["moe_shared_expert_intermediate_size"] = None
+    shape = lb.dataclasses.replace(shape, **given)
+    if shape.moe_router_topk > shape.num_experts:
+        raise SystemExit(f"--topk {shape.moe_router_topk} exceeds --experts "
+                         f"{shape.num_experts}. Fix: choose a top-k <= the expert count")
+    return shape
 
 
-def make_config(args, variant: str):
-    from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
-    from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
-
-    R = 1 if variant == "latent" else args.routers
-    fast = config_fields(choose_fast_paths(Target.here(), variant))
-    fast.pop("gradient_accumulation_fusion", None)  # needs DDP main_grad buffers
-    return MVMoETransformerConfig(
-        num_layers=1, hidden_size=args.hidden, num_attention_heads=8,
-        ffn_hidden_size=4 * args.hidden, use_cpu_initialization=not torch.cuda.is_available(),
-        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
-        persist_layer_norm=False, **fast,
-        bf16=args.dtype == "bf16", params_dtype=_dtype(args),
-        num_moe_experts=args.experts, moe_router_topk=args.topk,
-        moe_ffn_hidden_size=args.expert_ffn, moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=1.0,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-        moe_router_dtype="fp32", moe_router_load_balancing_type="none",
-        moe_variant=variant, latent_size=args.latent,
-        multi_view=MultiViewConfig(num_routers=R, num_views=R if variant == "multi_view" else 1))
+def impls_for(layers) -> List[str]:
+    built = {lb.experts_class(layer) for layer in layers.values()}
+    return list(lb.IMPLS) if built == {"GroupedMatmulExperts"} else ["built"]
 
 
-def _dtype(args):
-    return torch.bfloat16 if args.dtype == "bf16" else torch.float32
+def run_point(args, shape: lb.LayerShape, tokens: int, pgs, impls_wanted: str) -> Dict:
+    """Build, time (interleaved) and summarize one layer shape."""
+    from megatron_mvmoe import platform
+    from megatron_mvmoe.training.run_info import measured_matmul_peak
 
-
-def build_layers(args, pgs, device) -> Dict[str, torch.nn.Module]:
-
-    from megatron_mvmoe.models.specs import build_moe_layer
-
-    layers = {}
-    for variant in VARIANTS:
-        config = make_config(args, variant)
-        layers[variant] = build_moe_layer(config, pgs, use_te=config.moe_grouped_gemm).to(device)
-    return layers
-
-
-def step(layer, x) -> None:
-    x = x.detach().requires_grad_(True)
-    out, _ = layer(x)
-    out.float().sum().backward()
-    layer.zero_grad(set_to_none=True)
-
-
-def saved_activation_bytes(layer, x) -> int:
-    total = [0]
-
-    def pack(t):
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        x = x.detach().requires_grad_(True)
-        out, _ = layer(x)
-    out.float().sum().backward()
-    layer.zero_grad(set_to_none=True)
-    return total[0]
-
-
-def peak_bytes(layer, x, platform) -> int:
-    if not platform.is_cuda():
-        return saved_activation_bytes(layer, x)
-    platform.reset_peak_memory()
-    step(layer, x)
-    platform.synchronize()
-    return platform.peak_memory_bytes()
-
-
-def measure(args, layers, x, platform) -> Dict[str, Dict]:
-    for _ in range(args.warmup):
-        for layer in layers.values():
-            step(layer, x)
-    times = {v: [] for v in layers}
-    for _ in range(args.repeats):
-        for variant, layer in layers.items():
-            platform.synchronize()
-            start = time.perf_counter()
-            step(layer, x)
-            platform.synchronize()
-            times[variant].append(time.perf_counter() - start)
-    return {v: {"median_s": statistics.median(t), "memory_bytes": peak_bytes(layers[v], x,
-                                                                               platform)}
-            for v, t in times.items()}
-
-
-def report(args, results) -> Dict:
-    base = results["latent"]
-    flops = {v: analytic_flops(args, v) for v in VARIANTS}
-    rows = {}
-    for v in VARIANTS:
-        rows[v] = dict(results[v], time_ratio=results[v]["median_s"] / base["median_s"],
-                       memory_ratio=results[v]["memory_bytes"] / base["memory_bytes"],
-                       flops_per_token=flops[v], flop_ratio=flops[v] / flops["latent"],
-                       achieved_tflops=3 * flops[v] * args.tokens / results[v]["median_s"] / 1e12)
-    mv = rows["multi_view"]
-    return {"config": vars(args), "memory_kind": "cuda_peak" if torch.cuda.is_available()
-            else "saved_activations", "variants": rows,
+    platform.seed_all(0)
+    layers = lb.build_layers(args.preset, shape, pgs, use_bf16=args.dtype == "bf16")
+    impls = impls_for(layers) if impls_wanted == "both" else [
+        "grouped" if impls_for(layers) == list(lb.IMPLS) else "built"]
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    x = torch.randn(tokens, 1, shape.hidden_size, dtype=dtype, device=platform.device())
+    peaks = [measured_matmul_peak(dtype)]
+    times = lb.timed_rounds(layers, x, impls, args.warmup, args.repeats)
+    peaks.append(measured_matmul_peak(dtype))
+    flops = {v: lb.layer_flops_per_token(layer.config) for v, layer in layers.items()}
+    rows = lb.summarize(times, flops, tokens, max(peaks))
+    main_impl = impls[-1]
+    variants = {}
+    for v, layer in layers.items():
+        row = rows[f"{v}/{main_impl}"]
+        variants[v] = dict(row, median_s=row["seconds"]["median"],
+                           time_ratio=row["time_ratio"]["median"],
+                           achieved_tflops=row["gflops"]["median"] / 1e3,
+                           memory_bytes=lb.memory_bytes(layer, x),
+                           flops_per_token=flops[v], experts=lb.experts_class(layer))
+    base_mem = variants["latent"]["memory_bytes"]
+    for row in variants.values():
+        row["memory_ratio"] = row["memory_bytes"] / base_mem
+    mv = variants["multi_view"]
+    del layers
+    return {"shape": lb.dataclasses.asdict(shape), "tokens": tokens, "impl": main_impl,
+            "peak_gflops": [p / 1e9 for p in peaks], "variants": variants, "pairs": rows,
             "mv_time_within_tolerance": mv["time_ratio"] <= args.tolerance * mv["flop_ratio"]}
 
 
-def _init_process_group(platform) -> None:
-    import torch.distributed as dist
+def fast_path_line() -> Dict:
+    from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths
 
-    from megatron_mvmoe.launch.local_ranks import free_port
-
-    platform.apply_cpu_patches() if not platform.is_cuda() else None
-    platform.set_local_device(0)
-    dist.init_process_group(platform.backend(), rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    path = next(p for p in choose_fast_paths(Target.here(), "multi_view")
+                if p.name == "cpu_grouped_experts")
+    return {"on": path.on, "why": path.why}
 
 
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    from megatron_mvmoe import platform
-    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+    from megatron_mvmoe.analysis.tool_common import emit
 
-    _init_process_group(platform)
-    try:
-        pgs = initialize_layout(ParallelLayout())
-        platform.seed_all(0)
-        device = platform.device()
-        layers = build_layers(args, pgs, device)
-        x = torch.randn(args.tokens, 1, args.hidden, dtype=_dtype(args), device=device)
-        out = report(args, measure(args, layers, x, platform))
-    finally:
-        destroy_layout()
-        import torch.distributed as dist
+    shape = base_shape(args)
+    with single_rank_layout() as pgs:
+        if args.sweep:
+            from megatron_mvmoe.analysis import scaling_report
 
-        dist.destroy_process_group()
-    _print(out, args.json)
+            out = scaling_report.run_sweep(args, shape, pgs, run_point, fast_path_line())
+            scaling_report.write(out, args.out)
+            emit(out, args.json, scaling_report.text(out))
+            return 0
+        out = run_point(args, shape, args.tokens, pgs, args.experts_impl)
+    out.update(config=vars(args), cpu_grouped_experts=fast_path_line(),
+               memory_kind="cuda_peak" if torch.cuda.is_available() else "saved_activations")
+    emit(out, args.json, point_text(out, args.tolerance))
     return 0
 
 
-def _print(out: Dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(out, indent=1))
-        return
-    print(f"{'variant':14s} {'median_s':>9s} {'time_x':>7s} {'flop_x':>7s} "
-          f"{'TFLOP/s':>8s} {'mem_MB':>8s} {'mem_x':>6s}   ({out['memory_kind']})")
+@lb.contextlib.contextmanager
+def single_rank_layout():
+    """A one-rank process group (gloo, or NCCL on a GPU) and Megatron's EP = 1 groups."""
+    import torch.distributed as dist
+
+    from megatron_mvmoe import platform
+    from megatron_mvmoe.launch.local_ranks import free_port
+    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+
+    if not platform.is_cuda():
+        platform.apply_cpu_patches()
+    platform.set_local_device(0)
+    dist.init_process_group(platform.backend(), rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        yield initialize_layout(ParallelLayout())
+    finally:
+        destroy_layout()
+        dist.destroy_process_group()
+
+
+def point_text(out: Dict, tolerance: float) -> str:
+    fp = out["cpu_grouped_experts"]
+    lines = [f"cpu_grouped_experts: {'on' if fp['on'] else 'off'} ({fp['why']})",
+             f"matmul peak {max(out['peak_gflops']):.1f} GFLOP/s (before/after: "
+             + ", ".join(f"{p:.1f}" for p in out["peak_gflops"]) + ")",
+             f"{'variant/impl':26s} {'median_s':>9s} {'GFLOP/s [min,max]':>22s} "
+             f"{'%peak':>6s} {'time_x [min,max]':>22s} {'flop_x':>7s} {'grouped_x':>10s}"]
+    for key, r in out["pairs"].items():
+        g, t = r["gflops"], r["time_ratio"]
+        speed = r.get("speedup_vs_sequential", {}).get("median")
+        lines.append(f"{key:26s} {r['seconds']['median']:9.3f} {g['median']:7.1f} "
+                     f"[{g['min']:6.1f},{g['max']:6.1f}] {100 * r['peak_fraction']['median']:5.1f}"
+                     f"% {t['median']:7.3f} [{t['min']:5.3f},{t['max']:5.3f}] "
+                     f"{r['flop_ratio']:7.3f} {'' if speed is None else f'{speed:9.2f}x'}")
     for v, r in out["variants"].items():
-        print(f"{v:14s} {r['median_s']:9.4f} {r['time_ratio']:7.3f} {r['flop_ratio']:7.3f} "
-              f"{r['achieved_tflops']:8.3f} {r['memory_bytes'] / 2**20:8.1f} "
-              f"{r['memory_ratio']:6.3f}")
-    print(f"Multi-View time ratio <= {out['config']['tolerance']} x FLOP ratio: "
-          f"{out['mv_time_within_tolerance']}")
+        lines.append(f"memory {v:13s} {r['memory_bytes'] / 2 ** 20:9.1f} MB "
+                     f"(x{r['memory_ratio']:.3f}, {out['memory_kind']})")
+    lines.append(f"Multi-View time ratio <= {tolerance} x FLOP ratio: "
+                 f"{out['mv_time_within_tolerance']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

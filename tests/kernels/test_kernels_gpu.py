@@ -2,7 +2,7 @@
 
 Legend: T tokens, E experts, R routing heads (= views), S slots, L latent, N rows.
 Skipped without CUDA (tests/conftest.py). The compiled kernels are chosen by the tensors'
-device, whatever TRITON_INTERPRET says (kernels/backend.py decorates once per mode).
+device, whatever TRITON_INTERPRET says (mvmoe_kernels/backend.py decorates once per mode).
 """
 import pytest
 import torch

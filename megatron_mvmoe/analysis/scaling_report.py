@@ -1,0 +1,182 @@
+"""The MoE-layer cost as the work grows: sweep points, the results page and its plots.
+
+`tools/bench_moe_layer.py --sweep` varies one field at a time (tokens per rank, experts,
+top-k, hidden size), the others at the preset's values; with the hidden size the latent,
+expert and shared-expert widths scale by the preset's ratios (10B-A1B: L = D/8,
+F = 1.9375 D, S = D/2). Every point is one interleaved run of latent, Multi-Router and
+Multi-View (analysis/layer_bench.py), so each ratio comes with the spread of its per-round
+ratios. The page (`write`) holds the tables, the command and the two plots:
+Multi-View/latent time ratio against its analytic FLOP ratio, and achieved GFLOP/s against
+the measured matmul peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable, Dict, List, Tuple
+
+AXES: Dict[str, List[int]] = {
+    "tokens": [256, 1024, 4096, 8192],
+    "num_experts": [16, 32, 64, 128],
+    "moe_router_topk": [2, 4, 8],
+    "hidden_size": [512, 1024, 2048],
+}
+"""Swept field -> values (tokens per rank; the others are LayerShape fields)."""
+
+
+def scaled_shape(base, field: str, value: int):
+    """`base` with `field` = value; a hidden-size change scales the D-derived widths."""
+    if field == "tokens":
+        return base
+    if field != "hidden_size":
+        return dataclasses.replace(base, **{field: value})
+    ratio = value / base.hidden_size
+    shared = base.moe_shared_expert_intermediate_size
+    return dataclasses.replace(
+        base, hidden_size=value, latent_size=max(1, round(base.latent_size * ratio)),
+        moe_ffn_hidden_size=max(1, round(base.moe_ffn_hidden_size * ratio)),
+        moe_shared_expert_intermediate_size=round(shared * ratio) if shared else shared)
+
+
+def sweep_points(base, base_tokens: int) -> List[Tuple[str, int, object, int]]:
+    """(field, value, shape, tokens) for every point of every axis."""
+    points = []
+    for field, values in AXES.items():
+        for value in values:
+            if field != "tokens" and value > (base.num_experts if field == "moe_router_topk"
+                                              else 1 << 30):
+                continue
+            tokens = value if field == "tokens" else base_tokens
+            points.append((field, value, scaled_shape(base, field, value), tokens))
+    return points
+
+
+def run_sweep(args, base, pgs, run_point: Callable, fast_path: Dict) -> Dict:
+    """Every sweep point measured (a point shared by two axes is measured once)."""
+    done: Dict[Tuple, Dict] = {}
+    rows = []
+    for field, value, shape, tokens in sweep_points(base, args.sweep_base_tokens):
+        key = (dataclasses.astuple(shape), tokens)
+        if key not in done:
+            start = time.perf_counter()
+            done[key] = run_point(args, shape, tokens, pgs, "built")
+            done[key]["wall_s"] = time.perf_counter() - start
+        rows.append({"axis": field, "value": value, **_row(done[key])})
+    return {"preset": args.preset, "base_shape": dataclasses.asdict(base),
+            "base_tokens": args.sweep_base_tokens, "repeats": args.repeats,
+            "warmup": args.warmup, "dtype": args.dtype, "cpu_grouped_experts": fast_path,
+            "threads": _threads(), "rows": rows}
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _row(point: Dict) -> Dict:
+    variants = point["variants"]
+    return {"tokens": point["tokens"], "shape": point["shape"], "impl": point["impl"],
+            "wall_s": point.get("wall_s"), "peak_gflops": point["peak_gflops"],
+            "variants": {v: {"seconds": r["seconds"], "gflops": r["gflops"],
+                             "peak_fraction": r["peak_fraction"],
+                             "time_ratio": r["time_ratio"], "flop_ratio": r["flop_ratio"],
+                             "memory_bytes": r["memory_bytes"],
+                             "memory_ratio": r["memory_ratio"], "experts": r["experts"]}
+                         for v, r in variants.items()}}
+
+
+def _fmt_spread(s: Dict[str, float], digits: int = 3) -> str:
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
+def text(out: Dict) -> str:
+    """The sweep as one Markdown table per axis."""
+    lines = []
+    for axis in AXES:
+        rows = [r for r in out["rows"] if r["axis"] == axis]
+        if not rows:
+            continue
+        lines += [f"### {axis}", "",
+                  f"| {axis} | tokens | latent s | latent GFLOP/s (% peak) | MR/latent time | "
+                  "MR FLOP x | MV/latent time | MV FLOP x | MV/FLOP | MV mem x | peak GFLOP/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            v = r["variants"]
+            lat, mr, mv = v["latent"], v["multi_router"], v["multi_view"]
+            lines.append(
+                f"| {r['value']} | {r['tokens']} | {_fmt_spread(lat['seconds'])} | "
+                f"{lat['gflops']['median']:.1f} ({100 * lat['peak_fraction']['median']:.0f}%) | "
+                f"{_fmt_spread(mr['time_ratio'])} | {mr['flop_ratio']:.3f} | "
+                f"{_fmt_spread(mv['time_ratio'])} | {mv['flop_ratio']:.3f} | "
+                f"{mv['time_ratio']['median'] / mv['flop_ratio']:.3f} | "
+                f"{mv['memory_ratio']:.3f} | "
+                + "/".join(f"{p:.0f}" for p in r["peak_gflops"]) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(out: Dict, json_path: str) -> List[str]:
+    """JSON at `json_path`, the two plots beside it; returns the paths written."""
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    stem = os.path.splitext(json_path)[0]
+    return [json_path, plot_ratio(out, stem + "_mv_ratio.png"),
+            plot_throughput(out, stem + "_gflops.png")]
+
+
+def _series(out: Dict, axis: str):
+    rows = [r for r in out["rows"] if r["axis"] == axis]
+    return [r["value"] for r in rows], rows
+
+
+def plot_ratio(out: Dict, path: str) -> str:
+    """Per axis: MV/latent time ratio (median, min-max bars) and its analytic FLOP ratio."""
+    from megatron_mvmoe.analysis.plots import _pyplot, _save
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(AXES), figsize=(12, 3.2), sharey=True)
+    for ax, axis in zip(axes, AXES):
+        xs, rows = _series(out, axis)
+        t = [r["variants"]["multi_view"]["time_ratio"] for r in rows]
+        med = [s["median"] for s in t]
+        ax.errorbar(xs, med, yerr=[[m - s["min"] for m, s in zip(med, t)],
+                                   [s["max"] - m for m, s in zip(med, t)]],
+                    marker="o", capsize=3, label="MV/latent time (per-round min-max)")
+        flop = [r["variants"]["multi_view"]["flop_ratio"] for r in rows]
+        ax.plot(xs, flop, "k--", label="analytic FLOP ratio")
+        ax.plot(xs, [1.1 * f for f in flop], ":", color="grey", label="1.1 x FLOP ratio")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(axis)
+    axes[0].set_ylabel("Multi-View / latent")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Multi-View / latent time vs analytic FLOP ratio (one MoE layer, fwd+bwd)")
+    return _save(plt, fig, path)
+
+
+def plot_throughput(out: Dict, path: str) -> str:
+    """Per axis: achieved GFLOP/s of each variant (min-max bars) and the measured peak."""
+    from megatron_mvmoe.analysis.plots import _pyplot, _save, curve_style
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(AXES), figsize=(12, 3.2), sharey=True)
+    for ax, axis in zip(axes, AXES):
+        xs, rows = _series(out, axis)
+        for index, variant in enumerate(("latent", "multi_router", "multi_view")):
+            g = [r["variants"][variant]["gflops"] for r in rows]
+            med = [s["median"] for s in g]
+            color, style = curve_style(index)
+            ax.errorbar(xs, med, yerr=[[m - s["min"] for m, s in zip(med, g)],
+                                       [s["max"] - m for m, s in zip(med, g)]],
+                        marker="o", capsize=3, color=color, linestyle=style, label=variant)
+        ax.plot(xs, [max(r["peak_gflops"]) for r in rows], "k--", label="measured matmul peak")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(axis)
+    axes[0].set_ylabel("GFLOP/s (fp32)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Achieved GFLOP/s of one MoE layer vs the measured matmul peak")
+    return _save(plt, fig, path)
