@@ -224,6 +224,9 @@ FLAGS: List[Flag] = [
          "Megatron-LM's switch for --load-optimizer false", const=False),
     Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str,
          "dp_reshardable|fully_reshardable"),
+    Flag("--dist-ckpt-optim-fully-reshardable", "training", "ckpt_optimizer_format", None,
+         "Megatron-LM's switch for --ckpt-optimizer-format fully_reshardable",
+         const="fully_reshardable"),
     Flag("--save-interval", "training", "save_interval", int,
          "steps between saves (0 = only at the end)"),
     Flag("--warm-start-from", "training", "warm_start_from", str,
@@ -347,7 +350,8 @@ def _apply(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
         if value is not None:
             set_field(raw, f"{flag.section}.{flag.field}", None if value == "" else value)
     _megatron_rules(raw, args)
-    return megatron_lm_rules.apply_conversions(raw, args)
+    return megatron_lm_rules.apply_conversions(raw, args) + \
+        megatron_lm_rules.apply_megatron_lm_defaults(raw, args)
 
 
 def _megatron_rules(raw: Dict[str, Any], args: argparse.Namespace) -> None:

@@ -10,6 +10,16 @@ Megatron-LM does:
   `lr_warmup_fraction * lr_decay_steps`);
 - `--distributed-timeout-minutes` is the collective timeout in minutes.
 
+- a Megatron-LM style line (no --config, no --model-preset) gets Megatron-LM's defaults
+  where a flag is absent: without --swiglu Megatron-LM builds GeLU MLPs, without
+  --normalization LayerNorm, without --position-embedding-type learned positions, without
+  --untie-embeddings-and-output-weights tied embeddings. This trainer builds SwiGLU, RMSNorm,
+  RoPE, untied, so each absent flag is refused, naming the flag that makes the choice
+  explicit (never a silent change of architecture). The FFN width defaults as in
+  Megatron-LM (`validate_args`), and --vocab-file/--merge-file without --tokenizer-type is
+  GPT2BPETokenizer, whose vocabulary (padded) is the model's. Our own YAML presets keep
+  their values.
+
 Each rule returns its problems as lines so a launch line's refusals come in one pass.
 """
 
@@ -98,3 +108,43 @@ def _warmup_fraction(fraction: float, training: Dict, optimizer: Dict,
     optimizer["warmup_iters"] = int(round(steps))
     return []
 
+
+
+# (flag dest in args, Megatron-LM's choice without it, the flag that gives ours)
+_ARCHITECTURE = (
+    ("compat_swiglu", "GeLU MLPs (this trainer's MLPs and experts are SwiGLU)", "--swiglu"),
+    ("compat_normalization", "LayerNorm (this trainer's norms are RMSNorm)",
+     "--normalization RMSNorm"),
+    ("compat_position_embedding_type", "learned absolute positions (this trainer uses RoPE)",
+     "--position-embedding-type rope"),
+    ("compat_untie_embeddings_and_output_weights",
+     "embeddings tied to the output layer (this trainer unties them)",
+     "--untie-embeddings-and-output-weights"),
+)
+
+
+def megatron_lm_style(args: argparse.Namespace) -> bool:
+    """A launch line without our YAML or preset: Megatron-LM's defaults apply."""
+    return not args.config and not args.model_preset
+
+
+def apply_megatron_lm_defaults(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+    """Megatron-LM's defaults for absent flags on a Megatron-LM style line (in place);
+    returns refusal lines for the architecture choices this trainer does not build."""
+    if not megatron_lm_style(args):
+        return []
+    problems = [f"{flag.split()[0]} not given: Megatron-LM then builds {choice}: not "
+                f"supported. Use instead: add {flag}"
+                for dest, choice, flag in _ARCHITECTURE if getattr(args, dest) is None]
+    model = _section(raw, "model")
+    hidden = model.get("hidden_size")
+    if model.get("ffn_hidden_size") is None and hidden is not None:
+        # Megatron-LM validate_args with --swiglu (required above): 2/3 of 4h, to 64.
+        model["ffn_hidden_size"] = int((4 * hidden * 2 / 3) / 64) * 64
+    if model.get("num_experts") and model.get("moe_ffn_hidden_size") is None:
+        model["moe_ffn_hidden_size"] = model.get("ffn_hidden_size")
+    data = _section(raw, "data")
+    if data.get("tokenizer_type") is None and data.get("vocab_file") and \
+            data.get("merge_file"):
+        data["tokenizer_type"] = "GPT2BPETokenizer"
+    return problems

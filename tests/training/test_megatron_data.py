@@ -85,7 +85,10 @@ def test_mock_data_with_null_tokenizer():
             "--ffn-hidden-size", "64", "--num-experts", "2", "--moe-router-topk", "2",
             "--seq-length", "16", "--train-iters", "2", "--global-batch-size", "4",
             "--micro-batch-size", "2", "--eval-iters", "1", "--tensorboard", "false",
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+            # Megatron-LM's architecture defaults (GeLU/LayerNorm/learned/tied) made explicit
+            "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights"]
     run = config_from_args(argv)
     out = train(run.to_dict(), 1)
     assert list(out["eval"]) == ["mock"] and len(out["losses"]) == 2

@@ -4,7 +4,10 @@ import pytest
 from megatron_mvmoe.training.flags import build_parser, config_from_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--vocab-size", "512"]
+        "--seq-length", "32", "--vocab-size", "512",
+        # Megatron-LM builds GeLU/LayerNorm/learned/tied without these (refused otherwise)
+        "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+        "--untie-embeddings-and-output-weights"]
 
 
 def test_ffn_hidden_size_sets_the_expert_width_unless_given():
