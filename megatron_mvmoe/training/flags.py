@@ -351,7 +351,7 @@ def _apply(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
             set_field(raw, f"{flag.section}.{flag.field}", None if value == "" else value)
     _megatron_rules(raw, args)
     return megatron_lm_rules.apply_conversions(raw, args) + \
-        megatron_lm_rules.apply_megatron_lm_defaults(raw, args)
+        megatron_lm_rules.apply_megatron_lm_defaults(raw, args) + megatron_lm_rules.backend_problems(raw)
 
 
 def _megatron_rules(raw: Dict[str, Any], args: argparse.Namespace) -> None:

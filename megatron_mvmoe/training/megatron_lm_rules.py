@@ -148,3 +148,17 @@ def apply_megatron_lm_defaults(raw: Dict[str, Any], args: argparse.Namespace) ->
             data.get("merge_file"):
         data["tokenizer_type"] = "GPT2BPETokenizer"
     return problems
+
+
+def backend_problems(raw: Dict[str, Any]) -> List[str]:
+    """Dispatcher/backend choices that would fail inside the model build, refused first:
+    Megatron's flex dispatcher imports DeepEP or HybridEP when the MoE layer is built."""
+    import importlib.util
+    extra = (raw.get("model") or {}).get("extra") or {}
+    if extra.get("moe_token_dispatcher_type") != "flex":
+        return []
+    if any(importlib.util.find_spec(m) for m in ("deep_ep", "hybrid_ep")):
+        return []
+    return ["--moe-token-dispatcher-type flex: not supported: it needs DeepEP or HybridEP "
+            "(pip install deep_ep, on GPUs with NVSHMEM), and neither is installed. Use "
+            "instead: --moe-token-dispatcher-type alltoall"]

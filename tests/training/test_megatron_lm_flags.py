@@ -157,3 +157,12 @@ def test_samples_schedule_equals_megatron_lms_sample_counting():
     megatron = _lrs(scheduler(0.1 * 40, 40), 12, gbs)
     ours = _lrs(scheduler(o.warmup_iters, o.decay_iters), 12, 1)
     assert megatron == pytest.approx(ours, rel=1e-12)
+
+
+def test_flex_dispatcher_without_deepep_fails_before_the_build():
+    import importlib.util
+    if importlib.util.find_spec("deep_ep") or importlib.util.find_spec("hybrid_ep"):
+        pytest.skip("DeepEP/HybridEP installed: flex is buildable")
+    text = _refusals(["--model-preset", "tiny_smoe", "--moe-token-dispatcher-type", "flex"])
+    assert text.count("\n") == 0 and "DeepEP or HybridEP" in text and \
+        "--moe-token-dispatcher-type alltoall" in text
