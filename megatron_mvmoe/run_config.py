@@ -17,6 +17,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -345,11 +346,33 @@ def saved_config_from_dict(raw: Dict[str, Any]) -> RunConfig:
                              for section, values in (raw or {}).items() if section in known})
 
 
+class _RunConfigLoader(yaml.SafeLoader):
+    """YAML as users write it: `3e-3` is a number (YAML 1.1 would read a string: its
+    floats need a dot), and a key given twice in one mapping is an error naming both
+    lines (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ValueError(f"{key_node.start_mark.name}: key {key!r} given twice (lines "
+                                 f"{seen[key]} and {line}). Fix: keep one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_RunConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."))
+
+
 def read_yaml(path: str) -> Dict[str, Any]:
     """A run config YAML file as its nested mapping (sections as in RunConfig)."""
     try:
         with open(path) as fh:
-            raw = yaml.safe_load(fh)
+            raw = yaml.load(fh, Loader=_RunConfigLoader)
     except FileNotFoundError:
         raise ValueError(f"--config: file {path!r} not found. Fix: pass an existing YAML "
                          "file, e.g. examples/tiny_cpu.yaml") from None
