@@ -6,7 +6,8 @@
 #
 # Stages (each bounded by `timeout`; a failing stage is recorded and the next one runs):
 #   1. the `gpu`-marked tests (compiled Triton kernels against their torch references, ...)
-#   2. tools/bench_kernels.py: fused routing and mix+permute kernels vs references
+#   2. tools/kernel_resources.py (AOT compile for sm_90/sm_100, registers/spills; GPU mode)
+#      and tools/bench_kernels.py: fused routing and mix+permute kernels vs references
 #   3. tools/bench_moe_layer.py --preset mvmoe_10b_a1b: one 10B-A1B MoE layer at real size,
 #      forward + backward per variant (latent baseline, Multi-Router, Multi-View) with the
 #      GPU fast paths: achieved TFLOP/s, peak memory, MV/baseline time ratio
@@ -39,6 +40,7 @@ if [ "$MODE" = gpu ]; then
   "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || {
     echo "[gpu_check] no CUDA device: run with --cpu-smoke on CPU" >&2; exit 3; }
   stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
+  stage kernel_resources 120 "$PY" tools/kernel_resources.py --json  # AOT sm_90/sm_100 compiles
   stage kernels 90 "$PY" tools/bench_kernels.py --tokens 16384 --experts 160 --heads 2 \
         --topk 8 --dtype bf16 --json
   stage layer_10b 150 "$PY" tools/bench_moe_layer.py --preset mvmoe_10b_a1b --dtype bf16 \
