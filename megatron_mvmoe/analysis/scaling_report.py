@@ -134,6 +134,14 @@ def _series(out: Dict, axis: str):
     return [r["value"] for r in rows], rows
 
 
+def _errorbar(ax, xs, spreads, **style) -> None:
+    """Medians with min-max bars."""
+    med = [s["median"] for s in spreads]
+    ax.errorbar(xs, med, yerr=[[m - s["min"] for m, s in zip(med, spreads)],
+                               [s["max"] - m for m, s in zip(med, spreads)]],
+                marker="o", capsize=3, **style)
+
+
 def plot_ratio(out: Dict, path: str) -> str:
     """Per axis: MV/latent time ratio (median, min-max bars) and its analytic FLOP ratio."""
     from megatron_mvmoe.analysis.plots import _pyplot, _save
@@ -142,11 +150,8 @@ def plot_ratio(out: Dict, path: str) -> str:
     fig, axes = plt.subplots(1, len(AXES), figsize=(12, 3.2), sharey=True)
     for ax, axis in zip(axes, AXES):
         xs, rows = _series(out, axis)
-        t = [r["variants"]["multi_view"]["time_ratio"] for r in rows]
-        med = [s["median"] for s in t]
-        ax.errorbar(xs, med, yerr=[[m - s["min"] for m, s in zip(med, t)],
-                                   [s["max"] - m for m, s in zip(med, t)]],
-                    marker="o", capsize=3, label="MV/latent time (per-round min-max)")
+        _errorbar(ax, xs, [r["variants"]["multi_view"]["time_ratio"] for r in rows],
+                  label="MV/latent time (per-round min-max)")
         flop = [r["variants"]["multi_view"]["flop_ratio"] for r in rows]
         ax.plot(xs, flop, "k--", label="analytic FLOP ratio")
         ax.plot(xs, [1.1 * f for f in flop], ":", color="grey", label="1.1 x FLOP ratio")
@@ -167,12 +172,9 @@ def plot_throughput(out: Dict, path: str) -> str:
     for ax, axis in zip(axes, AXES):
         xs, rows = _series(out, axis)
         for index, variant in enumerate(("latent", "multi_router", "multi_view")):
-            g = [r["variants"][variant]["gflops"] for r in rows]
-            med = [s["median"] for s in g]
             color, style = curve_style(index)
-            ax.errorbar(xs, med, yerr=[[m - s["min"] for m, s in zip(med, g)],
-                                       [s["max"] - m for m, s in zip(med, g)]],
-                        marker="o", capsize=3, color=color, linestyle=style, label=variant)
+            _errorbar(ax, xs, [r["variants"][variant]["gflops"] for r in rows],
+                      color=color, linestyle=style, label=variant)
         ax.plot(xs, [max(r["peak_gflops"]) for r in rows], "k--", label="measured matmul peak")
         ax.set_xscale("log", base=2)
         ax.set_xlabel(axis)
