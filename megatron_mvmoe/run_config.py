@@ -147,7 +147,15 @@ class TrainingSection:
     load: Optional[str] = None
     """Checkpoint root to resume from (its `latest` pointer), or None."""
     load_optimizer: bool = True
-    """Also restore optimizer, scheduler, step and data position (False = weights only)."""
+    """Also restore the optimizer state and the scheduler (False = Megatron-LM's
+    --no-load-optim: weights, step and data position from the checkpoint, a fresh optimizer
+    and the schedule from its step 0)."""
+    finetune: bool = False
+    """Megatron-LM's --finetune: take only the weights from `load`; step, data position,
+    optimizer, scheduler and RNG start fresh."""
+    ckpt_allow_unverified: bool = False
+    """Load a checkpoint that has no manifest.json (its bytes cannot be checked; Megatron's
+    own .metadata only gives the shard sizes, which are still checked)."""
     override_opt_param_scheduler: bool = False
     """On resume, use this run's LR/WD schedule (lr, min_lr, warmup, decay length from
     train_iters / decay_iters, weight decay) at the checkpoint's step (Megatron-LM's flag)."""

@@ -87,7 +87,8 @@ def open_model(run: RunConfig, pg_collection, checkpoint: Optional[str] = None) 
         from megatron_mvmoe.checkpointing.fingerprint import run_fingerprint
         from megatron_mvmoe.checkpointing.weights import load_weights
 
-        load_weights(chunks, checkpoint, run_fingerprint(run))
+        load_weights(chunks, checkpoint, run_fingerprint(run),
+                     allow_unverified=run.training.ckpt_allow_unverified)
         source = f"checkpoint:{os.path.abspath(checkpoint)}"
     model = chunks[0].eval()
     return OpenModel(model, run, model.config, source)

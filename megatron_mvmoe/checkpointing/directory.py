@@ -12,6 +12,8 @@ Design choices:
   --ckpt-step), or by its own iter_* directory; all three resolve here.
 - Every problem is a CheckpointError naming the file and a fix, and the fix for a corrupt
   checkpoint names the newest earlier one to load instead.
+- A checkpoint without its manifest is refused unless --ckpt-allow-unverified is given
+  (Megatron's `.metadata` gives shard sizes, not checksums: a flipped byte would load).
 """
 
 from __future__ import annotations
@@ -72,16 +74,29 @@ def earlier_fix(directory: str) -> str:
     return f"delete {directory} and start fresh (no earlier checkpoint in {root})"
 
 
-def verify_checkpoint(directory: str) -> None:
+ALLOW_UNVERIFIED_FLAG = "--ckpt-allow-unverified"
+
+
+def verify_checkpoint(directory: str, allow_unverified: bool = False) -> None:
     """Collective: every file against the manifest (CheckpointError naming the first bad
-    one); a checkpoint older than manifests loads with a warning."""
+    one). Without a manifest, the shard sizes against Megatron's `.metadata`, and then only
+    with `allow_unverified` (--ckpt-allow-unverified): nothing records the bytes."""
+    fix = earlier_fix(directory)
     try:
-        verified = integrity.verify_manifest(directory, earlier_fix(directory))
+        if integrity.verify_manifest(directory, fix):
+            return
+        sizes = integrity.verify_shard_sizes(directory, fix)
     except integrity.IntegrityError as err:
         raise CheckpointError(str(err)) from None
-    if not verified and dist.get_rank() == 0:
-        print(f"warning: {directory} has no {integrity.MANIFEST} (written before manifests "
-              "existed): its files are not verified", flush=True)
+    checked = ("its shard sizes match Megatron's .metadata, which records no checksums"
+               if sizes else "its sharded backend records no sizes or checksums")
+    if not allow_unverified:
+        raise CheckpointError(f"{directory} has no {integrity.MANIFEST}, so its bytes cannot "
+                              f"be verified ({checked}). Fix: pass {ALLOW_UNVERIFIED_FLAG} to "
+                              "load it anyway, or load a checkpoint that has its manifest")
+    if dist.get_rank() == 0:
+        print(f"warning: {directory} has no {integrity.MANIFEST}: {checked}; loading it "
+              f"unverified ({ALLOW_UNVERIFIED_FLAG})", flush=True)
 
 
 def read_run_state(directory: str) -> Dict:

@@ -7,7 +7,10 @@ Design choices:
 - Hashing and verifying are split over the ranks (file i goes to rank i % world), so each
   byte is read once per save/load whatever the world size; the verdict is gathered so every
   rank raises the same one-line error, naming the first bad file and the fix.
-- A checkpoint without a manifest (written before manifests existed) loads with a warning.
+- A checkpoint without a manifest is checked against what Megatron's dist-checkpointing
+  records itself (torch_dist: torch DCP's `.metadata`, each item's file, offset and
+  length; no checksums, so a shard missing or truncated is caught, altered bytes are
+  not); directory.py then loads it only with --ckpt-allow-unverified.
 - Retention (`--keep-last N`) never deletes the directory `latest` names, whatever N is.
 """
 
@@ -98,6 +101,49 @@ def verify_manifest(directory: str, fix: str) -> bool:
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise IntegrityError(f"corrupt checkpoint: {found[0]}{more}. Fix: {fix}")
+    return True
+
+
+def _dcp_file_ends(directory: str) -> Optional[Dict[str, int]]:
+    """File -> end of its last item, from torch DCP's `.metadata` (Megatron's torch_dist
+    backend writes it); None for another sharded backend."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        with open(os.path.join(directory, "metadata.json")) as fh:
+            backend = json.load(fh).get("sharded_backend")
+    except (OSError, ValueError):
+        backend = None
+    if backend not in (None, "torch_dist"):
+        return None
+    metadata = FileSystemReader(directory).read_metadata()
+    ends: Dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                       info.offset + info.length)
+    return ends
+
+
+def verify_shard_sizes(directory: str, fix: str) -> bool:
+    """Megatron's own integrity data for a checkpoint without a manifest: every shard file
+    that `.metadata` names exists and ends where its last item ends. True when checked
+    (False: a backend without such a record); raises IntegrityError naming the first bad
+    file. Sizes only: altered bytes pass."""
+    try:
+        ends = _dcp_file_ends(directory)
+    except Exception as err:  # noqa: BLE001 - any unreadable .metadata is one message
+        raise IntegrityError(f"{directory}/.metadata (Megatron's checkpoint metadata) is "
+                             f"unreadable ({type(err).__name__}). Fix: {fix}") from None
+    if ends is None:
+        return False
+    for name, end in sorted(ends.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise IntegrityError(f"corrupt checkpoint: {path} is missing (named in "
+                                 f".metadata). Fix: {fix}")
+        if os.path.getsize(path) != end:
+            raise IntegrityError(f"corrupt checkpoint: {path} has {os.path.getsize(path)} "
+                                 f"bytes, .metadata says {end} (truncated or grown). Fix: {fix}")
     return True
 
 

@@ -26,12 +26,13 @@ from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.fingerprint import check_fingerprint
 
 
-def open_checkpoint(path: str, fingerprint: Dict, step: Optional[int] = None
-                    ) -> Tuple[str, Dict]:
-    """Collective: (checkpoint directory, its run_state) once the files are verified and
-    the saved fingerprint equals `fingerprint` (the model about to receive the weights)."""
+def open_checkpoint(path: str, fingerprint: Dict, step: Optional[int] = None,
+                    allow_unverified: bool = False) -> Tuple[str, Dict]:
+    """Collective: (checkpoint directory, its run_state) once the files are verified
+    (without a manifest: only with `allow_unverified`) and the saved fingerprint equals
+    `fingerprint` (the model about to receive the weights)."""
     directory = resolve_checkpoint(path, step)
-    verify_checkpoint(directory)
+    verify_checkpoint(directory, allow_unverified)
     meta = read_run_state(directory)
     check_fingerprint(meta["fingerprint"], fingerprint, directory)
     return directory, meta
@@ -61,11 +62,11 @@ def set_model_weights(chunks: List[torch.nn.Module], loaded: Dict) -> None:
 
 
 def load_weights(chunks: List[torch.nn.Module], path: str, fingerprint: Dict,
-                 step: Optional[int] = None) -> Dict:
+                 step: Optional[int] = None, allow_unverified: bool = False) -> Dict:
     """Collective: load the model weights of the checkpoint at `path` (a root, or iter_<step>
     of it when `step` is given, or a checkpoint directory) into unwrapped GPTModel chunks
     built for the same model (`fingerprint`: `fingerprint.run_fingerprint(run)`). Returns
     the checkpoint's run_state (step, config, ...)."""
-    directory, meta = open_checkpoint(path, fingerprint, step)
+    directory, meta = open_checkpoint(path, fingerprint, step, allow_unverified)
     set_model_weights(chunks, read_tensors(model_sharded_state_dict(chunks), directory))
     return meta

@@ -178,7 +178,9 @@ class RunData:
         config = DataConfig(
             data_dir=self.run.data.path, seq_length=self.seq_length,
             micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-            train_samples=t.train_iters * t.global_batch_size, seed=t.seed,
+            # --train-iters 0 (evaluate and save the initial model) reads no training
+            # sample; Megatron's dataset builder still wants a positive count.
+            train_samples=max(1, t.train_iters) * t.global_batch_size, seed=t.seed,
             create_attention_mask=False,
             **({"domains": tuple(blend), "domain_weights": list(blend.values())}
                if blend else {}))

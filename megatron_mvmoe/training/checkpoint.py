@@ -45,6 +45,7 @@ from megatron_mvmoe.checkpointing.weights import (model_sharded_state_dict, open
 from megatron_mvmoe.platform import is_cuda
 from megatron_mvmoe.platform import dist_ckpt_writer_queue as writer_queue
 from megatron_mvmoe.training.build import Trainer
+from megatron_mvmoe.training.resume_groups import align_saved_groups, apply_schedule_rule
 from megatron_mvmoe.training.schedule_rule import restore_scheduler
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
@@ -312,10 +313,16 @@ def _restore_rng(directory: str, run_world_size: int, saved_world_size: int) -> 
 
 
 def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
-                    step: Optional[int] = None) -> ResumeState:
-    """Collective: restore model (+ optimizer, scheduler, RNG, position) from `path`
-    (iter_<step> when given), after checking every file against its manifest."""
-    directory, meta = open_checkpoint(path, fingerprint(trainer), step)
+                    step: Optional[int] = None, allow_unverified: bool = False,
+                    finetune: bool = False) -> ResumeState:
+    """Collective: restore model (+ optimizer, scheduler, RNG) and the position (step, data,
+    gamma) from `path` (iter_<step> when given), after checking every file against its
+    manifest. `load_optimizer=False` is Megatron-LM's --no-load-optim: the iteration and
+    data position still come from the checkpoint; the optimizer starts fresh and the
+    scheduler at its step 0 (Megatron-LM loads the scheduler only with the optimizer).
+    `finetune` (Megatron-LM's --finetune): the weights only, everything else starts fresh."""
+    directory, meta = open_checkpoint(path, fingerprint(trainer), step, allow_unverified)
+    load_optimizer = load_optimizer and not finetune
     optimizer_format = _loadable_optimizer_format(trainer, meta, load_optimizer)
     loaded = read_tensors(_sharded_state_dict(trainer, True, optimizer_format), directory)
     set_model_weights(trainer.unwrapped(), loaded)
@@ -324,21 +331,34 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
         # refresh them, or the first step would write the initial weights back.
         with torch.no_grad():
             trainer.optimizer.reload_model_params()
-    if not load_optimizer:
+    position = ResumeState(step=meta["step"], consumed_samples=meta["consumed_samples"],
+                           gamma=meta.get("gamma"), skipped_iters=meta.get("skipped_iters", 0))
+    if finetune:
         return ResumeState()
+    if not load_optimizer:
+        if dist.get_rank() == 0:
+            print(f"--no-load-optim: weights, step {position.step} and data position from "
+                  f"{directory}; fresh optimizer state, LR/WD schedule from its step 0 with "
+                  "this run's settings (Megatron-LM's --no-load-optim)", flush=True)
+        return position
     if optimizer_format is not None:
-        with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
-            trainer.optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(trainer.optimizer)
+        _load_optimizer(trainer, loaded["optimizer"])
     rule = restore_scheduler(trainer.scheduler, meta["scheduler"], trainer.run.training)
     if rule is not None and dist.get_rank() == 0:
         print(rule, flush=True)
     _restore_rng(directory, dist.get_world_size(), meta["world_size"])
-    return ResumeState(step=meta["step"], consumed_samples=meta["consumed_samples"],
-                       gamma=meta.get("gamma"), skipped_iters=meta.get("skipped_iters", 0))
+    return position
 
 
-
+def _load_optimizer(trainer: Trainer, state: Dict) -> None:
+    """Megatron's optimizer load, with the saved param groups paired by structure so that a
+    changed --lr / --min-lr resumes (resume_groups.py), then the schedule rule's values."""
+    checkpoint_values = align_saved_groups(trainer.optimizer, state)
+    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+        trainer.optimizer.load_state_dict(state)
+    apply_schedule_rule(trainer.optimizer, checkpoint_values,
+                        bool(trainer.run.training.override_opt_param_scheduler))
+    _restore_adam_steps(trainer.optimizer)
 
 
 def _layout(trainer: Trainer) -> Dict[str, Optional[int]]:

@@ -221,7 +221,14 @@ FLAGS: List[Flag] = [
          "on resume keep the checkpoint's LR/WD schedule (the default; warns when this run's "
          "differs)"),
     Flag("--no-load-optim", "training", "load_optimizer", None,
-         "Megatron-LM's switch for --load-optimizer false", const=False),
+         "Megatron-LM's switch for --load-optimizer false: step and data position from "
+         "the checkpoint, fresh optimizer, schedule from its step 0", const=False),
+    Flag("--finetune", "training", "finetune", None,
+         "with --load take only the weights; step, data position, optimizer, scheduler and "
+         "RNG start fresh (Megatron-LM's --finetune)", const=True),
+    Flag("--ckpt-allow-unverified", "training", "ckpt_allow_unverified", None,
+         "load a checkpoint without manifest.json (its bytes cannot be verified)",
+         const=True),
     Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str,
          "dp_reshardable|fully_reshardable"),
     Flag("--dist-ckpt-optim-fully-reshardable", "training", "ckpt_optimizer_format", None,

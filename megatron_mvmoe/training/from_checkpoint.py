@@ -95,7 +95,8 @@ def load_model(run: RunConfig, path: str, pg_collection) -> CheckpointModel:
     """Collective: build the run's model on the current layout and load the checkpoint's
     weights (no optimizer: `models.build.build_model` + `checkpointing.load_weights`)."""
     chunks = build_model(run, pg_collection)
-    meta = load_weights(chunks, path, run_fingerprint(run))
+    meta = load_weights(chunks, path, run_fingerprint(run),
+                        allow_unverified=run.training.ckpt_allow_unverified)
     return CheckpointModel(run=run, shape=run.model, model=chunks,
                            step=int(meta["step"]))
 

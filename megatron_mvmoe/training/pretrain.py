@@ -126,7 +126,8 @@ class _Loop:
             if t.warm_start_from is not None:
                 self.warm_start()
             return
-        self.state = ckpt.load_checkpoint(self.trainer, load, t.load_optimizer, t.ckpt_step)
+        self.state = ckpt.load_checkpoint(self.trainer, load, t.load_optimizer, t.ckpt_step,
+                                          t.ckpt_allow_unverified, t.finetune)
         self.result.last_checkpoint = resolve_checkpoint(load, t.ckpt_step)
         self.log.line(f"resumed from {self.result.last_checkpoint} at step "
                       f"{self.state.step} (consumed samples {self.state.consumed_samples})")

@@ -11,7 +11,9 @@ another decay length), --lr, --min-lr, ... must pick one of the two:
 - `--override-opt-param-scheduler`: the config's schedule, evaluated at the checkpoint's
   step (the step count is always the checkpoint's), and a line says so.
 Megatron's OptimizerParamScheduler does the choosing (`_check_and_set`); this module only
-builds it with the right switches and reports the differences.
+builds it with the right switches and reports the differences. The optimizer's param groups
+carry max_lr / min_lr too (the scheduler reads them first): resume_groups.py loads them
+under a changed schedule and gives them the values the same rule picks.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def restore_scheduler(scheduler, saved: Dict, training) -> Optional[str]:
     (None when the schedules agree)."""
     changes = schedule_changes(scheduler.state_dict(), saved)
     scheduler.load_state_dict(saved)
+    # Megatron's load_state_dict sets every group's lr / weight_decay (its step()) before it
+    # sets start_wd / end_wd: refresh them, or the first resumed step runs at the old WD.
+    scheduler.step(increment=0)
     if not changes:
         return None
     step = saved.get("num_steps", saved.get("num_iters"))

@@ -31,6 +31,8 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
                        "HuggingFaceTokenizer, NullTokenizer or Llama2Tokenizer")
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
+    group.add_argument("--ckpt-allow-unverified", action="store_true",
+                       help="load a checkpoint without manifest.json (bytes unverified)")
     group.add_argument("--tokenizer-model", default=None,
                        help="HuggingFaceTokenizer tokenizer.json or its directory; "
                        "Llama2Tokenizer .model")
@@ -42,6 +44,7 @@ def run_from_flags(args: argparse.Namespace) -> RunConfig:
     layout = {field: getattr(args, field) for _, field in _LAYOUT}
     run = with_layout(run, {k: (1 if v is None else v) for k, v in layout.items()})
     run.parallel.vpp = None
+    run.training.ckpt_allow_unverified = bool(getattr(args, "ckpt_allow_unverified", False))
     for name in _TOKENIZER:
         if getattr(args, name) is not None:
             setattr(run.data, name, getattr(args, name))

@@ -32,9 +32,9 @@ def baseline(data_dir, tmp_path_factory):
 
 
 def test_copy_heads_first_step_equals_baseline(data_dir, baseline, tmp_path):
-    # The baseline's own loss on batch 1 at its saved weights (weights-only load, step 0).
+    # The baseline's own loss on batch 1 at its saved weights (--finetune: weights only).
     reference = train(run(data_dir, "tiny_latent", train_iters=1, load=baseline,
-                          load_optimizer=False), 1)["losses"][0]
+                          finetune=True), 1)["losses"][0]
     # One command line for launch and relaunch: --load without a checkpoint yet -> warm
     # start; once the run has saved, the same command resumes it instead.
     command = dict(warm_start_from=baseline, warm_start_new_heads="copy",
