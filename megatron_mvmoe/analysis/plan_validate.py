@@ -21,13 +21,33 @@ Targets (issue 21): params/grads/optimizer within 2 %, activations and total wit
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Dict, List, Optional
 
 from megatron_mvmoe.analysis.plan import PlanTarget
 from megatron_mvmoe.analysis.plan_memory import rank_memory
 from megatron_mvmoe.run_config import load_yaml
-from megatron_mvmoe.training.memory_report import load_records
+
+MEMORY_DIR = "memory"
+"""Where a run writes its per-rank memory census (training/memory_report.py writes it)."""
+
+
+def load_records(run_dir: str) -> List[Dict]:
+    """Every rank's record of a run directory, by rank."""
+    folder = os.path.join(run_dir, MEMORY_DIR)
+    if not os.path.isdir(folder):
+        raise ValueError(f"--validate: {run_dir} has no {MEMORY_DIR}/ folder. Fix: pass the "
+                         "run_dir of a run trained with this version (it writes "
+                         f"{MEMORY_DIR}/rank<R>.json from step 2 on)")
+    records = []
+    for name in sorted(os.listdir(folder)):
+        if re.fullmatch(r"rank\d+\.json", name):
+            with open(os.path.join(folder, name)) as fh:
+                records.append(json.load(fh))
+    return sorted(records, key=lambda r: r["rank"])
+
 
 TARGET_PERCENT = {"params": 2.0, "grads": 2.0, "optimizer": 2.0, "activations": 15.0,
                   "total": 15.0, "checkpoint_save_transient": None, "runtime": None,

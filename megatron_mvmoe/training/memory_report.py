@@ -34,9 +34,9 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from megatron_mvmoe.analysis.plan_validate import MEMORY_DIR  # the reader owns the layout
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
 
-MEMORY_DIR = "memory"
 SKIP_CHECK_ENV = "MVMOE_MEMORY_CHECK"
 """Set to "off" to skip the start-up fit check (e.g. when the memory of other jobs on the
 node is about to be freed)."""
@@ -215,18 +215,3 @@ def memory_hook(run, on_step: Optional[Callable]) -> Callable:
             on_step(step, trainer)
 
     return hook
-
-
-def load_records(run_dir: str) -> List[Dict]:
-    """Every rank's record of a run directory, by rank."""
-    folder = os.path.join(run_dir, MEMORY_DIR)
-    if not os.path.isdir(folder):
-        raise ValueError(f"--validate: {run_dir} has no {MEMORY_DIR}/ folder. Fix: pass the "
-                         "run_dir of a run trained with this version (it writes "
-                         f"{MEMORY_DIR}/rank<R>.json from step 2 on)")
-    records = []
-    for name in sorted(os.listdir(folder)):
-        if re.fullmatch(r"rank\d+\.json", name):
-            with open(os.path.join(folder, name)) as fh:
-                records.append(json.load(fh))
-    return sorted(records, key=lambda r: r["rank"])
