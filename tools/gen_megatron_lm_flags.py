@@ -85,7 +85,8 @@ def parser_flags() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the checked-in table differs from the file")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
