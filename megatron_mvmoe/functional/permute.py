@@ -67,3 +67,17 @@ def permute_rows(
     permuted_NL = rows_TSL.reshape(num_tokens * num_slots, latent).index_select(0, row_ids_N)
     permuted_probs_N = probs_TE.T.contiguous().masked_select(map_ET)
     return permuted_NL, permuted_probs_N, token_ids_N
+
+
+def map_rows(routing_map_TE: torch.Tensor, slot_TE: torch.Tensor) -> DispatchRows:
+    """The (token, slot) behind each row of Megatron's permute of ANY routing map: the
+    dropless one, one with rows dropped by the expert capacity, or a capacity-padded one
+    (Megatron's drop-and-pad permute keeps each expert's C Trues in ascending token order,
+    the masked-select order used here). slot_TE is `slots_of_experts`: a pair the token did
+    not select (padding) has slot S."""
+    with torch.no_grad():
+        map_ET = routing_map_TE.T.contiguous()
+        num_tokens = routing_map_TE.shape[0]
+        token_ET = torch.arange(num_tokens, device=map_ET.device).expand(map_ET.shape)
+        return DispatchRows(token_ET.masked_select(map_ET), slot_TE.T.masked_select(map_ET),
+                            map_ET.sum(dim=1))

@@ -152,3 +152,19 @@ def to_megatron(
         num_tokens, num_experts, dtype=torch.bool, device=gates_TS.device
     ).scatter(1, topk_idx_TS, True)
     return probs_TE, routing_map_TE
+
+
+def kept_slots(routing_map_TE: torch.Tensor, topk_idx_TS: torch.Tensor) -> torch.Tensor:
+    """bool [T, S]: whether slot s of token t (expert topk_idx_TS[t, s]) is still in the
+    routing map after the expert capacity dropped rows from it."""
+    return routing_map_TE.gather(1, topk_idx_TS)
+
+
+def slots_of_experts(topk_idx_TS: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [T, E]: the slot s with topk_idx_TS[t, s] == e, and S ("no slot") where token t
+    did not select expert e (a row a capacity-padded routing map adds)."""
+    num_tokens, num_slots = topk_idx_TS.shape
+    slot_TE = torch.full((num_tokens, num_experts), num_slots, dtype=torch.long,
+                         device=topk_idx_TS.device)
+    slot_ids_TS = torch.arange(num_slots, device=topk_idx_TS.device).expand(num_tokens, -1)
+    return slot_TE.scatter(1, topk_idx_TS.long(), slot_ids_TS)

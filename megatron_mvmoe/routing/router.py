@@ -30,6 +30,24 @@ Design choices:
   `forward`, so forward hooks would miss it), with `topk` and a `gating` that returns the
   per-head logits for logit capture.
 - padding_mask follows Megatron's router code: [S, B] bool, True marks PADDING (excluded).
+- Group-limited routing (`moe_router_num_groups`, `moe_router_group_topk`; DeepSeek's
+  device / node-limited routing): Megatron's own `group_limited_topk` on the summed sigmoid
+  scores + expert bias (what selection ranks), so each token's k experts lie in at most
+  group_topk groups (a group scores the sum of its top-(k / group_topk) members). At R = 1
+  this is TopKRouter's selection. The fused Triton selection has no group mask: group-limited
+  routing always selects on the torch path.
+- Capacity and token dropping (`moe_expert_capacity_factor`, `moe_token_drop_policy`,
+  `moe_pad_expert_input_to_capacity`): Megatron's own `apply_router_token_dropping` on
+  probs_TE, i.e. the Multi-Router gates g (Eq. 3, from the summed scores). Rule: expert i
+  keeps C = ceil(T*k/E * factor) (token, i) rows; "probs" keeps its C largest gates (alpha_i
+  is constant within an expert's column, so this ranks s_bar_i / sum_{j in S} s_bar_j),
+  "position" keeps C of its rows as torch.topk breaks the 0/1 ties (Megatron's rule: NOT
+  necessarily the first C tokens). A dropped row's gate is 0 and the pair leaves the routing
+  map (`RoutingOutput.kept_TS` marks the slots kept); gates are not renormalised. With
+  padding, the map is Megatron's capacity mask: C rows per expert, the padded ones gate 0.
+  Aux losses score the unbiased top-k as before (Megatron: independent of dropping); the
+  expert-bias counts are of the final map (Megatron's, padded rows included). At R = 1 all
+  of it equals TopKRouter (tests/routing/test_capacity_and_groups.py).
 """
 
 from __future__ import annotations
@@ -41,7 +59,12 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    apply_router_token_dropping,
+    get_default_pg_collection,
+    group_limited_topk,
+)
 
 from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.routing.balancing import (
@@ -52,6 +75,7 @@ from megatron_mvmoe.routing.balancing import (
 )
 from megatron_mvmoe.functional import (
     gates,
+    kept_slots,
     mixing_weights,
     multi_router_logits,
     select_topk,
@@ -87,6 +111,9 @@ class RoutingOutput:
     Already in the backward through gates_TS / logits_TRE: never add it to the loss."""
     hidden_TD: Optional[torch.Tensor] = None
     """The routed hidden states [T, D] (observers such as the router trace capture them)."""
+    kept_TS: Optional[torch.Tensor] = None
+    """bool [T, S]: slot s of token t survived the expert capacity (None when dropless).
+    gates_TS are the gates before dropping; probs_TE / routing_map_TE are after."""
 
 
 class MultiRouter(MegatronModule):
@@ -105,6 +132,8 @@ class MultiRouter(MegatronModule):
         self.observers: List[Callable[[RoutingOutput], None]] = []
         """Called with every RoutingOutput (e.g. the trainer's diversity metrics)."""
         self.topk = config.moe_router_topk
+        self.num_groups = config.moe_router_num_groups
+        self.group_topk = config.moe_router_group_topk
         self.layer_number = None
         self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
         self._set_groups(pg_collection)
@@ -181,10 +210,10 @@ class MultiRouter(MegatronModule):
         logits_TRE, z_value = self._attach_z_loss(logits_TRE, valid_T)
         scores_TRE = sigmoid_scores(logits_TRE)
         summed_TE = sum_over_routers(scores_TRE)  # also feeds the aux losses (autograd)
-        if self._kernel_backend(logits_TRE.device) == "triton":
+        if self._kernel_backend(logits_TRE.device) == "triton" and not self.group_topk:
             topk_idx_TS, gates_TS, mix_TSR = self._fused_select(logits_TRE)
         else:
-            topk_idx_TS = select_topk(summed_TE, self.expert_bias, self.topk)
+            topk_idx_TS = self._select(summed_TE)
             gates_TS = gates(summed_TE, topk_idx_TS, self._alpha(),
                              self.config.multi_view.normalizer_eps, self.num_routers)
             mix_TSR = (mixing_weights(scores_TRE, topk_idx_TS) if self.num_views > 1
@@ -193,13 +222,38 @@ class MultiRouter(MegatronModule):
             gates_TS, self._aux_loss_scores(logits_TRE, summed_TE), valid_T, seq_length,
             batch_size)
         probs_TE, routing_map_TE = to_megatron(gates_TS, topk_idx_TS, self.num_experts)
+        probs_TE, routing_map_TE, kept_TS = self._apply_capacity(probs_TE, routing_map_TE,
+                                                                 topk_idx_TS)
         self._count_tokens(routing_map_TE, valid_T)
         output = RoutingOutput(probs_TE, routing_map_TE, topk_idx_TS, gates_TS, mix_TSR,
                                scores_TRE, logits_TRE, _sum_or_none(z_value, aux_value),
-                               hidden_TD)
+                               hidden_TD, kept_TS)
         for observe in self.observers:
             observe(output)
         return output
+
+    def _select(self, summed_TE: torch.Tensor) -> torch.Tensor:
+        """topk_idx_TS on summed + bias: plain top-k, or Megatron's group-limited top-k."""
+        if not self.group_topk:
+            return select_topk(summed_TE, self.expert_bias, self.topk)
+        with torch.no_grad():
+            routing_TE = summed_TE if self.expert_bias is None else summed_TE + self.expert_bias
+            _, topk_idx_TS = group_limited_topk(
+                routing_TE, self.topk, routing_TE.shape[0], self.num_experts,
+                self.num_groups, self.group_topk)
+            return torch.sort(topk_idx_TS, dim=-1).values  # the slot contract: ascending
+
+    def _apply_capacity(self, probs_TE, routing_map_TE, topk_idx_TS):
+        """Megatron's token dropping on the gates (see the module docstring); kept_TS is
+        None when dropless."""
+        factor = self.config.moe_expert_capacity_factor
+        if factor is None:
+            return probs_TE, routing_map_TE, None
+        probs_TE, routing_map_TE = apply_router_token_dropping(
+            probs_TE, routing_map_TE, router_topk=self.topk, capacity_factor=factor,
+            drop_policy=self.config.moe_token_drop_policy,
+            pad_to_capacity=self.config.moe_pad_expert_input_to_capacity)
+        return probs_TE, routing_map_TE, kept_slots(routing_map_TE, topk_idx_TS)
 
     def _kernel_backend(self, device: torch.device) -> str:
         """"triton" or "reference" (multi_view.kernels; "auto" defers to MVMOE_KERNELS:
@@ -390,9 +444,13 @@ def _validate(config: MVMoETransformerConfig) -> None:
     refuse(config.num_moe_experts is not None, "num_moe_experts", "set the expert count")
     refuse(config.moe_router_score_function == "sigmoid", "moe_router_score_function",
            "set 'sigmoid' (the Multi-Router sums sigmoid scores)")
-    refuse(not config.moe_router_group_topk, "moe_router_group_topk", "leave it None")
-    refuse(config.moe_expert_capacity_factor is None, "moe_expert_capacity_factor",
-           "leave it None (dropless: every slot keeps its view row)")
+    if config.moe_router_group_topk:
+        per_group = config.num_moe_experts // config.moe_router_num_groups
+        refuse(config.moe_router_group_topk * per_group >= config.moe_router_topk,
+               "moe_router_group_topk",
+               f"allow at least moe_router_topk={config.moe_router_topk} experts: "
+               f"group_topk x experts per group = {config.moe_router_group_topk} x "
+               f"{per_group} is fewer")
     refuse(config.moe_input_jitter_eps is None, "moe_input_jitter_eps", "leave it None")
     refuse(not config.moe_router_force_load_balancing, "moe_router_force_load_balancing",
            "leave it False")

@@ -109,7 +109,7 @@ def test_buffers_stay_fp32_under_half_cast_and_in_state_dict():
 
 @pytest.mark.parametrize("field_name, value", [
     ("moe_router_score_function", "softmax"),
-    ("moe_expert_capacity_factor", 1.0),
+    ("moe_input_jitter_eps", 0.1),
     ("moe_router_topk_scaling_factor", 3.0),
     ("moe_router_load_balancing_type", "sinkhorn"),
 ])
