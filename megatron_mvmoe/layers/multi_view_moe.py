@@ -28,6 +28,16 @@ Design choices:
   CUDA, the torch path elsewhere); "triton" / "reference" force one. Both paths compute
   v_0 + sum_{m>0} a_m (v_m - v_0) (the kernel as mix weights [1, a_1, ..] over views
   [v_0, v_1 - v_0, ..]), so at gamma = 0 every row is P h bit for bit on either path.
+- Capacity and token dropping (`moe_expert_capacity_factor`): the router drops (token,
+  expert) rows with Megatron's rule on the gates (routing/router.py). Rule for the views: a
+  dropped pair's blend is never computed (rows are built only for the pairs left in the
+  routing map, `capacity_rows`); its gate is 0, so it contributes nothing, as a dropped token
+  does in Megatron. A pair that capacity PADDING adds (the token did not select that expert)
+  gets the backbone view P h, i.e. mix weights one-hot on view 0 (its gate is 0, and P h is
+  exactly the latent baseline's padded row, so at gamma = 0 the layer still equals the
+  baseline). Eq. 4's a_{m,i} is only defined over the selection's normaliser, so no other
+  blend is more natural for it. This path always runs on torch (the fused kernel writes the
+  dropless order); the bytes are the latent baseline's: one row per pair in the final map.
 - Process groups arrive like Megatron's own MoELayer's: TransformerLayer calls the MLP
   builder with `pg_collection=` (Megatron's defaults only when built standalone).
 """
@@ -45,6 +55,8 @@ from megatron_mvmoe.errors import require
 from megatron_mvmoe.layers.latent_moe import LatentMoELayer
 from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
 from megatron_mvmoe.functional.mixing import blend_views
+from megatron_mvmoe.functional.permute import map_rows
+from megatron_mvmoe.functional.routing import slots_of_experts
 from megatron_mvmoe.views import GammaRamp, MultiViewProjection
 
 
@@ -122,6 +134,11 @@ class MultiViewMoELayer(LatentMoELayer):
             # on arrival with the same arithmetic as expert_rows
             return self.token_dispatcher.dispatch_preprocess_views(
                 views_TRL, mix_TSR, routing_map, probs, token_shape)
+        if self.config.moe_expert_capacity_factor is not None:
+            rows_NL, row_token_N = self.capacity_rows(views_TRL, mix_TSR, topk_idx_TS,
+                                                      routing_map)
+            return self.token_dispatcher.dispatch_preprocess_permuted(
+                rows_NL, row_token_N, routing_map, probs, token_shape)
         if self.kernel_backend(views_TRL.device) == "triton":
             rows_NL, row_token_N = self.permuted_expert_rows(views_TRL, mix_TSR, topk_idx_TS)
             return self.token_dispatcher.dispatch_preprocess_permuted(
@@ -147,6 +164,22 @@ class MultiViewMoELayer(LatentMoELayer):
         if mix_TSR is None:  # one view: every slot sees the backbone view, as the baseline
             return views_TRL[:, :1, :].expand(num_tokens, self.config.moe_router_topk, latent)
         return blend_views(views_TRL, mix_TSR)
+
+    def capacity_rows(self, views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor],
+                      topk_idx_TS: torch.Tensor, routing_map_TE: torch.Tensor):
+        """(rows_NL, row_token_N) for the pairs the capacity left in routing_map_TE, in
+        Megatron's permute order: a kept slot's blend (only kept pairs are blended), a padded
+        pair's backbone view P h (mix one-hot on view 0). See the module docstring."""
+        order = map_rows(routing_map_TE, slots_of_experts(topk_idx_TS,
+                                                          self.config.num_moe_experts))
+        views_NRL = views_TRL.index_select(0, order.row_token_N)
+        if mix_TSR is None:  # one view: every row is the backbone view, as the baseline's
+            return views_NRL[:, 0], order.row_token_N
+        backbone_T1R = torch.zeros_like(mix_TSR[:, :1])
+        backbone_T1R[..., 0] = 1
+        mix_NR = torch.cat([mix_TSR, backbone_T1R], dim=1)[order.row_token_N,
+                                                            order.row_slot_N]
+        return blend_views(views_NRL, mix_NR.unsqueeze(1))[:, 0], order.row_token_N
 
     def permuted_expert_rows(self, views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor],
                              topk_idx_TS: torch.Tensor):

@@ -13,9 +13,11 @@ and tokens_per_expert (from the routing map alone), the all-to-all, the TP all-g
 the local sort, the combine and the unpermute (a scatter-add by token id). So the bytes on
 the wire equal the latent baseline's exactly.
 
-Refused (ValueError at construction): drop-and-pad / capacity (rows would be dropped by the
-dispatcher but not by the mixing), padding for quantization, fused permute (TE kernels),
-shared-expert overlap.
+Capacity / token dropping and drop-and-pad: the router drops the pairs, the layer builds one
+row per pair left in the routing map (`dispatch_preprocess_permuted`, MultiViewMoELayer's
+`capacity_rows`), and the parent's preprocess / all-to-all / combine run Megatron's
+capacity paths unchanged. Refused (ValueError at construction): padding for quantization,
+fused permute (TE kernels), shared-expert overlap.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     the inherited ones are declared by Megatron's class there."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
-        validate_per_row_config(config)
+        validate_per_row_config(config, dropless=False)
         super().__init__(num_local_experts, local_expert_indices, config=config,
                          pg_collection=pg_collection)
 
@@ -84,13 +86,14 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.hidden_shape_before_permute = torch.Size((num_tokens, latent))
 
 
-def validate_per_row_config(config) -> None:
-    """The dropless, unfused, unpadded dispatch both per-row dispatchers need."""
-    require(config.moe_expert_capacity_factor is None, "moe_expert_capacity_factor",
-            "per-row dispatch is dropless (a dropped slot would still own a mixed row)",
-            "leave moe_expert_capacity_factor None")
-    require(not config.moe_pad_expert_input_to_capacity, "moe_pad_expert_input_to_capacity",
-            "per-row dispatch is dropless", "set moe_pad_expert_input_to_capacity=False")
+def validate_per_row_config(config, dropless: bool = True) -> None:
+    """The unfused, unpadded dispatch both per-row dispatchers need; `dropless` also
+    refuses the expert capacity (the dedup dispatcher sends per (token, destination))."""
+    if dropless:
+        require(config.moe_expert_capacity_factor is None, "moe_expert_capacity_factor",
+                "the dedup dispatcher sends one copy per (token, destination) and has no "
+                "capacity path", "leave moe_expert_capacity_factor None, or use the per-row "
+                "alltoall dispatcher (dedup off), which supports it")
     require(not config.moe_router_padding_for_quantization,
             "moe_router_padding_for_quantization",
             "padding the routing map would shift the slot order of the rows",
