@@ -123,34 +123,62 @@ def moe_params(m: ModelSection) -> Dict[str, int]:
     return {"expert_one": swiglu(D, F), "router": E * D, "projections": 0, "shared": shared}
 
 
+def mtp_num_layers(m: ModelSection) -> int:
+    """Multi-token prediction depth (Megatron's `mtp_num_layers`, given through `extra`)."""
+    return int(m.extra.get("mtp_num_layers") or 0)
+
+
+def _layer_mlp(m: ModelSection) -> Dict[str, int]:
+    """One decoder layer's MLP: all its parameters, its experts, and what one token uses."""
+    if not m.is_moe:
+        dense = swiglu(m.hidden_size, m.ffn_hidden_size)
+        return {"dense": dense, "non_expert": 0, "experts": 0, "active": dense}
+    per = moe_params(m)
+    active_slots = m.moe_router_topk * (m.multi_head.num_heads if m.moe_variant == "mh_moe"
+                                        else 1)  # MH-MoE: each of H sub-tokens selects k
+    non_expert = per["router"] + per["projections"] + per["shared"]
+    return {"dense": 0, "non_expert": non_expert, "experts": per["expert_one"] * m.num_experts,
+            "active": non_expert + per["expert_one"] * active_slots}
+
+
+def mtp_params(m: ModelSection) -> Dict[str, int]:
+    """The MTP block (models/mtp_spec.py: Megatron's MultiTokenPredictionLayer): per layer
+    enorm + hnorm + final norm (D each), eh_proj [D, 2D], and a copy of the last decoder
+    layer (attention + its MLP). Embedding and LM head are the main model's (shared)."""
+    n = mtp_num_layers(m)
+    D, mlp = m.hidden_size, _layer_mlp(m)
+    own = 3 * D + 2 * D * D + attention_params(m)
+    return {"total": n * (own + mlp["dense"] + mlp["non_expert"] + mlp["experts"]),
+            "active": n * (own + mlp["active"]), "experts": n * mlp["experts"],
+            "non_expert": n * (own + mlp["dense"] + mlp["non_expert"])}
+
+
 def parameter_counts(m: ModelSection) -> Dict[str, int]:
+    """Every parameter the provider builds, MTP layers included ("mtp": their share)."""
     D, V = m.hidden_size, m.vocab_size
     embedding, head, final_norm = V * D, V * D, D
     attention = attention_params(m) * m.num_layers
-    if not m.is_moe:
-        dense = swiglu(D, m.ffn_hidden_size) * m.num_layers
-        total = embedding + head + final_norm + attention + dense
-        return {"total": total, "active": total, "active_without_embeddings": total - 2 * V * D,
-                "embedding": embedding, "lm_head": head, "attention": attention,
-                "experts": 0, "expert_one": 0, "non_expert_moe": 0, "dense_mlp": dense}
-    per = moe_params(m)
-    non_expert_moe = (per["router"] + per["projections"] + per["shared"]) * m.num_layers
-    experts = per["expert_one"] * m.num_experts * m.num_layers
-    active_experts = per["expert_one"] * m.moe_router_topk * m.num_layers
-    if m.moe_variant == "mh_moe":  # each of H sub-tokens selects k experts
-        active_experts *= m.multi_head.num_heads
-    base = embedding + head + final_norm + attention + non_expert_moe
-    return {"total": base + experts, "active": base + active_experts,
-            "active_without_embeddings": base + active_experts - embedding - head,
+    mlp, mtp = _layer_mlp(m), mtp_params(m)
+    dense = mlp["dense"] * m.num_layers
+    non_expert_moe = mlp["non_expert"] * m.num_layers
+    experts = mlp["experts"] * m.num_layers
+    base = embedding + head + final_norm + attention + dense + non_expert_moe
+    active = base + (mlp["active"] - mlp["dense"] - mlp["non_expert"]) * m.num_layers \
+        + mtp["active"]
+    return {"total": base + experts + mtp["total"], "active": active,
+            "active_without_embeddings": active - embedding - head,
             "embedding": embedding, "lm_head": head, "attention": attention,
-            "experts": experts, "expert_one": per["expert_one"],
-            "non_expert_moe": non_expert_moe, "dense_mlp": 0}
+            "experts": experts, "expert_one": moe_params(m)["expert_one"] if m.is_moe else 0,
+            "non_expert_moe": non_expert_moe, "dense_mlp": dense, "mtp": mtp["total"]}
 
 
 def flops_per_token(m: ModelSection) -> Dict[str, float]:
+    """Each MTP layer adds its own active matmuls plus one more pass of the shared LM head,
+    and one more layer of attention scores."""
     counts = parameter_counts(m)
-    matmul = counts["active"] - counts["embedding"]
-    attention_scores = 4 * m.seq_length * m.hidden_size * m.num_layers
+    n_mtp = mtp_num_layers(m)
+    matmul = counts["active"] - counts["embedding"] + n_mtp * counts["lm_head"]
+    attention_scores = 4 * m.seq_length * m.hidden_size * (m.num_layers + n_mtp)
     forward = 2 * matmul + attention_scores
     return {"forward": float(forward), "train": float(3 * forward)}
 
@@ -158,13 +186,14 @@ def flops_per_token(m: ModelSection) -> Dict[str, float]:
 # -------------------------------------------------------------------------- memory
 def _per_rank_params(m: ModelSection, lay: ParallelLayout) -> Dict[str, float]:
     """Parameters on the busiest pipeline stage (first or last), split by sharding."""
-    c = parameter_counts(m)
+    c, mtp = parameter_counts(m), mtp_params(m)
     per_layer_dense = (c["attention"] + c["non_expert_moe"] + c["dense_mlp"]) / m.num_layers
     layers = m.num_layers / lay.pp
-    edge = max(c["embedding"], c["lm_head"] + m.hidden_size) if lay.pp > 1 else (
-        c["embedding"] + c["lm_head"] + m.hidden_size)
+    last = c["lm_head"] + m.hidden_size + mtp["non_expert"]  # the MTP block is on the last
+    edge = max(c["embedding"], last) if lay.pp > 1 else c["embedding"] + last
     dense = (per_layer_dense * layers + edge) / lay.tp
-    experts = c["experts"] / m.num_layers * layers / (lay.ep * lay.etp) if m.is_moe else 0.0
+    experts = (c["experts"] / m.num_layers * layers + mtp["experts"]) / (lay.ep * lay.etp) \
+        if m.is_moe else 0.0
     return {"dense": dense, "experts": experts}
 
 

@@ -45,7 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from megatron_mvmoe.analysis.plan import PlanTarget, attention_params, moe_params, swiglu
+from megatron_mvmoe.analysis.plan import (PlanTarget, attention_params, moe_params, mtp_num_layers,
+                                         mtp_params, swiglu)
 from megatron_mvmoe.models.model_section import ModelSection
 
 PRECISIONS = ("cpu_fp32", "gpu_bf16")
@@ -93,6 +94,10 @@ def stage_parameters(m: ModelSection, target: PlanTarget, stage: int) -> Dict[st
         dense += V * D // lay.tp
     if stage == lay.pp - 1:
         dense += V * D // lay.tp + D
+        mtp = mtp_params(m)  # Megatron puts every MTP layer on the last stage
+        dense += mtp["non_expert"] // lay.tp
+        experts += mtp["experts"] // lay.ep // lay.etp
+        fp32_only += moe_params(m)["projections"] * mtp_num_layers(m) if m.is_moe else 0
     largest = max(largest, V * D // lay.tp if stage in (0, lay.pp - 1) else 0,
                   (m.num_attention_heads + 2 * (m.num_query_groups or m.num_attention_heads))
                   * (D // m.num_attention_heads) * D // lay.tp)

@@ -9,6 +9,8 @@ Design choices:
 - The one translation of our model config into Megatron's: shape fields map to Megatron's
   names, the nested MultiViewConfig / MultiHeadConfig / BitNetConfig are handed over as
   they are, `extra` (Megatron fields we do not model) goes on top.
+- Multi-token prediction: GPTModel's own MTP block, its layers copied from the stage's last
+  decoder layer (so built with the variant's MoE layer; models/mtp_spec.py).
 - Fast paths (TE specs, grouped GEMM, fusions, flash attention, overlapped DDP) come from
   `models/fast_paths.py` for the target machine: on a GPU with TE they are on, on CPU the
   local equivalents run; `tools/plan.py --fast-paths` prints the same decisions. Dropout is
@@ -30,6 +32,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
 from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 
 
@@ -108,9 +111,11 @@ def _stage_flags(vp_stage: Optional[int]) -> Dict[str, bool]:
 def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelSection, pg_collection=None,
                     vp_stage: Optional[int] = None, pre_process: bool = True,
                     post_process: bool = True) -> GPTModel:
-    """One GPTModel holding this stage's layers (RoPE, untied embeddings)."""
-    return GPTModel(config=config,
-                    transformer_layer_spec=decoder_block_spec(config, vp_stage),
+    """One GPTModel holding this stage's layers (RoPE, untied embeddings), and on the last
+    stage the MTP block when `config.mtp_num_layers` is set (models/mtp_spec.py)."""
+    block = decoder_block_spec(config, vp_stage)
+    return GPTModel(config=config, transformer_layer_spec=block,
+                    mtp_block_spec=build_mtp_block_spec(config, block, vp_stage),
                     vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=False, position_embedding_type="rope",

@@ -13,6 +13,10 @@ Design choices:
   record), reduced by its own `report()` (PP sum, each metric's reduce/avg group, DP mean,
   x 1/micro-batches). A subclass installed through Megatron's `set_moe_metrics_tracker`
   seam keeps the reduced per-layer values of the last report, which metrics.jsonl logs.
+- MoE layers inside MTP layers are numbered as Megatron's tracker numbers them (after the
+  decoder layers), so their token counts never merge into a decoder layer's.
+- MTP losses come from Megatron's `MTPLossLoggingHelper` (recorded on the last stage per
+  training micro-batch), reduced at log time like the aux losses.
 - Only global rank 0 writes; every rank takes part in the reductions.
 """
 
@@ -29,6 +33,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import (MoEMetricsTracker,
                                                        get_moe_metrics_tracker,
                                                        set_moe_metrics_tracker)
+
+from megatron_mvmoe import platform
 
 
 class RoutingMonitor:
@@ -48,7 +54,7 @@ class RoutingMonitor:
                     self._watch(module)
 
     def _watch(self, layer: MoELayer) -> None:
-        number = int(layer.layer_number)
+        number = tracker_layer_number(layer)
         self.layers[number] = layer
         self.counts[number] = torch.zeros(self.num_experts, dtype=torch.float64)
         indices = torch.tensor(layer.local_expert_indices)
@@ -117,6 +123,43 @@ class RoutingMonitor:
             handle.remove()
         for router, observe in self.observed_routers:
             router.observers.remove(observe)
+
+
+def tracker_layer_number(layer: MoELayer) -> int:
+    """The layer's slot in Megatron's MoE metrics tracker: decoder layers 1..num_layers, then
+    the MTP layers (whose inner layers are numbered 1, 2, ... again) after them."""
+    number = int(layer.layer_number)
+    if getattr(layer, "is_mtp_layer", False):
+        number += layer.config.num_layers
+    return number
+
+
+def mtp_losses(num_microbatch_steps: int, config) -> Dict[str, float]:
+    """Per MTP layer: the mean MTP loss per micro-batch since the last call (what Megatron's
+    `MTPLossLoggingHelper` recorded on the last stage), averaged over the data-parallel
+    ranks, and its next-token acceptance rate (%), both broadcast over the pipeline group;
+    the tracker is then cleared (Megatron's own clean). Collective; {} without MTP."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    layers = config.mtp_num_layers or 0
+    if not layers:
+        return {}
+    tracker = MTPLossLoggingHelper.tracker
+    values = torch.zeros(3, layers, dtype=torch.float64, device=platform.device())
+    for row, key in enumerate(("loss_values", "correct_values", "total_values")):
+        if key in tracker:  # loss, correct, total
+            values[row] = tracker[key].detach().to(values.device, torch.float64)
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(values, group=dp_group)
+    values[0] /= dist.get_world_size(dp_group) * max(1, num_microbatch_steps)
+    dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    values = values.cpu()
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    out = {}
+    for i in range(layers):
+        out[f"mtp_{i + 1}_loss"] = float(values[0, i])
+        out[f"mtp_{i + 1}_acceptance_rate"] = float(100 * values[1, i] / values[2, i].clamp(min=1))
+    return out
 
 
 def _merge_over_pipeline(mine: Dict) -> Dict:

@@ -39,7 +39,8 @@ from megatron_mvmoe.training.build import Trainer, build_trainer
 from megatron_mvmoe.run_config import RunConfig
 from megatron_mvmoe.training.memory_report import memory_hook
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
-                                             install_moe_metrics_tracker, routing_summary)
+                                             install_moe_metrics_tracker, mtp_losses,
+                                             routing_summary)
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, nonfinite_error
 from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
@@ -219,13 +220,16 @@ class _Loop:
                                                  aux_losses(steps * self.num_microbatches,
                                                             self.trainer.config),
                                                  self.routing.reduce_diversity())
+        metrics.update(mtp_losses(steps * self.num_microbatches, self.trainer.config))
         self.log.record("train", self.state.step, metrics)
         gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
         skipped = (f" | skipped iterations {self.state.skipped_iters}"
                    if self.state.skipped_iters else "")
+        mtp = "".join(f" | {k} {v:.4f}" for k, v in metrics.items() if k.startswith("mtp_")
+                      and k.endswith("_loss"))
         self.log.line(f"step {self.state.step:6d}/{t.train_iters} | loss {metrics['loss']:.4f} "
                       f"| lr {metrics['lr']:.3e} | grad norm {metrics['grad_norm']:.3f} | "
-                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}{skipped}"
+                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}{skipped}{mtp}"
                       f"{self.efficiency.text(metrics)}")
 
     def evaluate(self) -> Dict[str, float]:
