@@ -132,6 +132,11 @@ FLAGS: List[Flag] = [
     Flag("--recompute-method", "model", "extra.recompute_method", str, "uniform|block"),
     Flag("--recompute-num-layers", "model", "extra.recompute_num_layers", int,
          "layers per recompute unit"),
+    Flag("--mtp-num-layers", "model", "extra.mtp_num_layers", int,
+         "multi-token prediction: Megatron-Core's MTP block of this many layers, each built "
+         "with the variant's MoE layer"),
+    Flag("--mtp-loss-scaling-factor", "model", "extra.mtp_loss_scaling_factor", float,
+         "weight of the mean MTP loss (Megatron-LM's default 0.1)"),
     # --- Multi-View / BitNet switches
     Flag("--stop-grad-mixing", "model", "multi_view.stop_grad_mixing", _bool,
          "detach the Multi-View mixing weights (the paper's ablation); bare flag = true"),

@@ -89,7 +89,6 @@ UNSUPPORTED: Dict[str, Tuple[str, str]] = {
                                  "standard attention with --num-query-groups"),
     "--qk-layernorm": ("QK layer norm is not wired into our decoder-block spec",
                        "drop the flag"),
-    "--mtp-num-layers": ("multi-token prediction is not wired", "drop the flag"),
     "--per-split-data-args-path": ("data arguments come from flags here",
                                    "--train-data-path/--valid-data-path/--test-data-path"),
     "--data-args-path": ("data arguments come from flags here", "--data-path"),
