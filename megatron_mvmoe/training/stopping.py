@@ -6,6 +6,11 @@ Design choices:
   process exits with EXIT_REQUEUE; rank 0 leaves STOPPED_MARKER in the save dir, which the
   sbatch recipes turn into `scontrol requeue` (torchrun reports any non-zero worker status
   as 1, so the recipes read the marker, not the status).
+- The marker names the run that wrote it (`run_id`: MVMOE_RUN_ID, which the recipes set to
+  `<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>`), and only a marker of this very run requeues
+  (megatron_mvmoe.launch.job_end): a marker left by an earlier job or an earlier restart
+  (e.g. a `scancel` that saved, then a relaunch that fails on a flag) is stale, so a crash
+  can never requeue. The recipes also delete it before launching.
 - A second SIGINT (Ctrl-C twice) exits at once (SystemExit: `finally` blocks still run).
   Repeated SIGTERM/SIGUSR1 are only noted: under torchrun a worker gets Slurm's SIGTERM
   and then torchrun's copy of it, and must still save.
@@ -18,6 +23,7 @@ Design choices:
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -30,6 +36,24 @@ EXIT_USER_ERROR = 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STOPPED_MARKER = "stopped_early.json"
 """In the save dir while the newest checkpoint is from a deliberate early stop."""
+RUN_ID_ENV = "MVMOE_RUN_ID"
+
+
+def run_id(env=None) -> Optional[str]:
+    """This launch's identity: MVMOE_RUN_ID, else `<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>` under
+    Slurm (a requeued job keeps its id and counts restarts), else None."""
+    env = os.environ if env is None else env
+    if env.get(RUN_ID_ENV):
+        return env[RUN_ID_ENV]
+    if env.get("SLURM_JOB_ID"):
+        return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_RESTART_COUNT') or 0}"
+    return None
+
+
+def marker_payload(step: int, reason: str, checkpoint: Optional[str]) -> Dict[str, object]:
+    """What STOPPED_MARKER holds; `run_id` ties it to the run that stopped."""
+    return {"step": step, "reason": reason, "checkpoint": checkpoint,
+            "exit_status": EXIT_REQUEUE, "run_id": run_id()}
 
 
 @dataclass
