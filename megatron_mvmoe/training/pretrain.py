@@ -43,8 +43,10 @@ from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              routing_summary)
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, nonfinite_error
 from megatron_mvmoe.training.run_info import Efficiency, write_run_files
+from megatron_mvmoe.training.rank_reports import recording
+from megatron_mvmoe.training.save_lock import hold_save_lock
 from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
-                                              StopConditions, StopFlags)
+                                              StopConditions, StopFlags, marker_payload)
 from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
 
@@ -276,9 +278,8 @@ class _Loop:
             return
         self.save(wait=True)
         if dist.get_rank() == 0:
-            write_json_atomic(os.path.join(save, STOPPED_MARKER), {
-                "step": self.state.step, "reason": self.result.stopped,
-                "checkpoint": self.result.last_checkpoint, "exit_status": EXIT_REQUEUE})
+            write_json_atomic(os.path.join(save, STOPPED_MARKER), marker_payload(
+                self.state.step, self.result.stopped, self.result.last_checkpoint))
 
     def close(self) -> None:
         if self.tracer is not None:
@@ -317,6 +318,14 @@ def pretrain(run: RunConfig, pg_collection,
     if run.training.warm_start_from is not None:
         check_target(shape)  # before any weight is built
     on_step = memory_hook(run, on_step)  # fit check before building; memory/rank<R>.json
+    # One writer per --save (refused with the holder's name), and this rank's record for
+    # the job-end summary (rank_reports.py), written only while the lock is held.
+    with hold_save_lock(run.training.save), recording(run.training.save, dist.get_rank(),
+                                                      dist.get_world_size()):
+        return _train(run, pg_collection, on_step)
+
+
+def _train(run: RunConfig, pg_collection, on_step) -> RunResult:
     loop = _Loop(run, pg_collection, on_step)
     t = run.training
     loop.stops.install()
@@ -401,11 +410,12 @@ def _exit_cleanly_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None,
+         on_step: Optional[Callable[[int, Trainer], None]] = None) -> int:
     """Exit status: 0 finished, 2 user error / bad checkpoint / NaN stop, 3 (EXIT_REQUEUE)
     stopped early by a signal, --exit-duration-in-mins or --exit-interval after saving."""
     try:
-        result = run_from_args(argv)
+        result = run_from_args(argv, on_step=on_step)
     except (ValueError, CheckpointError, NonFiniteLoss) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
