@@ -23,14 +23,27 @@ sends T rows of width W (D, L or D/H with T*H rows); Multi-View there would need
 "expanded tokens" (T*k pseudo-tokens), k times more, so the layer refuses it: the figure
 is reported (note="refused") to state that cost.
 Probs travel with the tokens in the alltoall dispatcher: one fp32 value per row.
+Expert capacity (`capacity_factor`, Megatron's moe_expert_capacity_factor; C =
+ceil(units*k / E * factor), Megatron's get_capacity, per rank): padded to capacity
+(`pad_to_capacity`), every rank sends exactly C*E rows (padding rows included) and receives
+C*E, whatever the routing; dropping without padding sends the rows left in the routing map,
+`kept_rows` when given (exact), else the bound min(units*k, C*E) (note="at most"). The
+allgather dispatcher gathers the tokens before its local permute, so capacity does not
+change its bytes.
+Node-limited routing (`nodes`, `group_topk`: Megatron's moe_router_num_groups = nodes,
+moe_router_group_topk): the alltoall rows do not change (T*k), but each token's k experts lie
+in at most group_topk nodes: `node_copies_per_token` gives the range of distinct
+destination nodes per token (one copy each in the "node" dedup semantic of
+analysis.dispatch_semantics), exact when its two ends meet.
 Per-destination figures (which rank sends what to whom, split intra / inter-node) and the
 deduplicating semantics (per destination rank / node) are in analysis.dispatch_semantics.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 VARIANTS = ("smoe", "latent", "multi_router", "multi_view", "mh_moe")
 DISPATCHERS = ("alltoall", "allgather")
@@ -59,7 +72,19 @@ class CommShape:
     tp: int = 1
     """Tensor-parallel size (the allgather dispatcher gathers over TP x EP)."""
     experts: int = 0
-    """E: the allgather dispatcher also gathers the dense [T, E] probs (0: not counted)."""
+    """E: the allgather dispatcher also gathers the dense [T, E] probs (0: not counted);
+    the expert capacity needs it."""
+    capacity_factor: Optional[float] = None
+    """Megatron's moe_expert_capacity_factor (None: dropless)."""
+    pad_to_capacity: bool = False
+    """Megatron's moe_pad_expert_input_to_capacity: every expert gets exactly C rows."""
+    kept_rows: Optional[int] = None
+    """Rows the capacity left in this rank's routing map (dropping without padding); None
+    gives the upper bound."""
+    nodes: int = 1
+    """Nodes the EP group spans (node-limited routing: moe_router_num_groups = nodes)."""
+    group_topk: Optional[int] = None
+    """Megatron's moe_router_group_topk: groups (nodes) a token may use (None: all)."""
 
 
 @dataclass(frozen=True)
@@ -92,13 +117,52 @@ def row_shape(variant: str, shape: CommShape):
     return shape.tokens, shape.latent
 
 
+def expert_capacity(units: int, shape: CommShape) -> int:
+    """C rows per expert: Megatron's get_capacity(units * k, E, factor)."""
+    if shape.experts <= 0:
+        raise ValueError("experts: the expert capacity needs the expert count E. "
+                         "Fix: set CommShape.experts")
+    return math.ceil(units * shape.topk / shape.experts * shape.capacity_factor)
+
+
+def alltoall_rows(units: int, shape: CommShape) -> Tuple[int, Optional[int], str]:
+    """(rows sent, rows received or None when routing-dependent, note) of the alltoall
+    dispatcher, dropless or with the expert capacity (see the module docstring)."""
+    dropless = units * shape.topk
+    if shape.capacity_factor is None:
+        return dropless, None, ""
+    capacity_rows = expert_capacity(units, shape) * shape.experts
+    if shape.pad_to_capacity:
+        return capacity_rows, capacity_rows, ""
+    if shape.kept_rows is not None:
+        return shape.kept_rows, None, ""
+    return min(dropless, capacity_rows), None, "at most: dropped rows depend on the routing"
+
+
+def node_copies_per_token(shape: CommShape) -> Tuple[int, int]:
+    """(fewest, most) distinct destination nodes of one token's k experts under node-limited
+    routing (E / nodes experts per node): at least ceil(k / per_node), at most
+    min(k, group_topk, nodes)."""
+    if shape.experts <= 0 or shape.experts % shape.nodes:
+        raise ValueError(f"nodes: {shape.nodes} must divide experts {shape.experts}. Fix: "
+                         "set CommShape.experts and a node count that divides it")
+    per_node = shape.experts // shape.nodes
+    most = min(shape.topk, shape.nodes, shape.group_topk or shape.nodes)
+    fewest = math.ceil(shape.topk / per_node)
+    if fewest > most:
+        raise ValueError(f"group_topk: {shape.group_topk} nodes of {per_node} experts cannot "
+                         f"hold top-{shape.topk}. Fix: raise group_topk or lower topk")
+    return fewest, most
+
+
 def dispatch_bytes(variant: str, dispatcher: str, shape: CommShape) -> CommVolume:
     """Bytes of one dispatch (= one combine) of one MoE layer on one rank."""
     units, width = row_shape(variant, shape)
     if dispatcher == "alltoall":
-        rows = units * shape.topk
-        return CommVolume(rows * width * shape.dtype_bytes, None,
-                          rows * shape.probs_bytes, rows, width)
+        rows, received, note = alltoall_rows(units, shape)
+        out = None if received is None else received * width * shape.dtype_bytes
+        return CommVolume(rows * width * shape.dtype_bytes, out,
+                          rows * shape.probs_bytes, rows, width, note)
     if dispatcher == "allgather":
         group = shape.tp * shape.ep
         rows = units * shape.topk if variant == "multi_view" else units
@@ -112,8 +176,9 @@ def dispatch_bytes(variant: str, dispatcher: str, shape: CommShape) -> CommVolum
 
 def group_total_bytes(variant: str, dispatcher: str, shape: CommShape) -> int:
     """Token bytes handed to one dispatch collective summed over the EP (x TP) group, when
-    every rank routes `shape.tokens` tokens: for the alltoall dispatcher also the combine's
-    and both backward passes' totals."""
+    every rank routes `shape.tokens` tokens (and, dropping without padding, keeps
+    `kept_rows`): for the alltoall dispatcher also the combine's and both backward passes'
+    totals."""
     group = shape.ep if dispatcher == "alltoall" else shape.ep * shape.tp
     return dispatch_bytes(variant, dispatcher, shape).tokens_in * group
 
@@ -127,5 +192,6 @@ def layer_bytes_per_step(variant: str, dispatcher: str, shape: CommShape) -> dic
         back = volume.tokens_out
         return {"dispatch_fwd": one, "combine_fwd": back, "dispatch_bwd": back,
                 "combine_bwd": one}
-    return {"dispatch_fwd": one, "combine_fwd": None, "dispatch_bwd": None,
+    back = volume.tokens_out  # known when padded to capacity, else routing-dependent
+    return {"dispatch_fwd": one, "combine_fwd": back, "dispatch_bwd": back,
             "combine_bwd": one}

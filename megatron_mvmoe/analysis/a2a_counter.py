@@ -32,6 +32,10 @@ Design choices:
   the method runs; for backward, identity autograd markers on the method's tensor outputs
   set the label when their gradient arrives (just before the collective's backward) and the
   markers on its inputs clear it (just after).
+- Expert capacity needs no special case: what is counted is what Megatron's capacity paths
+  send (padded to capacity: C rows per expert, padding rows included, equal splits, no split
+  metadata; dropping: only the rows left in the routing map), which the analytic model
+  states exactly (tests/layers/test_a2a_capacity.py).
 - Groups of size 1 never reach torch.distributed (Megatron bypasses them): nothing is
   counted at EP = 1, which is what goes over the wire.
 """
