@@ -27,7 +27,6 @@ Examples:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -42,9 +41,7 @@ ROUTING = ("checkpoint", "balanced", "skewed")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_common.tool_parser(__doc__)
     p.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="counted: EP sizes (= ranks)")
     p.add_argument("--variants", nargs="+", default=list(PRESETS), choices=list(PRESETS),
                    help="counted: model variants")
@@ -62,8 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--scale", action="store_true", help="the 10B-A1B cluster-scale table")
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256],
                    help="scale: cluster sizes (layouts from models.presets.LAYOUTS_10B)")
-    p.add_argument("--routing", nargs="+", default=["skewed"], choices=ROUTING,
-                   help="scale: routing models (checkpoint needs --checkpoint)")
+    p.add_argument("--routing", nargs="+", default=None, choices=ROUTING,
+                   help="scale: routing models (default skewed; checkpoint needs "
+                        "--checkpoint)")
     p.add_argument("--load", type=float, default=1.0,
                    help="scale: Zipf exponent s of the skewed routing (p_e ~ 1/(r+1)^s)")
     p.add_argument("--checkpoint", default=None,
@@ -87,6 +85,52 @@ def parse_args(argv=None):
                    help="counted: keep only failing checks and no per-layer rows in the JSON")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return p.parse_args(argv)
+
+
+# Flags that only the scale mode reads (None = not given).
+_SCALE_ONLY = ("--routing", "--checkpoint", "--markdown", "--counted-json")
+
+
+def _scale_flag_problem(args):
+    """A scale-mode flag in counted mode, or a checkpoint the scale mode cannot use."""
+    given = [f for f in _SCALE_ONLY if getattr(args, f[2:].replace("-", "_")) is not None]
+    if not args.scale:
+        return (f"{given[0]}: a --scale flag, unused in counted mode. Fix: add --scale or "
+                f"drop {given[0]}") if given else None
+    routing = args.routing or ["skewed"]
+    if "checkpoint" in routing and not args.checkpoint:
+        return ("--routing checkpoint needs --checkpoint DIR (e.g. runs/main_job/checkpoints "
+                "from `make run`)")
+    if args.checkpoint and "checkpoint" not in routing:
+        return (f"--checkpoint {args.checkpoint}: read only with --routing checkpoint. Fix: "
+                "add checkpoint to --routing, or drop --checkpoint")
+    if args.checkpoint:
+        from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
+        from megatron_mvmoe.checkpointing.errors import CheckpointError
+        try:
+            resolve_checkpoint(args.checkpoint, flag="--checkpoint", missing_fix=(
+                "pass a checkpoint written by training: its --save root (e.g. "
+                "runs/main_job/checkpoints) or one of its iter_* directories"))
+        except CheckpointError as err:
+            return str(err)
+    return None
+
+
+def _counted_problem(args):
+    """EP sizes the tiny models cannot use, or a selection that measures nothing."""
+    from megatron_mvmoe.models.presets import PRESETS as MODEL_PRESETS
+
+    experts = {MODEL_PRESETS[PRESETS[v]]["num_experts"] for v in args.variants}
+    bad = sorted({ep for ep in args.ep for e in experts if ep < 1 or e % ep})
+    if bad:
+        fits = [d for d in range(1, min(experts) + 1) if all(e % d == 0 for e in experts)]
+        return (f"--ep {' '.join(map(str, bad))}: the tiny models have {min(experts)} experts, "
+                f"which do not divide over {bad[0]} ranks. Fix: use --ep from {fits}")
+    if not list(_runs(args)):
+        return (f"--semantics {' '.join(args.semantics)}: the dedup semantics (rank, node) run "
+                "only with the alltoall dispatcher. Fix: add alltoall to --dispatchers or row "
+                "to --semantics")
+    return None
 
 
 def _progress(message: str) -> None:
@@ -269,8 +313,10 @@ def _summary(payload) -> str:
         for c in bad:
             lines.append(f"    MISMATCH {c['layer']} {c['what']}: counted {c['counted']} "
                          f"analytic {c['analytic']}")
-    lines.append("ratio to latent baseline (forward dispatch bytes): " + ", ".join(
-        f"{k}={v:.3f}" for k, v in payload["ratios"].items()))
+    ratios = ", ".join(f"{k}={v:.3f}" for k, v in payload["ratios"].items())
+    lines.append("ratio to latent baseline (forward dispatch bytes): " + (ratios or (
+        "none: a ratio needs the latent baseline measured with the alltoall dispatcher at the "
+        "same EP and semantics (add latent to --variants and alltoall to --dispatchers)")))
     return "\n".join(lines)
 
 
@@ -313,9 +359,6 @@ def main_scale(args) -> int:
     from megatron_mvmoe.analysis.a2a_scale import ScaleConfig, config_dict, scale_rows
     from megatron_mvmoe.analysis.link_time import LinkSpec
 
-    if "checkpoint" in args.routing and not args.checkpoint:
-        return _fail("--routing checkpoint needs --checkpoint DIR (e.g. "
-                     "runs/main_job/checkpoints from `make run`)")
     start = time.time()
     payload = {"mode": "scale", "runs": [],
                "command": " ".join(["python", "tools/a2a_volume.py", *sys.argv[1:]])}
@@ -362,6 +405,10 @@ def _fail(message: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = _scale_flag_problem(args) or (None if args.scale else _counted_problem(args))
+    if problem:  # one line, before any rank is spawned
+        return _fail(problem)
+    args.routing = args.routing or ["skewed"]
     try:
         return main_scale(args) if args.scale else main_counted(args)
     except ValueError as err:

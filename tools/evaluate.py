@@ -27,12 +27,12 @@ import warnings
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
+from megatron_mvmoe.analysis.tool_common import existing_path, tool_parser  # noqa: E402
 from megatron_mvmoe.training.tool_flags import add_checkpoint_flags, run_from_flags  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser(__doc__)
     add_checkpoint_flags(p)
     d = p.add_argument_group("data (default: the checkpoint's own validation data)")
     d.add_argument("--data-path", nargs="+", default=None,
@@ -41,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--split", default=None, help="train,valid,test weights for --data-path")
     d.add_argument("--valid-data-path", nargs="+", default=None,
                    help="prefixes evaluated whole (each prefix one component)")
-    d.add_argument("--input-jsonl", nargs="+", default=None,
+    d.add_argument("--input-jsonl", nargs="+", default=None, type=existing_path(
+                       "an existing JSONL file ({\"text\": ...} per line)"),
                    help="JSONL files ({\"text\": ...} per line), one component each")
     d.add_argument("--json-key", default="text", help="JSONL field to read (default text)")
     d.add_argument("--data-cache-path", default=None, help="GPTDataset index cache directory")

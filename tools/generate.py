@@ -21,12 +21,12 @@ import warnings
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
+from megatron_mvmoe.analysis.tool_common import tool_parser  # noqa: E402
 from megatron_mvmoe.training.tool_flags import add_checkpoint_flags, run_from_flags  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser(__doc__)
     add_checkpoint_flags(p)
     p.add_argument("--prompt", action="append", required=True,
                    help="text to continue; repeat the flag for several prompts")

@@ -24,20 +24,24 @@ import tempfile
 import time
 import warnings
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_mvmoe.analysis.tool_common import existing_path, tool_parser  # noqa: E402
+
 warnings.filterwarnings("ignore")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task data is local; never the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser(__doc__)
     p.add_argument("--load", required=True, help="checkpoint root or iter_* directory")
     p.add_argument("--expert-model-parallel-size", dest="ep", type=int, default=1,
                    help="EP size to load onto (run under torchrun with that many ranks)")
     p.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=1,
                    help="TP size to load onto")
-    p.add_argument("--task-source", help="held-out JSONL ('text' field) or text file to "
+    p.add_argument("--task-source", type=existing_path(
+                       "a held-out JSONL ('text' field) or text file"), help="held-out JSONL ('text' field) or text file to "
                    "build the mvmoe_continuation task from")
     p.add_argument("--task-dir", default=None,
                    help="where the task YAML and docs go (default: a temporary directory)")

@@ -9,11 +9,39 @@ optionally prefixed by a label: `baseline=tiny_latent`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
+
+
+class ToolArgumentParser(argparse.ArgumentParser):
+    """argparse for the tools: a wrong argument is one line on stderr and exit status 2,
+    never the usage dump (the line names the flag; --help has the rest)."""
+
+    def error(self, message: str):
+        fix = "" if "Fix:" in message else ". Fix: see --help"
+        self.exit(2, f"error: {message}{fix}\n")
+
+
+def existing_path(what: str, kind: str = "file"):
+    """An argparse `type` that refuses a path that is not an existing `kind` (file or dir),
+    so the error names the flag (argparse prefixes it) and what to pass instead."""
+    check = os.path.isfile if kind == "file" else os.path.isdir
+
+    def parse(text: str) -> str:
+        if not check(text):
+            raise argparse.ArgumentTypeError(f"{text!r}: no such {kind}. Fix: pass {what}")
+        return text
+    return parse
+
+
+def tool_parser(doc: str) -> ToolArgumentParser:
+    """The tools' parser: the whole module docstring as the description (--help)."""
+    return ToolArgumentParser(description=doc,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,15 @@ def list_checkpoints(root: str) -> List[str]:
     return sorted(d for d in os.listdir(root) if d.startswith("iter_"))
 
 
-def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
+RESUME_FIX = "pass the --save directory of an earlier run, or drop --load to start fresh"
+
+
+def resolve_checkpoint(path: str, step: Optional[int] = None,
+                       missing_fix: str = RESUME_FIX, flag: str = "--load") -> str:
     """A checkpoint directory from a root (via `latest`, or iter_<step> when `step` is
-    given, Megatron-LM's --ckpt-step) or a checkpoint dir itself."""
+    given, Megatron-LM's --ckpt-step) or a checkpoint dir itself. `missing_fix` is the fix
+    named when there is no checkpoint at `path` (a tool cannot "start fresh"); `flag` is
+    the option that gave `path`."""
     if step is not None:
         directory = os.path.join(path, f"iter_{step:07d}")
         if not os.path.isfile(os.path.join(directory, RUN_STATE)):
@@ -51,14 +57,13 @@ def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
         return path
     pointer = os.path.join(path, LATEST)
     if not os.path.isfile(pointer):
-        raise CheckpointError(f"--load {path}: no checkpoint here (no '{LATEST}' file and no "
-                              f"{RUN_STATE}). Fix: pass the --save directory of an earlier "
-                              "run, or drop --load to start fresh")
+        raise CheckpointError(f"{flag} {path}: no checkpoint here (no '{LATEST}' file and no "
+                              f"{RUN_STATE}). Fix: {missing_fix}")
     with open(pointer) as fh:
         name = fh.read().strip()
     directory = os.path.join(path, name)
     if not os.path.isfile(os.path.join(directory, RUN_STATE)):
-        raise CheckpointError(f"--load {path}: '{LATEST}' points at {name!r}, which is missing "
+        raise CheckpointError(f"{flag} {path}: '{LATEST}' points at {name!r}, which is missing "
                               f"or has no {RUN_STATE} (deleted or corrupt). Fix: point "
                               f"'{LATEST}' at an intact iter_* directory")
     return directory

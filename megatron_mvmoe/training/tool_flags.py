@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.run_config import RunConfig
 from megatron_mvmoe.training.from_checkpoint import checkpoint_run_config, with_layout
 
 _LAYOUT = (("--tensor-model-parallel-size", "tp"), ("--pipeline-model-parallel-size", "pp"),
            ("--expert-model-parallel-size", "ep"), ("--expert-tensor-parallel-size", "etp"))
 _TOKENIZER = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+# A tool reads a trained model: there is no fresh start to fall back to.
+TOOL_LOAD_FIX = ("pass a checkpoint written by the trainer: its --save root (e.g. "
+                 "runs/main_job/checkpoints) or one of its iter_* directories")
 
 
 def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +44,7 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_from_flags(args: argparse.Namespace) -> RunConfig:
     """The checkpoint's run config on the layout and tokenizer the flags ask for."""
+    resolve_checkpoint(args.load, missing_fix=TOOL_LOAD_FIX)  # the tool's fix, not resume's
     run = checkpoint_run_config(args.load)
     layout = {field: getattr(args, field) for _, field in _LAYOUT}
     run = with_layout(run, {k: (1 if v is None else v) for k, v in layout.items()})
