@@ -34,7 +34,8 @@ Node-limited routing (`nodes`, `group_topk`: Megatron's moe_router_num_groups = 
 moe_router_group_topk): the alltoall rows do not change (T*k), but each token's k experts lie
 in at most group_topk nodes: `node_copies_per_token` gives the range of distinct
 destination nodes per token (one copy each in the "node" dedup semantic of
-analysis.dispatch_semantics), exact when its two ends meet.
+analysis.dispatch_semantics), exact when its two ends meet; `node_hop_rows` the rows a
+rank sends over that network hop.
 Per-destination figures (which rank sends what to whom, split intra / inter-node) and the
 deduplicating semantics (per destination rank / node) are in analysis.dispatch_semantics.
 """
@@ -44,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from megatron_mvmoe.functional.mixing import views_are_cheaper
 
 VARIANTS = ("smoe", "latent", "multi_router", "multi_view", "mh_moe")
 DISPATCHERS = ("alltoall", "allgather")
@@ -153,6 +156,27 @@ def node_copies_per_token(shape: CommShape) -> Tuple[int, int]:
         raise ValueError(f"group_topk: {shape.group_topk} nodes of {per_node} experts cannot "
                          f"hold top-{shape.topk}. Fix: raise group_topk or lower topk")
     return fewest, most
+
+
+def node_hop_rows(shape: CommShape, views: int = 1,
+                  weight_bytes: int = 4) -> Tuple[int, int]:
+    """(fewest, most) rows one rank sends over the network hop of the "node" dedup semantic
+    (analysis.dispatch_semantics: one copy per (token, destination node)) under node-limited
+    routing, of width W = latent (or hidden) and `shape.dtype_bytes`.
+
+    One shared row per (token, node) (views = 1): T * node_copies_per_token. Multi-View
+    (views = K > 1) sends per (token, node) with n experts there n blends, or the K views
+    when cheaper (`views_are_cheaper`, so then K < n): between 1 and n rows per pair, at most
+    k per token; with one node per token (n = k) it is exact."""
+    fewest, most = node_copies_per_token(shape)
+    if views == 1:
+        return shape.tokens * fewest, shape.tokens * most
+    if most > 1:
+        return shape.tokens * fewest, shape.tokens * shape.topk
+    width = shape.latent or shape.hidden
+    cheaper = views_are_cheaper(shape.topk, views, width, shape.dtype_bytes, weight_bytes)
+    rows = shape.tokens * (views if cheaper else shape.topk)
+    return rows, rows
 
 
 def dispatch_bytes(variant: str, dispatcher: str, shape: CommShape) -> CommVolume:
