@@ -217,12 +217,12 @@ def model_from_preset(preset: str, **overrides: Any) -> ModelSection:
 def _check_extra(values: Mapping[str, Any]) -> None:
     """`extra` goes to MVMoETransformerConfig as keyword arguments: names must exist, and
     must not be fields this section models itself."""
-    from megatron_mvmoe.config import MVMoETransformerConfig
+    from megatron_mvmoe.mla_config import MVMoEMLATransformerConfig  # the widest config
 
     ours = sorted(set(values) & set(_MEGATRON_TO_RUN))
     require(not ours, "model.extra", f"{ours} are modelled by the model section",
             "set " + ", ".join(_MEGATRON_TO_RUN[name] for name in ours) + " instead")
-    known = {f.name for f in dataclasses.fields(MVMoETransformerConfig)}
+    known = {f.name for f in dataclasses.fields(MVMoEMLATransformerConfig)}
     unknown = sorted(set(values) - known)
     require(not unknown, "model.extra", f"unknown MVMoETransformerConfig field(s) {unknown}",
             "use names of megatron.core TransformerConfig fields (e.g. moe_aux_loss_coeff)")

@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.mla_config import megatron_config_class
 from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
 from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
@@ -92,7 +93,10 @@ def transformer_config(shape: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
                                                   bitnet=shape.bitnet.enabled)))
     kwargs.update(_routing(shape))
     kwargs.update(shape.extra)
-    return MVMoETransformerConfig(**kwargs)
+    config_class = megatron_config_class(kwargs)  # MLA's config with multi_latent_attention
+    if config_class is not MVMoETransformerConfig:
+        kwargs["rotary_base"] = shape.rotary_base  # MLA's own RoPE (GPTModel builds none)
+    return config_class(**kwargs)
 
 
 def decoder_block_spec(config: MVMoETransformerConfig, vp_stage: Optional[int] = None):

@@ -14,7 +14,15 @@ Design choices:
   our layers receive their process groups from it like Megatron's own MoELayer does. Specs
   of either form are read and rebuilt through `layers/builders.py` only.
 - Without TransformerEngine the local backend is used; its torch norm refuses sequence
-  parallelism, so with SP on every `WrappedTorchNorm` slot becomes `SequenceParallelTorchNorm`.
+  parallelism, so with SP on every `WrappedTorchNorm` slot becomes `SequenceParallelTorchNorm`,
+  the attention's QK norms included (`--qk-layernorm`: q/k norms of standard attention see
+  this rank's heads, MLA's q/kv latent norms this rank's sequence slice; either way the
+  replicated weights' grads are partial sums that finalize_model_grads all-reduces over TP).
+- Attention is Megatron's: standard attention or, with `config.multi_latent_attention`
+  (mla_config.py), MLASelfAttention, both chosen by `get_gpt_decoder_block_spec`; on the
+  local backend MLA is `LocalMLASelfAttention` with `MLADotProductAttention` (two fixes of
+  Megatron's local MLA: its core attention cannot take MLA's head widths, and with TP > 1
+  its RoPE-key gradient is never summed over TP; layers/local_mla.py).
 - BitNet (`config.bitnet.enabled`): the finished block goes through `maybe_bitnet_spec`, so
   attention, dense MLPs, experts and shared experts use the Bit linears; our latent, view and
   MH-MoE head/merge projections quantize themselves from the config. Routers, embeddings and
@@ -28,7 +36,9 @@ from dataclasses import replace
 from typing import Optional
 
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -40,10 +50,12 @@ from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.variants import Variant, get_variant
 from megatron_mvmoe.layers.latent_moe import LatentMoELayer
+from megatron_mvmoe.layers.local_mla import LocalMLASelfAttention, MLADotProductAttention
 from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
 from megatron_mvmoe.layers.norm import SequenceParallelTorchNorm
 
 _LAYER_NORM_SLOTS = ("input_layernorm", "pre_cross_attn_layernorm", "pre_mlp_layernorm")
+_ATTENTION_NORM_SLOTS = ("q_layernorm", "k_layernorm", "kv_layernorm")
 
 
 def use_transformer_engine() -> bool:
@@ -57,12 +69,15 @@ def build_decoder_block_spec(config, vp_stage: Optional[int] = None,
     if isinstance(config, MVMoETransformerConfig):  # a plain TransformerConfig is stock smoe
         config.validate_mvmoe()  # the final config (switches may have been set after init)
     use_te = _choose_te(config, use_te)
+    _check_attention(config, use_te)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, vp_stage=vp_stage)
     layer_specs = [_swap_moe_slot(spec, config) for spec in block.layer_specs]
     block = replace(block, layer_specs=layer_specs)
     if config.sequence_parallel and not use_te:
         block = _sequence_parallel_norms(block)
+    if getattr(config, "multi_latent_attention", False) and not use_te:
+        block = _local_mla(block)
     return maybe_bitnet_spec(block, config)
 
 
@@ -75,6 +90,17 @@ def _choose_te(config, use_te: Optional[bool]) -> bool:
             "BitNet quantizes Megatron's local linears; TransformerEngine layers would stay "
             "full precision", "build the block with use_te=False (or leave it None)")
     return False
+
+
+def _check_attention(config, use_te: bool) -> None:
+    """What Megatron's local MLA cannot build, refused before the build (its own error
+    would come from deep inside MLASelfAttention)."""
+    if not getattr(config, "multi_latent_attention", False):
+        return
+    require(use_te or not config.qk_layernorm or config.q_lora_rank is not None,
+            "q_lora_rank", "--qk-layernorm with MLA and no q_lora_rank puts the query norm "
+            "inside linear_q_proj, which only TransformerEngine's fused norm+linear does",
+            "set --q-lora-rank (queries through a normalised latent) or drop --qk-layernorm")
 
 
 def _bitnet_enabled(config) -> bool:
@@ -141,7 +167,8 @@ def _swap_moe_slot(layer_spec: ModuleSpec, config) -> ModuleSpec:
 
 
 def _sequence_parallel_norms(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
-    """Every WrappedTorchNorm slot (block and layers) -> SequenceParallelTorchNorm."""
+    """Every WrappedTorchNorm slot (block, layers, attention QK norms) ->
+    SequenceParallelTorchNorm."""
     def swap(norm):
         return SequenceParallelTorchNorm if norm is WrappedTorchNorm else norm
 
@@ -150,4 +177,35 @@ def _sequence_parallel_norms(block: TransformerBlockSubmodules) -> TransformerBl
         changes = {slot: swap(getattr(spec.submodules, slot)) for slot in _LAYER_NORM_SLOTS
                    if hasattr(spec.submodules, slot)}
         layer_specs.append(replace(spec, submodules=replace(spec.submodules, **changes)))
-    return replace(block, layer_specs=layer_specs, layer_norm=swap(block.layer_norm))
+    block = replace(block, layer_specs=layer_specs, layer_norm=swap(block.layer_norm))
+    return _swap_attention_slots(block, _ATTENTION_NORM_SLOTS, swap)
+
+
+def _local_mla(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
+    """MLA layers of the local backend: LocalMLASelfAttention with MLADotProductAttention
+    (layers/local_mla.py: what Megatron's local MLA gets wrong and why)."""
+    def swap(core):
+        return MLADotProductAttention if core is DotProductAttention else core
+
+    block = _swap_attention_slots(block, ("core_attention",), swap)
+    layer_specs = [replace(spec, submodules=replace(spec.submodules, self_attention=replace(
+        spec.submodules.self_attention, module=LocalMLASelfAttention)))
+        if spec.submodules.self_attention.module is MLASelfAttention else spec
+        for spec in block.layer_specs]
+    return replace(block, layer_specs=layer_specs)
+
+
+def _swap_attention_slots(block: TransformerBlockSubmodules, slots, swap):
+    """Each layer's self-attention spec with `swap` applied to those of `slots` it has
+    (new spec objects; Megatron's shared ones untouched)."""
+    layer_specs = []
+    for spec in block.layer_specs:
+        attention = spec.submodules.self_attention
+        submodules = getattr(attention, "submodules", None)
+        if submodules is not None:
+            changes = {slot: swap(getattr(submodules, slot)) for slot in slots
+                       if hasattr(submodules, slot)}
+            attention = replace(attention, submodules=replace(submodules, **changes))
+        layer_specs.append(replace(spec, submodules=replace(spec.submodules,
+                                                            self_attention=attention)))
+    return replace(block, layer_specs=layer_specs)

@@ -96,6 +96,28 @@ FLAGS: List[Flag] = [
     Flag("--vocab-size", "model", "vocab_size", int, "padded vocabulary size"),
     Flag("--seq-length", "model", "seq_length", int, "sequence length"),
     Flag("--rotary-base", "model", "rotary_base", int, "RoPE base (default 10000)"),
+    # --- attention: Megatron-Core's MLA and QK norm (mla_config.py; Megatron-LM's defaults)
+    Flag("--multi-latent-attention", "model", "extra.multi_latent_attention", None,
+         "Megatron-Core's multi-latent attention (MLASelfAttention) in every layer, any "
+         "variant", const=True),
+    Flag("--q-lora-rank", "model", "extra.q_lora_rank", int,
+         "MLA: rank of the query latent (default none: queries projected directly)"),
+    Flag("--kv-lora-rank", "model", "extra.kv_lora_rank", int,
+         "MLA: rank of the shared key/value latent (default 32)"),
+    Flag("--qk-head-dim", "model", "extra.qk_head_dim", int,
+         "MLA: query/key head width without the RoPE part (default 128)"),
+    Flag("--qk-pos-emb-head-dim", "model", "extra.qk_pos_emb_head_dim", int,
+         "MLA: RoPE part of the query/key head width (default 64)"),
+    Flag("--v-head-dim", "model", "extra.v_head_dim", int, "MLA: value head width (default 128)"),
+    Flag("--rope-type", "model", "extra.rope_type", str,
+         "rope|yarn: MLA's rotary embedding (default yarn); standard attention is rope"),
+    Flag("--rotary-scaling-factor", "model", "extra.rotary_scaling_factor", float,
+         "MLA YaRN scaling factor (default 1.0)"),
+    Flag("--mscale", "model", "extra.mscale", float, "MLA YaRN mscale (default 1.0)"),
+    Flag("--mscale-all-dim", "model", "extra.mscale_all_dim", float,
+         "MLA YaRN mscale_all_dim (default 0.0)"),
+    Flag("--qk-layernorm", "model", "extra.qk_layernorm", None,
+         "norm the queries and keys (MLA: its q/kv latents) in every layer", const=True),
     # --- Megatron TransformerConfig fields, passed through (Megatron's names and meaning)
     Flag("--moe-router-load-balancing-type", "model", "extra.moe_router_load_balancing_type",
          str, "aux_loss|seq_aux_loss|global_aux_loss|sinkhorn|none (default: aux_loss for "

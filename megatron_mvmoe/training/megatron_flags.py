@@ -85,10 +85,6 @@ UNSUPPORTED: Dict[str, Tuple[str, str]] = {
                      "--bf16"),
     "--num-layers-per-virtual-pipeline-stage": (
         "virtual stages are given by count here", "--virtual-pipeline-model-parallel-size N"),
-    "--multi-latent-attention": ("MLA is not wired into our decoder-block spec",
-                                 "standard attention with --num-query-groups"),
-    "--qk-layernorm": ("QK layer norm is not wired into our decoder-block spec",
-                       "drop the flag"),
     "--per-split-data-args-path": ("data arguments come from flags here",
                                    "--train-data-path/--valid-data-path/--test-data-path"),
     "--data-args-path": ("data arguments come from flags here", "--data-path"),

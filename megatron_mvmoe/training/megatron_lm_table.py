@@ -81,8 +81,6 @@ NOTED: Dict[str, str] = {
 
 # Refused with their own reason (unless given with Megatron-LM's default).
 REFUSED: Dict[str, tuple] = {
-    "--rotary-scaling-factor": ("RoPE scaling (YaRN / Llama-3 style) is not wired",
-                                "drop the flag (plain RoPE with --rotary-base)"),
     "--use-rope-scaling": ("RoPE scaling (Llama-3 style) is not wired",
                            "drop the flag (plain RoPE with --rotary-base)"),
     "--calculate-per-token-loss": (
@@ -107,8 +105,9 @@ GROUP_REFUSALS: Dict[str, tuple] = {
     "biencoder": ("biencoder/retrieval models are not implemented", "drop the flag"),
     "Logits Distillation": ("distillation is not implemented", "drop the flag"),
     "sft": ("SFT datasets are not wired (pretraining data only)", "drop the flag"),
-    "mla": ("multi-latent attention is not wired into our decoder-block spec",
-            "standard attention with --num-query-groups"),
+    "mla": ("MLA latent caching serves Megatron's inference backend and the fused down "
+            "projection needs TransformerEngine", "drop the flag (--multi-latent-attention "
+                                                  "runs without it)"),
     "experimental_attention_variant": ("attention variants are not wired", "drop the flag"),
     "heterogeneous architecture": ("heterogeneous layer configs are not implemented",
                                    "one layer shape (--num-layers, --hidden-size, ...)"),

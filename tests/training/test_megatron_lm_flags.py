@@ -95,13 +95,13 @@ def _refusals(argv):
 
 
 def test_refusals_of_a_line_come_in_one_pass():
-    text = _refusals(["--model-preset", "tiny_smoe", "--q-lora-rank", "32", "--fp16",
+    text = _refusals(["--model-preset", "tiny_smoe", "--cache-mla-latents", "--fp16",
                       "--frobnicate", "--normalization", "LayerNorm", "--train-samples",
-                      "100", "--global-batch-size", "8", "--rotary-scaling-factor", "40"])
+                      "100", "--global-batch-size", "8", "--use-rope-scaling"])
     lines = text.splitlines()
     assert lines[0] == "6 flags refused:", text
-    for name in ("--q-lora-rank", "--fp16", "--frobnicate", "--normalization",
-                 "--train-samples 100", "--rotary-scaling-factor"):
+    for name in ("--cache-mla-latents", "--fp16", "--frobnicate", "--normalization",
+                 "--train-samples 100", "--use-rope-scaling"):
         assert any(line.strip().startswith(name) for line in lines[1:]), (name, text)
     assert "--train-samples 96 or 104" in text
 
