@@ -1,0 +1,433 @@
+"""MVMoEForCausalLM: a megatron_mvmoe checkpoint as a transformers model (trust_remote_code).
+
+Legend: B batch, S query positions, K key positions, D hidden size, H attention heads,
+G key/value groups, C head dim, T tokens (B*S), E experts, R routing heads (= views),
+N slots per token (top-k), L width an expert sees (D, D/heads for MH-MoE, or the latent size).
+
+Design choices:
+- Imports only torch, transformers and the sibling files the exporter copies from
+  megatron_mvmoe/functional/ (routing.py, mixing.py, quantize.py): the routing, view mixing
+  and BitNet math are the very functions the training layers call, not a re-derivation.
+- Parameter names are Megatron-Core's under `model.` (`model.decoder.layers.<i>.mlp....`),
+  with the LM head as `lm_head`: export and import are renames, bit for bit.
+- Megatron's fused QKV ([G, H/G + 2, C] rows per group) and SwiGLU fc1 ([gate; up]) stay
+  fused: BitNet's absmean scale spans exactly the matrix Megatron quantizes.
+- Megatron's TopKRouter (smoe, latent, the MH-MoE inner router) is written out here (softmax
+  over the top-k logits, or sigmoid + expert bias normalised over the selection); the
+  Multi-Router and Multi-View routing use functional's select_topk / gates / mixing_weights.
+- Experts run on one row per (token, slot): the token itself, its latent z = P h, or its
+  Multi-View blend (functional.mixing.blend_views); gated outputs are summed per token in
+  Megatron's expert-major order.
+- A DynamicCache serves generate(); padding masks are honoured. Dropout never exists
+  (the trainer uses none).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_mvmoe import MVMoEConfig
+from .mixing import blend_views, mixing_weights
+from .quantize import bitlinear_input, quantize_weight_ste
+from .routing import gates, multi_router_logits, select_topk, sigmoid_scores, sum_over_routers
+
+
+def _bits(config: MVMoEConfig) -> Optional[int]:
+    return config.bitnet_activation_bits if config.bitnet else None
+
+
+class Linear(nn.Module):
+    """Bias-free linear, weight [out, in]; a BitNet b1.58 linear when `bits` is set."""
+
+    def __init__(self, in_size: int, out_size: int, bits: Optional[int] = None,
+                 input_norm: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_size, in_size))
+        self.bits, self.input_norm = bits, input_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bits is None:
+            return F.linear(x, self.weight)
+        return F.linear(bitlinear_input(x, self.bits, self.input_norm),
+                        quantize_weight_ste(self.weight))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, base: float):
+    """Megatron's RotaryEmbedding (rotary_percent 1, not interleaved): cos, sin [B, 1, S, C]."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=position_ids_BS.device) / head_dim))
+    freqs_BSc = position_ids_BS.float().unsqueeze(-1) * inv_freq
+    emb_BSC = torch.cat((freqs_BSc, freqs_BSc), dim=-1)
+    return emb_BSC.cos().unsqueeze(1), emb_BSC.sin().unsqueeze(1)
+
+
+class SelfAttention(nn.Module):
+    """Megatron's SelfAttention: fused QKV in query-group order, RoPE, causal softmax."""
+
+    def __init__(self, config: MVMoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.groups = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bits, norm = _bits(config), config.bitnet_input_norm
+        qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
+        self.linear_qkv = Linear(config.hidden_size, qkv_rows, bits, norm)
+        self.linear_proj = Linear(self.heads * self.head_dim, config.hidden_size, bits, norm)
+
+    def forward(self, x_BSD, cos, sin, mask_B1SK, cache) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        per_group = self.heads // self.groups
+        qkv = self.linear_qkv(x_BSD).view(b, s, self.groups, per_group + 2, self.head_dim)
+        q_BHSC = qkv[:, :, :, :per_group].reshape(b, s, self.heads, -1).transpose(1, 2)
+        k_BGSC = qkv[:, :, :, per_group].transpose(1, 2)
+        v_BGSC = qkv[:, :, :, per_group + 1].transpose(1, 2)
+        q_BHSC = q_BHSC * cos + rotate_half(q_BHSC) * sin
+        k_BGSC = k_BGSC * cos + rotate_half(k_BGSC) * sin
+        if cache is not None:
+            k_BGSC, v_BGSC = cache.update(k_BGSC, v_BGSC, self.layer_idx)
+        k_BHKC = k_BGSC.repeat_interleave(per_group, dim=1)
+        v_BHKC = v_BGSC.repeat_interleave(per_group, dim=1)
+        scores = torch.matmul(q_BHSC, k_BHKC.transpose(2, 3)) / (self.head_dim ** 0.5)
+        scores = scores.masked_fill(~mask_B1SK, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores.float(), dim=-1).to(q_BHSC.dtype)
+        out_BSX = torch.matmul(probs, v_BHKC).transpose(1, 2).reshape(b, s, -1)
+        return self.linear_proj(out_BSX)
+
+
+class SwiGLU(nn.Module):
+    """Megatron's MLP with gated_linear_unit: fc1 = [gate; up] rows, silu(gate) * up, fc2."""
+
+    def __init__(self, in_size: int, width: int, config: MVMoEConfig) -> None:
+        super().__init__()
+        bits, norm = _bits(config), config.bitnet_input_norm
+        self.linear_fc1 = Linear(in_size, 2 * width, bits, norm)
+        self.linear_fc2 = Linear(width, in_size, bits, norm)
+
+    def forward(self, x: torch.Tensor, scale_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`scale_T`: the routing gates, applied after the activation as Megatron does."""
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        if scale_T is not None:
+            hidden = hidden * scale_T.unsqueeze(-1)
+        return self.linear_fc2(hidden)
+
+
+class Experts(nn.Module):
+    """Megatron's SequentialMLP (`experts.local_experts.<e>`), run on per-slot rows."""
+
+    def __init__(self, width_in: int, config: MVMoEConfig) -> None:
+        super().__init__()
+        self.local_experts = nn.ModuleList(
+            SwiGLU(width_in, config.moe_intermediate_size, config)
+            for _ in range(config.num_experts))
+
+    def forward(self, rows_TNL, topk_idx_TN, gates_TN) -> torch.Tensor:
+        """sum over slots of expert(row, gate), accumulated expert by expert."""
+        out_TL = rows_TNL.new_zeros(rows_TNL.shape[0], rows_TNL.shape[2])
+        for expert_id, expert in enumerate(self.local_experts):
+            token_ids, slot_ids = torch.where(topk_idx_TN == expert_id)
+            if token_ids.numel() == 0:
+                continue
+            y = expert(rows_TNL[token_ids, slot_ids], gates_TN[token_ids, slot_ids])
+            out_TL.index_add_(0, token_ids, y)
+        return out_TL
+
+
+class TopKRouter(nn.Module):
+    """Megatron's TopKRouter forward (topk_routing_with_score_function, unfused)."""
+
+    def __init__(self, width_in: int, config: MVMoEConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, width_in))
+        self.topk = config.num_experts_per_tok
+        self.score_function = config.router_score_function
+        self.pre_softmax = config.router_pre_softmax
+        self.scaling = config.router_topk_scaling_factor
+        if config.router_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x_TD: torch.Tensor):
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if self.score_function == "softmax":
+            if self.pre_softmax:
+                probs, idx = torch.topk(torch.softmax(logits_TE, dim=-1), self.topk, dim=1)
+            else:
+                top, idx = torch.topk(logits_TE, self.topk, dim=1)
+                probs = torch.softmax(top, dim=-1)
+        else:
+            scores_TE = torch.sigmoid(logits_TE)
+            choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
+            idx = torch.topk(choice_TE, self.topk, dim=1).indices
+            probs = scores_TE.gather(1, idx)
+            if self.topk > 1:
+                probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling:
+            probs = probs * self.scaling
+        return idx, probs.to(x_TD.dtype), None
+
+
+class MultiRouter(nn.Module):
+    """megatron_mvmoe's MultiRouter: R sigmoid heads summed after the sigmoid (Eq. 2-4)."""
+
+    def __init__(self, config: MVMoEConfig) -> None:
+        super().__init__()
+        self.num_routers, self.num_experts = config.num_routers, config.num_experts
+        self.weight = nn.Parameter(torch.empty(self.num_routers * self.num_experts,
+                                               config.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        self.gate_scale = (nn.Parameter(torch.full((config.num_experts,), config.gate_scale))
+                           if config.learned_gate_scale else float(config.gate_scale))
+        self.topk, self.eps = config.num_experts_per_tok, config.normalizer_eps
+        self.num_views = config.num_views
+
+    def forward(self, x_TD: torch.Tensor):
+        weight_RED = self.weight.view(self.num_routers, self.num_experts, -1)
+        scores_TRE = sigmoid_scores(multi_router_logits(x_TD, weight_RED, torch.float32))
+        summed_TE = sum_over_routers(scores_TRE)
+        idx_TN = select_topk(summed_TE, self.expert_bias, self.topk)
+        gates_TN = gates(summed_TE, idx_TN, self.gate_scale, self.eps, self.num_routers)
+        mix_TNR = mixing_weights(scores_TRE, idx_TN) if self.num_views > 1 else None
+        return idx_TN, gates_TN.to(x_TD.dtype), mix_TNR
+
+
+class ViewProjection(nn.Module):
+    """fc1_latent_proj of the Multi-View layer: view 0 = P h, view m = (P + gamma dP_m) h."""
+
+    def __init__(self, config: MVMoEConfig) -> None:
+        super().__init__()
+        shape_LD = (config.latent_size, config.hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape_LD))
+        self.view_perturbations = nn.Parameter(torch.empty(config.num_views - 1, *shape_LD))
+        self.bits, self.input_norm = _bits(config), config.bitnet_input_norm
+
+    def forward(self, x_TD: torch.Tensor, gamma: float) -> torch.Tensor:
+        """views_TRL (views.projections.MultiViewProjection's arithmetic)."""
+        num_views, latent = self.view_perturbations.shape[0] + 1, self.weight.shape[0]
+        if self.bits is not None:
+            x_TD = bitlinear_input(x_TD, self.bits, self.input_norm)
+            weights = torch.cat([self.weight.unsqueeze(0),
+                                 self.weight.unsqueeze(0) + gamma * self.view_perturbations])
+            quantized_XD = torch.stack([quantize_weight_ste(w) for w in weights]).flatten(0, 1)
+            return F.linear(x_TD, quantized_XD).unflatten(-1, (num_views, latent))
+        backbone_T1L = F.linear(x_TD, self.weight).unsqueeze(-2)
+        perturb_TX = F.linear(x_TD, self.view_perturbations.reshape(-1, x_TD.shape[-1]))
+        perturb_TML = perturb_TX.unflatten(-1, (num_views - 1, latent))
+        return torch.cat([backbone_T1L, backbone_T1L + gamma * perturb_TML], dim=-2)
+
+
+class MoE(nn.Module):
+    """Routed experts on D (smoe), on a latent L (latent, multi_router) or on Multi-View
+    blends (multi_view), plus the optional shared expert on the full hidden state."""
+
+    def __init__(self, config: MVMoEConfig, width_in: Optional[int] = None,
+                 shared: bool = True) -> None:
+        super().__init__()
+        variant = config.moe_variant
+        width_in = width_in or config.hidden_size
+        self.latent = variant in ("latent", "multi_router", "multi_view")
+        self.multi_view = variant == "multi_view"
+        self.gamma = config.gamma
+        bits, norm = _bits(config), config.bitnet_input_norm
+        if self.multi_view:
+            self.register_buffer("gamma_ramp_state", torch.tensor(
+                [config.gamma_ramp_steps, config.gamma_step], dtype=torch.int64))
+        self.router = (MultiRouter(config) if variant in ("multi_router", "multi_view")
+                       else TopKRouter(width_in, config))
+        expert_width = config.latent_size if self.latent else width_in
+        self.experts = Experts(expert_width, config)
+        if self.latent:
+            self.fc1_latent_proj = (ViewProjection(config) if self.multi_view else
+                                    Linear(config.hidden_size, config.latent_size, bits, norm))
+            self.fc2_latent_proj = Linear(config.latent_size, config.hidden_size, bits, norm)
+        self.shared_experts = None
+        if shared and config.shared_expert_intermediate_size:
+            self.shared_experts = SwiGLU(config.hidden_size,
+                                         config.shared_expert_intermediate_size, config)
+
+    def expert_rows(self, x_TD, idx_TN, mix_TNR) -> torch.Tensor:
+        """rows_TNL: what the expert of each slot sees."""
+        t, n = idx_TN.shape
+        if self.multi_view:
+            views_TRL = self.fc1_latent_proj(x_TD, self.gamma)
+            if mix_TNR is None:
+                return views_TRL[:, :1, :].expand(t, n, views_TRL.shape[-1])
+            return blend_views(views_TRL, mix_TNR)
+        rows_TL = self.fc1_latent_proj(x_TD) if self.latent else x_TD
+        return rows_TL.unsqueeze(1).expand(t, n, rows_TL.shape[-1])
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        idx_TN, gates_TN, mix_TNR = self.router(x_TD)
+        out = self.experts(self.expert_rows(x_TD, idx_TN, mix_TNR), idx_TN, gates_TN)
+        if self.latent:
+            out = self.fc2_latent_proj(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_TD)
+        return out
+
+
+class MultiHeadMoE(nn.Module):
+    """MH-MoE (layers/multi_head_moe.py): head projection, H sub-tokens of D/H through a
+    stock SMoE (`moe.`), concatenate, merge projection, + shared expert on full D."""
+
+    def __init__(self, config: MVMoEConfig) -> None:
+        super().__init__()
+        self.heads = config.mh_num_heads
+        bits, norm, d = _bits(config), config.bitnet_input_norm, config.hidden_size
+        self.head = Linear(d, d, bits, norm) if config.mh_head_projection else None
+        self.moe = MoE(config, width_in=d // self.heads, shared=False)
+        self.merge = Linear(d, d, bits, norm) if config.mh_merge_projection else None
+        self.shared_experts = (SwiGLU(d, config.shared_expert_intermediate_size, config)
+                               if config.shared_expert_intermediate_size else None)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        y_TD = self.head(x_TD) if self.head is not None else x_TD
+        t, d = y_TD.shape
+        y_TD = self.moe(y_TD.reshape(t * self.heads, d // self.heads)).reshape(t, d)
+        if self.merge is not None:
+            y_TD = self.merge(y_TD)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD
+
+
+def build_mlp(config: MVMoEConfig, layer_idx: int) -> nn.Module:
+    if config.mlp_layer_types[layer_idx] == "dense":
+        return SwiGLU(config.hidden_size, config.intermediate_size, config)
+    if config.moe_variant == "mh_moe":
+        return MultiHeadMoE(config)
+    return MoE(config)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MVMoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attention = SelfAttention(config, layer_idx)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = build_mlp(config, layer_idx)
+
+    def forward(self, x_BSD, cos, sin, mask_B1SK, cache) -> torch.Tensor:
+        x_BSD = x_BSD + self.self_attention(self.input_layernorm(x_BSD), cos, sin, mask_B1SK,
+                                            cache)
+        h_BSD = self.pre_mlp_layernorm(x_BSD)
+        return x_BSD + self.mlp(h_BSD.reshape(-1, h_BSD.shape[-1])).view_as(h_BSD)
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: MVMoEConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: MVMoEConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MVMoEPreTrainedModel(PreTrainedModel):
+    config_class = MVMoEConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DecoderLayer"]
+    _supports_cache_class = True
+
+    def _init_weights(self, module):
+        """Weights always come from the exported checkpoint; fresh ones get N(0, 0.02)."""
+        for name, param in module.named_parameters(recurse=False):
+            if name == "weight" and isinstance(module, RMSNorm):
+                nn.init.ones_(param)
+            elif name != "gate_scale":
+                nn.init.normal_(param, 0.0, 0.02)
+
+
+def attention_mask_B1SK(attention_mask_BK, b, s, k, past, device) -> torch.Tensor:
+    """Causal (query i sees keys <= past + i) and padding (0 in attention_mask) mask."""
+    query_pos_S1 = torch.arange(past, past + s, device=device).unsqueeze(1)
+    causal_SK = torch.arange(k, device=device).unsqueeze(0) <= query_pos_S1
+    mask = causal_SK.view(1, 1, s, k).expand(b, 1, s, k)
+    if attention_mask_BK is not None:
+        mask = mask & attention_mask_BK[:, None, None, -k:].bool()
+    return mask
+
+
+class MVMoEModel(MVMoEPreTrainedModel):
+    def __init__(self, config: MVMoEConfig) -> None:
+        super().__init__(config)
+        self.embedding = Embedding(config)
+        self.decoder = Decoder(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embedding.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embedding.word_embeddings = value
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None, **kwargs):
+        b, s = input_ids.shape
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=input_ids.device).expand(b, s)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        mask = attention_mask_B1SK(attention_mask, b, s, past + s, past, input_ids.device)
+        x_BSD = self.embedding.word_embeddings(input_ids)
+        for layer in self.decoder.layers:
+            x_BSD = layer(x_BSD, cos, sin, mask, past_key_values)
+        return self.decoder.final_layernorm(x_BSD), past_key_values
+
+
+class MVMoEForCausalLM(MVMoEPreTrainedModel, GenerationMixin):
+    def __init__(self, config: MVMoEConfig) -> None:
+        super().__init__(config)
+        self.model = MVMoEModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embedding.word_embeddings
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                past_key_values=None, use_cache=None, labels=None, logits_to_keep=0,
+                **kwargs) -> CausalLMOutputWithPast:
+        hidden_BSD, cache = self.model(input_ids, attention_mask, position_ids,
+                                       past_key_values, use_cache)
+        if logits_to_keep:
+            hidden_BSD = hidden_BSD[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_BSD)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                   labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
