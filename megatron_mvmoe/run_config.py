@@ -181,6 +181,10 @@ class TrainingSection:
     warm_start_new_heads: str = "fresh"
     """Routing heads 1..R-1 of a warm start: fresh (own initialisation, the paper) or copy
     (copies of the baseline head: the first forward equals the baseline's)."""
+    moe_use_upcycling: bool = False
+    """`warm_start_from` is a DENSE checkpoint whose weights are upcycled into this MoE model
+    (models/upcycling.py: Megatron-Core's mapping for smoe, the zero-padded identity for the
+    latent variants); Megatron-LM's --moe-use-upcycling, whose --load is that checkpoint."""
     # --- fault tolerance: NaN/inf, checkpoint retention, preemption (README "Long runs")
     skip_nonfinite: bool = False
     """On a NaN/inf loss or gradient norm (checked on every rank before the optimizer step),
@@ -260,6 +264,10 @@ class RunConfig:
         _require(t.warm_start_new_heads in WARM_START_NEW_HEADS, "training.warm_start_new_heads",
                  f"unknown {t.warm_start_new_heads!r}",
                  f"use one of {WARM_START_NEW_HEADS} (--warm-start-new-heads)")
+        _require(not t.moe_use_upcycling or t.warm_start_from is not None,
+                 "training.moe_use_upcycling", "no dense checkpoint to upcycle from",
+                 "pass --warm-start-from <dense checkpoint> (or Megatron-LM's --load <dense "
+                 "checkpoint> with --moe-use-upcycling on a launch line)")
         _require(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
                  "training.override_opt_param_scheduler",
                  "both --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "

@@ -151,6 +151,14 @@ class _Loop:
     def warm_start(self) -> None:
         t = self.run.training
         reports = warm_start(self.trainer, t.warm_start_from, t.warm_start_new_heads)
+        if t.moe_use_upcycling:
+            self.log.line(f"upcycled the dense checkpoint {t.warm_start_from} "
+                          f"({reports[0].mapping} mapping): "
+                          f"{sum(len(r.copied) for r in reports)} tensors copied, "
+                          f"{sum(len(r.experts) for r in reports)} expert tensors from the "
+                          f"dense MLPs, {sum(len(r.kept) for r in reports)} kept at init "
+                          "(routers); step 0, fresh optimizer")
+            return
         heads = sum(len(r.router_head0) for r in reports)
         self.log.line(f"warm start from {t.warm_start_from} (new heads: "
                       f"{t.warm_start_new_heads}): {sum(len(r.copied) for r in reports)} "
@@ -315,8 +323,8 @@ def pretrain(run: RunConfig, pg_collection,
     resolve_tokenizer(run)  # the tokenizer fixes the vocabulary (Megatron-LM conventions)
     shape = run.model
     run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
-    if run.training.warm_start_from is not None:
-        check_target(shape)  # before any weight is built
+    if run.training.warm_start_from is not None:  # before any weight is built
+        check_target(shape, run.training.moe_use_upcycling)
     on_step = memory_hook(run, on_step)  # fit check before building; memory/rank<R>.json
     # One writer per --save (refused with the holder's name), and this rank's record for
     # the job-end summary (rank_reports.py), written only while the lock is held.

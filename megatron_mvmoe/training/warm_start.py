@@ -9,6 +9,10 @@ weights through dist-checkpointing (so a baseline saved at any TP/PP/EP layout r
 `models.warm_start.warm_start_multi_view` (router head 0 + new heads fresh|copy, gamma
 ramps restart at step 0) -> refresh the optimizer's main parameters from the model.
 
+Upcycling (`training.moe_use_upcycling`, Megatron-LM's --moe-use-upcycling): the same
+steps with a DENSE checkpoint, mapped by `models.upcycling.upcycle_chunk` (Megatron-Core's
+`upcycle_state_dict` for smoe; the zero-padded identity for the latent variants).
+
 Design choices:
 - Both models live at the same layout on the same process groups, so every local shard of
   the baseline has the local shape of its target counterpart: the mapping is per rank,
@@ -22,6 +26,7 @@ Design choices:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Dict, List
 
@@ -35,11 +40,16 @@ from megatron_mvmoe.checkpointing.weights import model_sharded_state_dict, set_m
 from megatron_mvmoe.models.build import model_config
 from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.provider import build_model_chunks
+from megatron_mvmoe.models.upcycling import upcycle_chunk, upcycle_problems
 from megatron_mvmoe.models.warm_start import WarmStartReport, warm_start_multi_view
 from megatron_mvmoe.run_config import RunConfig, saved_config_from_dict
 from megatron_mvmoe.training.build import Trainer
 
 TARGET_VARIANTS = ("multi_view", "multi_router")
+UPCYCLE_VARIANTS = ("smoe", "latent", "multi_router", "multi_view")
+# A dense checkpoint and its upcycled MoE model share everything but the MLPs.
+_UPCYCLE_SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads",
+                          "num_query_groups", "vocab_size")
 # ModelSection fields that must agree between baseline and target (everything the latent
 # backbone's parameters are made of); routers and views are what the warm start adds.
 _SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -47,8 +57,17 @@ _SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query
                   "moe_shared_expert_intermediate_size", "latent_size", "vocab_size")
 
 
-def check_target(shape: ModelSection) -> None:
-    """The run's own model must have routers to warm start (checked before building)."""
+def check_target(shape: ModelSection, upcycling: bool = False) -> None:
+    """The run's own model must have routers to warm start, or (upcycling) be an MoE variant
+    a dense model can be upcycled into (checked before building)."""
+    if upcycling:
+        if shape.moe_variant not in UPCYCLE_VARIANTS:
+            raise ValueError(
+                f"training.moe_use_upcycling: this run's model.moe_variant is "
+                f"{shape.moe_variant!r}; a dense model upcycles into one of "
+                f"{UPCYCLE_VARIANTS} (mh_moe experts see D/H-wide sub-tokens, so none can "
+                "hold the dense MLP). Fix: choose one of those variants")
+        return
     if shape.moe_variant not in TARGET_VARIANTS:
         raise ValueError(f"training.warm_start_from: this run's model.moe_variant is "
                          f"{shape.moe_variant!r}; the warm start maps a latent baseline into "
@@ -63,22 +82,49 @@ def has_checkpoint(path: str) -> bool:
 
 
 def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartReport]:
-    """Collective: load the baseline at `path` into the trainer's model (see module doc)."""
-    check_target(trainer.shape)
+    """Collective: load the baseline at `path` into the trainer's model (see module doc);
+    with `training.moe_use_upcycling` the checkpoint is dense and is upcycled instead."""
+    upcycling = trainer.run.training.moe_use_upcycling
+    check_target(trainer.shape, upcycling)
     directory = _baseline_directory(path)
     meta = ckpt_dir.read_run_state(directory)
     baseline_run = _baseline_run(meta, trainer.run)
-    check_baseline(baseline_run.model, trainer.shape, directory)
+    if upcycling:
+        check_dense_source(baseline_run.model, trainer.shape, directory, trainer.run.parallel)
+        baseline_run.parallel = dataclasses.replace(baseline_run.parallel, ep=1, etp=1)
+    else:
+        check_baseline(baseline_run.model, trainer.shape, directory)
     with torch.random.fork_rng(devices=[]):
         baseline_chunks = _load_baseline(baseline_run, trainer.pg_collection, directory)
     reports = []
     with torch.no_grad():
         for source, target in zip(baseline_chunks, trainer.unwrapped()):
-            reports.append(warm_start_multi_view(target, source.state_dict(), new_heads))
+            reports.append(upcycle_chunk(target, source, trainer.shape.moe_variant)
+                           if upcycling else
+                           warm_start_multi_view(target, source.state_dict(), new_heads))
         # bf16 runs keep fp32 main copies inside the optimizer: refresh them from the model
         # (fp32 runs share the storage; the call is then a no-op copy).
         trainer.optimizer.reload_model_params()
     return reports
+
+
+def check_dense_source(dense: ModelSection, target: ModelSection, directory: str,
+                       parallel) -> None:
+    """ValueError naming every field in which the dense checkpoint cannot be upcycled into
+    the target (models/upcycling.upcycle_problems, the shared backbone fields, and the
+    expert TP size: each rank maps its own TP shard of the dense MLP into its experts, which
+    only fits when the experts are split the same way)."""
+    problems = [f"{name}: checkpoint {getattr(dense, name)!r} vs this run "
+                f"{getattr(target, name)!r}" for name in _UPCYCLE_SHARED_FIELDS
+                if getattr(dense, name) != getattr(target, name)]
+    problems += upcycle_problems(dense, target)
+    if parallel.tp > 1 and parallel.etp != parallel.tp:
+        problems.append(f"parallel.etp: {parallel.etp} with tp {parallel.tp}: each rank holds "
+                        "a TP shard of the dense MLP; use --expert-tensor-parallel-size "
+                        f"{parallel.tp}, or upcycle at tp 1 and reshard the saved checkpoint")
+    if problems:
+        raise ValueError(f"training.moe_use_upcycling {directory}: the dense checkpoint "
+                         "cannot be upcycled into this model; " + "; ".join(problems))
 
 
 def check_baseline(baseline: ModelSection, target: ModelSection, directory: str) -> None:
