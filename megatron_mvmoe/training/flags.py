@@ -270,6 +270,11 @@ FLAGS: List[Flag] = [
     Flag("--warm-start-new-heads", "training", "warm_start_new_heads", str,
          "fresh|copy: routing heads 1..R-1 of a warm start keep their own init (fresh) or "
          "copy the baseline head (copy: the first forward equals the baseline's)"),
+    Flag("--moe-use-upcycling", "training", "moe_use_upcycling", None,
+         "upcycle a DENSE checkpoint into this MoE model (Megatron-Core's mapping for smoe, "
+         "the zero-padded identity for latent/multi_router/multi_view): from --warm-start-from, "
+         "or, Megatron-LM's way, from --load (then --save is resumed once it holds a "
+         "checkpoint)", const=True),
     Flag("--seed", "training", "seed", int, "random seed"),
     Flag("--precision", "training", "precision", str, "auto (bf16 on GPU, fp32 on CPU)|bf16|fp32"),
     Flag("--bf16", "training", "precision", None, "Megatron-LM's switch for --precision bf16",

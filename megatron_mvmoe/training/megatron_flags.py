@@ -97,8 +97,6 @@ UNSUPPORTED: Dict[str, Tuple[str, str]] = {
     "--squared-relu": ("MLPs are SwiGLU", "drop the flag"),
     "--apply-layernorm-1p": ("normalization is RMSNorm", "drop the flag"),
     "--moe-layer-recompute": ("MoE recompute is not wired", "--recompute-granularity"),
-    "--moe-use-upcycling": ("upcycling is not wired",
-                            "--warm-start-from (latent baseline -> Multi-View)"),
     "--vocab-extra-ids": ("extra ids are not added to tokenizers here", "drop the flag"),
     "--no-persist-layer-norm": ("accepted by Megatron only with TE", "drop the flag"),
     "--legacy-tokenizer": ("tokenizers are built from local files by this package",

@@ -9,6 +9,8 @@ Megatron-LM does:
 - `--lr-warmup-fraction` is that fraction of the decay length (Megatron-LM's
   `lr_warmup_fraction * lr_decay_steps`);
 - `--distributed-timeout-minutes` is the collective timeout in minutes.
+- `--moe-use-upcycling --load D --save S` upcycles the dense checkpoint D: it becomes
+  --warm-start-from D --load S (a relaunch resumes S).
 
 - a Megatron-LM style line (no --config, no --model-preset) gets Megatron-LM's defaults
   where a flag is absent: without --swiglu Megatron-LM builds GeLU MLPs, without
@@ -90,7 +92,18 @@ def apply_conversions(raw: Dict[str, Any], args: argparse.Namespace) -> List[str
     minutes = given(args, "--distributed-timeout-minutes")
     if minutes is not None:
         _section(raw, "parallel")["distributed_timeout_seconds"] = 60.0 * minutes
+    _upcycling_source(training)
     return problems
+
+
+def _upcycling_source(training: Dict[str, Any]) -> None:
+    """Megatron-LM's --moe-use-upcycling reads the dense checkpoint from --load and writes
+    the MoE run to --save: here that is --warm-start-from <load> with --load <save>, so the
+    same line upcycles on the first launch and resumes the MoE run on a relaunch."""
+    if training.get("moe_use_upcycling") and training.get("warm_start_from") is None \
+            and training.get("load") is not None:
+        training["warm_start_from"] = training["load"]
+        training["load"] = training.get("save")
 
 
 def _warmup_fraction(fraction: float, training: Dict, optimizer: Dict,
