@@ -156,6 +156,9 @@ def _start_shards(trainer: Trainer, tmp: str, state: ResumeState, background: bo
     extra = {"async_sharded_save": True, "async_strategy": "mcore"} if background else {}
     request = dist_checkpointing.save(_sharded_state_dict(trainer, False, optimizer_format),
                                       tmp, **extra)
+    # Only after Megatron's save started: it takes a non-empty directory for an earlier,
+    # incomplete checkpoint ("Overwriting old incomplete / corrupted checkpoint...").
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
     return request, _run_state(trainer, state, optimizer_format)
 
@@ -214,7 +217,7 @@ def _prepare(trainer: Trainer, root: str, state: ResumeState, background: bool =
     if dist.get_rank() == 0:
         tmp = os.path.join(root, f".tmp_{name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(tmp)  # empty: Megatron's save checks that (see _start_shards)
     dist.barrier()
     return name
 
