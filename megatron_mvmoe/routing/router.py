@@ -169,11 +169,13 @@ class MultiRouter(MegatronModule):
         if self.aux_loss_coeff("global_aux_loss") <= 0:
             self.global_tokens_per_expert = None
             self.ga_steps = None
+            self.global_aux_tokens_seen = None
             return
         self.register_buffer(
             "global_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
             persistent=False)
         self.register_buffer("ga_steps", torch.tensor(0.0), persistent=False)
+        self.register_buffer("global_aux_tokens_seen", torch.tensor(0.0), persistent=False)
 
     def reset_parameters(self) -> None:
         """Megatron's router init: config.init_method, then params_dtype; tagged for SP."""
@@ -319,6 +321,7 @@ class MultiRouter(MegatronModule):
         if self.global_tokens_per_expert is not None:
             self.global_tokens_per_expert.zero_()
             self.ga_steps.zero_()
+            self.global_aux_tokens_seen.zero_()
 
     def _losses_active(self) -> bool:
         return self.training and torch.is_grad_enabled()
@@ -392,8 +395,11 @@ class MultiRouter(MegatronModule):
         counts_E, local, total = _token_counts(map_TE, self.tp_dp_cp_group, self.topk, padded)
         self.global_tokens_per_expert += counts_E
         self.ga_steps += 1
-        averaged_E = self.global_tokens_per_expert / self.ga_steps
-        loss = load_balancing_loss(probs_TE, averaged_E, total, self.topk, coeff)
+        self.global_aux_tokens_seen += total
+        # f_i over every token counted in this global batch (upstream #7213/#7214; 0.19.2
+        # divides by ga_steps x this micro-batch's tokens): the loss divides by `total`
+        scaled_E = self.global_tokens_per_expert * (total / self.global_aux_tokens_seen)
+        loss = load_balancing_loss(probs_TE, scaled_E, total, self.topk, coeff)
         return loss, self.tp_dp_cp_group, True, local
 
     def _attach(self, activation, loss, num_local_tokens):
@@ -451,6 +457,7 @@ def _validate(config: MVMoETransformerConfig) -> None:
                f"allow at least moe_router_topk={config.moe_router_topk} experts: "
                f"group_topk x experts per group = {config.moe_router_group_topk} x "
                f"{per_group} is fewer")
+    validate_capacity(config)
     refuse(config.moe_input_jitter_eps is None, "moe_input_jitter_eps", "leave it None")
     refuse(not config.moe_router_force_load_balancing, "moe_router_force_load_balancing",
            "leave it False")
@@ -470,6 +477,22 @@ def _validate(config: MVMoETransformerConfig) -> None:
            "moe_router_topk_scaling_factor",
            f"set multi_view.gate_scale (alpha) instead, or make both equal ({scaling} != "
            f"{config.multi_view.gate_scale})")
+
+
+def validate_capacity(config) -> None:
+    """Padding to capacity needs C <= T: Megatron's drop-and-pad permute keeps at most the T
+    tokens of a rank per expert, and C = ceil(T*k/E * factor) exceeds T exactly when
+    factor * k > E (for every T), which fails there with a reshape error."""
+    factor = config.moe_expert_capacity_factor
+    if factor is None or not config.moe_pad_expert_input_to_capacity:
+        return
+    limit = config.num_moe_experts / config.moe_router_topk
+    if factor > limit:
+        raise ValueError(
+            f"moe_expert_capacity_factor: {factor} with moe_pad_expert_input_to_capacity pads "
+            f"every expert to more rows than a rank has tokens (factor x top-k > experts), "
+            f"which Megatron's drop-and-pad permute cannot hold. Fix: a factor <= "
+            f"{limit:g} (E / k), or moe_pad_expert_input_to_capacity=False")
 
 
 def _make_gate_scale(config: MVMoETransformerConfig):
