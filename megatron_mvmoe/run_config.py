@@ -351,6 +351,48 @@ def set_field(raw: Dict[str, Any], path: str, value: Any) -> None:
     node[name] = value
 
 
+def unset_field(config: RunConfig, path: str) -> None:
+    """`--unset section.field`: the field as if neither the YAML, nor the preset, nor a flag
+    had set it, i.e. its own default (for an optional field None, which means "derive it":
+    e.g. model.vocab_size then comes from the tokenizer). A key of `model.extra` is removed
+    (Megatron's TransformerConfig default applies). In place; unknown paths are refused
+    naming the fields there."""
+    *parents, name = path.split(".")
+    node: Any = config
+    for i, part in enumerate(parents):
+        node = _child(node, part, ".".join(parents[:i]) or "run config", path)
+    if isinstance(node, dict):
+        _require(name in node, f"--unset {path}", f"{name!r} is not set in {'.'.join(parents)}",
+                 f"use one of {sorted(node)}" if node else "drop --unset " + path)
+        del node[name]
+        return
+    fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(
+        node) else {}
+    _require(name in fields, f"--unset {path}", f"no field {name!r} in "
+             f"{'.'.join(parents) or 'the run config'}",
+             f"use one of {', '.join('.'.join(parents + [f]) for f in sorted(fields))}")
+    spec = fields[name]
+    _require(not dataclasses.is_dataclass(getattr(node, name)), f"--unset {path}",
+             "is a section, not a field", f"unset its fields, e.g. {path}.<field>")
+    _require(spec.default is not dataclasses.MISSING or spec.default_factory is not
+             dataclasses.MISSING, f"--unset {path}", "has no default to fall back to",
+             "set it instead")
+    default = (spec.default_factory() if spec.default_factory is not dataclasses.MISSING
+               else spec.default)
+    setattr(node, name, default)
+
+
+def _child(node: Any, part: str, where: str, path: str) -> Any:
+    if isinstance(node, dict) and part in node:
+        return node[part]
+    names = ([f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node)
+             else sorted(node) if isinstance(node, dict) else [])
+    _require(part in names, f"--unset {path}", f"no section or field {part!r} in {where}",
+             f"use a dotted field as --help shows it ([section.field]), e.g. "
+             "model.vocab_size")
+    return getattr(node, part)
+
+
 def saved_config_from_dict(raw: Dict[str, Any]) -> RunConfig:
     """A config stored by this or an earlier version (a checkpoint's run_state.json, a run
     directory's config.yaml): fields since removed are dropped, model fields of earlier

@@ -82,8 +82,9 @@ def resolve_tokenizer(run: "RunConfig"):
                                          run.parallel.tp)
     elif m.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size: {m.vocab_size} is below the tokenizer's "
-                         f"{tokenizer.vocab_size}. Fix: drop --vocab-size (it is then the "
-                         "tokenizer's, padded) or raise it")
+                         f"{tokenizer.vocab_size}. Fix: drop --vocab-size, or --unset "
+                         "model.vocab_size when the YAML or the preset sets it (it is then the "
+                         "tokenizer's, padded), or raise it")
     return tokenizer
 
 

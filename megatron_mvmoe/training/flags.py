@@ -21,7 +21,8 @@ import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from megatron_mvmoe.models.presets import PRESETS
-from megatron_mvmoe.run_config import RunConfig, config_from_dict, read_yaml, set_field
+from megatron_mvmoe.run_config import (RunConfig, config_from_dict, read_yaml, set_field,
+                                       unset_field)
 from megatron_mvmoe.training import megatron_flags, megatron_lm_rules, megatron_lm_table
 
 
@@ -334,6 +335,10 @@ def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.Ar
         "megatron_lm_flags.json): accepted with a note, or refused with the reason and what "
         "to use instead (megatron_lm_table.py); all refusals of a line are reported at once.")
     parser.add_argument("--config", help="run config YAML (examples/*.yaml); flags override it")
+    parser.add_argument("--unset", action="append", default=[], metavar="SECTION.FIELD",
+                        help="drop a field the YAML or the preset sets, as if never given "
+                        "(its default; None = derived, e.g. --unset model.vocab_size takes "
+                        "the tokenizer's vocabulary); repeatable")
     for flag in FLAGS:
         parser.add_argument(flag.name, default=None, help=f"{flag.help} [{flag.section}."
                             f"{flag.field}]", **_argument_kind(flag))
@@ -474,15 +479,24 @@ def _parse(argv, parser) -> tuple:
     return args, flag_problems(args, unknown, known)
 
 
+def _unset_conflicts(args: argparse.Namespace) -> List[str]:
+    """--unset of a field that a flag of the same line sets."""
+    return [f"--unset {path}: {flag.name} sets it on the same line. Fix: keep one of them"
+            for path in args.unset for flag in FLAGS
+            if f"{flag.section}.{flag.field}" == path and getattr(args, _dest(flag)) is not None]
+
+
 def config_from_args(argv: Optional[Sequence[str]] = None,
                      parser: Optional[argparse.ArgumentParser] = None) -> RunConfig:
     """YAML (if --config) then flag overrides, validated field by field."""
     args, problems = _parse(argv, parser)
     raw = read_yaml(args.config) if args.config else {}
-    problems += _apply(raw, args)  # every refusal of the line in one error
+    problems += _apply(raw, args) + _unset_conflicts(args)  # every refusal in one error
     if problems:
         raise refusal_error(problems)
     config = config_from_dict(raw)
+    for path in args.unset:
+        unset_field(config, path)
     config.validate()
     if os.environ.get("RANK", "0") == "0":
         for note in compat_notes(args):
