@@ -14,6 +14,8 @@ Design choices:
   under BitNet). Without TE, Megatron's torch norm refuses sequence parallelism, so the
   MTP layer's three norms (enorm, hnorm, final layer norm) become
   `SequenceParallelTorchNorm` exactly like the decoder block's.
+- Pipeline parallelism on CPU is refused: the MTP stage's embedding copy is synced by
+  Megatron with a `.cuda()` call (one line naming it; TP and EP run).
 - BitNet: the MTP layer's eh_proj is a Column-parallel linear and is quantized like every
   other linear of the block (`maybe_bitnet_spec`); the shared embedding and LM head stay
   full precision.
@@ -31,6 +33,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_mvmoe import platform
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
 from megatron_mvmoe.layers.norm import SequenceParallelTorchNorm
 
@@ -69,6 +72,13 @@ def build_mtp_block_spec(config, block: TransformerBlockSubmodules,
     stage), from the stage's finished decoder-block spec `block`."""
     if not config.mtp_num_layers:
         return None
+    if config.pipeline_model_parallel_size > 1 and not platform.is_cuda():
+        raise ValueError(
+            "mtp_num_layers: with pipeline parallelism the MTP stage keeps a copy of the word "
+            "embedding that Megatron-Core 0.19.2 syncs from the first stage with "
+            "weight.data.cuda() (models/common/language_module/language_module.py:306), which "
+            "needs CUDA. Fix: on CPU use --pipeline-model-parallel-size 1 with MTP (TP/EP "
+            "work), or run on GPUs")
     if not block.layer_specs:
         raise ValueError(
             "mtp_num_layers: the last pipeline stage holds no decoder layer to copy into the "

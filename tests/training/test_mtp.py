@@ -146,3 +146,28 @@ def test_mtp_at_tp2_sp_ep2(data_dir, tmp_path):
     assert all(math.isfinite(x) for x in out["losses"])
     record = _records(tmp_path / "run")[-1]
     assert abs(record["mtp_1_loss"] - math.log(512)) < 0.5, record
+
+
+def test_mtp_resume_is_bit_identical(data_dir, tmp_path):
+    """The MTP layers (with the variant's MoE layer) go through dist-checkpointing: resuming
+    at step 2 gives steps 3-4 of the uninterrupted run bit for bit."""
+    def raw(**training):
+        r = tiny_run(data_dir, preset="tiny_multi_view", train_iters=4, eval_iters=0,
+                     **training)
+        r["model"]["extra"] = {"mtp_num_layers": 1}
+        return r
+
+    full = train(raw(save=str(tmp_path / "ckpt"), save_interval=2), 1)["losses"]
+    resumed = train(raw(load=str(tmp_path / "ckpt"), ckpt_step=2), 1)
+    assert resumed["first_step"] == 3 and resumed["losses"] == full[2:], (full, resumed)
+
+
+def test_mtp_with_pipeline_parallelism_on_cpu_is_refused(data_dir):
+    from megatron_mvmoe.testing.spawn import DistributedTestError
+
+    raw = tiny_run(data_dir, preset="tiny_smoe", parallel={"pp": 2}, train_iters=3,
+                   eval_iters=0)
+    raw["model"]["extra"] = {"mtp_num_layers": 1}
+    with pytest.raises(DistributedTestError, match=r"mtp_num_layers: with pipeline "
+                                                   r"parallelism .* weight.data.cuda\(\)"):
+        train(raw, 2)
