@@ -49,6 +49,10 @@ def _built(rank, world_size, cases):
             "router": [type(getattr(layer.mlp, "router", None)).__name__ for layer in mtp],
             "decoder_router": type(getattr(chunks[0].decoder.layers[-1].mlp, "router",
                                            None)).__name__}
+    shape = model_from_preset("tiny_multi_view", extra={"mtp_num_layers": 1},
+                              bitnet={"enabled": True})
+    chunk = build_model_chunks(transformer_config(shape), shape, pgs)[0]
+    out["bitnet_eh_proj"] = type(chunk.mtp.layers[0].eh_proj).__name__
     return out
 
 
@@ -61,6 +65,7 @@ def test_mtp_layers_use_the_variant_moe_and_planner_counts_them():
         assert parameter_counts(shape)["total"] == got["count"], (name, layers)
         assert got["mlp"] == [MOE_CLASS[name]] * layers, got
         assert got["router"] == [got["decoder_router"]] * layers, got  # the variant's router
+    assert built["bitnet_eh_proj"] == "BitColumnParallelLinear"  # quantized like the block
     # naive: one MTP layer = 3 norms + eh_proj [D, 2D] + one more decoder layer
     base, one = (model_from_preset("tiny_multi_view", extra={"mtp_num_layers": n})
                  for n in (0, 1))
