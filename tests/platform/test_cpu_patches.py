@@ -12,10 +12,10 @@ import torch
 PROBE = r"""
 import json, warnings
 warnings.filterwarnings("ignore")
-from megatron_mvmoe.platform.cpu_patches import PATCHES, apply_cpu_patches
-before = {p.name: p.still_needed() for p in PATCHES}
+from megatron_mvmoe.platform.cpu_patches import ALL_PATCHES, apply_cpu_patches
+before = {p.name: p.still_needed() for p in ALL_PATCHES}
 applied = apply_cpu_patches()
-after = {p.name: p.still_needed() for p in PATCHES}
+after = {p.name: p.still_needed() for p in ALL_PATCHES}
 again = apply_cpu_patches()
 print(json.dumps({"before": before, "after": after, "applied": applied, "again": again}))
 """
@@ -75,7 +75,7 @@ def test_patches_dropped_for_0_19_2_stay_unneeded():
     assert facts == {"te_general_gemm defined": True, "is_te_min_version without TE": False}
 
 
-def _reinit_cycles(rank, world_size, cycles):
+def _reinit_cycles(rank, world_size, cycles, hold_references=False):
     import os
 
     from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
@@ -83,9 +83,11 @@ def _reinit_cycles(rank, world_size, cycles):
     def threads():
         return len(os.listdir(f"/proc/{os.getpid()}/task"))
 
-    counts = []
+    counts, held = [], []
     for _ in range(cycles):
-        initialize_layout(ParallelLayout(ep=2), training=False)
+        pg = initialize_layout(ParallelLayout(ep=2), training=False)
+        if hold_references:  # what a model, optimizer or test object left alive does
+            held.append(pg)
         destroy_layout()
         counts.append(threads())
     return counts
@@ -97,6 +99,60 @@ def test_reinitialising_parallel_state_50_times_keeps_thread_count_flat():
     for counts in run_distributed(_reinit_cycles, 2, timeout_s=240, args=(50,)):
         # unpatched, every cycle leaves ~30 gloo threads behind (1500 after 50 cycles)
         assert counts[-1] - counts[0] <= 2, counts
+
+
+def test_reinitialising_while_old_groups_are_referenced_keeps_thread_count_flat():
+    """The groups of every earlier cycle stay referenced (as a model built on them would
+    keep them): destroying them frees no gloo thread, so only reuse keeps the count flat."""
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    for counts in run_distributed(_reinit_cycles, 2, timeout_s=240, args=(30, True)):
+        # creating new groups each cycle: ~30 threads per cycle (900 after 30)
+        assert counts[-1] - counts[0] <= 2, counts
+
+
+def _groups_reused_rank(rank, world_size):
+    from megatron.core import parallel_state
+
+    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+
+    initialize_layout(ParallelLayout(ep=2), training=False)
+    first = parallel_state.get_expert_model_parallel_group()
+    destroy_layout()
+    initialize_layout(ParallelLayout(tp=2), training=False)
+    tp = parallel_state.get_tensor_model_parallel_group()
+    destroy_layout()
+    initialize_layout(ParallelLayout(ep=2), training=False)
+    again = parallel_state.get_expert_model_parallel_group()
+    value = torch.ones(1)
+    torch.distributed.all_reduce(value, group=again)
+    destroy_layout()
+    return again is first, tp.size(), first.size(), float(value)
+
+
+def test_pooled_groups_are_the_same_ranks_and_still_communicate():
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    for reused, tp_size, ep_size, summed in run_distributed(_groups_reused_rank, 2,
+                                                            timeout_s=120):
+        assert reused and tp_size == 2 and ep_size == 2 and summed == 2.0
+
+
+def test_indices_to_multihot_is_patched_where_it_is_defined():
+    """Megatron's own callers (and its tests) import the converter from
+    megatron.core.fusions.fused_indices_converter: the CPU version must be found there."""
+    from megatron_mvmoe.platform import apply_cpu_patches
+
+    apply_cpu_patches()
+    from megatron.core.fusions import fused_indices_converter
+    from megatron.core.transformer.moe import token_dispatcher
+
+    assert token_dispatcher.fused_indices_to_multihot is (
+        fused_indices_converter.fused_indices_to_multihot)
+    multihot_TN, probs_TN = fused_indices_converter.fused_indices_to_multihot(
+        torch.tensor([[1, -1]], dtype=torch.int32), torch.tensor([[0.5, 0.25]]), 3)
+    assert multihot_TN.tolist() == [[False, True, False]]
+    assert probs_TN.tolist() == [[0.0, 0.5, 0.0]]
 
 
 def test_indices_to_multihot_on_cpu_matches_a_loop():

@@ -1,0 +1,193 @@
+"""Run Megatron-LM's own MoE unit tests (tests/unit_tests/transformer/moe) on CPU with gloo,
+through our platform layer, and print passed/failed/skipped per file and failures by cause.
+
+    python tools/megatron_moe_tests.py --megatron-lm-src ~/src/Megatron-LM \\
+        [--ref core_r0.19.0 | --ref worktree] [--ranks 1 2] [--files test_routers.py ...] \\
+        [-k EXPR] [--per-test-timeout 120] [--file-timeout 1800] [--keep DIR] \\
+        [--skip-patch NAME ...] [--json]
+
+--megatron-lm-src is your Megatron-LM checkout (or a bare git directory). The tests are
+read at --ref with `git archive` (default core_r0.19.0, the release branch of the installed
+megatron-core 0.19.2; `--ref worktree` copies the checkout's files as they are) into a
+temporary directory, never into this repository.
+
+Between the tests and Megatron-Core sit only our platform layer
+(megatron_mvmoe/platform/cpu_patches.py) and a test-side adapter written into that
+temporary directory as a pytest plugin (megatron_mvmoe/testing/megatron_test_adapter.py):
+the tests' own `.cuda()`, `device="cuda"` and `torch.cuda.is_available()` mean the CPU, and
+their NCCL init runs on gloo. Megatron-Core's own CUDA calls are not adapted, so a failure
+caused by one is a platform gap.
+
+--compare BEFORE.json AFTER.json runs nothing: it prints the per-file counts of two
+earlier `--json` runs side by side (markdown; with --json one object holding both).
+
+--skip-patch leaves a named platform patch out (names: megatron_mvmoe.platform.cpu_patches
+.ALL_PATCHES), to count what it fixes.
+
+Each file runs at each rank count in its own processes (one per rank, launched like
+Megatron's CI: WORLD_SIZE / LOCAL_RANK / MASTER_PORT). A test passes at N ranks when it
+passes on every rank. The full run is slow on a small CPU box (all files at 1 and 2 ranks:
+about an hour on 2 cores); filter with --files / -k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from typing import List, Optional
+
+from megatron_mvmoe.analysis.tool_common import tool_parser
+from megatron_mvmoe.testing import megatron_suite as suite
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = tool_parser(__doc__)  # the whole docstring; a wrong flag is one line, exit 2
+    parser.add_argument("--megatron-lm-src", help="Megatron-LM checkout or git directory")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="two earlier --json outputs: print them side by side")
+    parser.add_argument("--ref", default=suite.DEFAULT_REF,
+                        help=f"git ref to read the tests at (default {suite.DEFAULT_REF}); "
+                             "'worktree' = the checkout's files")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--files", nargs="+", default=[],
+                        help="only these test files (e.g. test_routers.py)")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument("--per-test-timeout", type=float, default=120.0, metavar="S")
+    parser.add_argument("--file-timeout", type=float, default=1800.0, metavar="S",
+                        help="kill a file's ranks after this long")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="extract into DIR and keep it (logs per file and rank)")
+    parser.add_argument("--skip-patch", nargs="+", default=[], metavar="NAME",
+                        help="leave these platform patches out")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if not args.compare and not args.megatron_lm_src:
+        parser.error("--megatron-lm-src is required. Fix: pass your Megatron-LM checkout "
+                     "(or --compare BEFORE.json AFTER.json)")
+    from megatron_mvmoe.platform.cpu_patches import ALL_PATCHES
+
+    names = [p.name for p in ALL_PATCHES]
+    unknown = [n for n in args.skip_patch if n not in names]
+    if unknown:
+        parser.error(f"--skip-patch {unknown[0]!r}: no such patch. Fix: use one of {names}")
+    bad = [n for n in args.ranks if n < 1]
+    if bad:
+        parser.error(f"--ranks {bad[0]}: must be >= 1")
+    for name in ("per_test_timeout", "file_timeout"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be > 0")
+    return args
+
+
+def print_table(results: List[suite.FileResult], ranks: List[int]) -> None:
+    header = " | ".join(f"{n} rank{'s' * (n > 1)} pass/fail/skip" for n in ranks)
+    print(f"| file | {header} |")
+    print("|---|" + "---|" * len(ranks))
+    by_key = {(r.file, r.world_size): r for r in results}
+    for file in dict.fromkeys(r.file for r in results):
+        cells = []
+        for n in ranks:
+            r = by_key[(file, n)]
+            cells.append(f"{r.passed}/{r.failed}/{r.skipped}" + (" (killed)" if r.killed else ""))
+        print(f"| {os.path.basename(file)} | {' | '.join(cells)} |")
+    for n in ranks:
+        t = suite.totals([r for r in results if r.world_size == n])
+        print(f"total at {n} rank(s): {t['passed']} passed, {t['failed']} failed, "
+              f"{t['skipped']} skipped")
+        for cause, count in suite.causes([r for r in results if r.world_size == n]).most_common():
+            print(f"  {count:4d}  {cause}")
+
+
+def _load_run(path: str) -> dict:
+    try:
+        with open(path) as f:
+            run = json.load(f)
+        return {(os.path.basename(r["file"]), r["world_size"]): r for r in run["files"]}
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"--compare {path!r}: not a `--json` output of this tool ({err}). "
+                         "Fix: pass files written by `megatron_moe_tests.py --json`")
+
+
+def compare(before_path: str, after_path: str, as_json: bool) -> None:
+    """Per-file counts of two runs side by side."""
+    before, after = _load_run(before_path), _load_run(after_path)
+    ranks = sorted({n for _, n in after})
+    files = sorted({f for f, _ in after})
+    if as_json:
+        print(json.dumps(dict(before={f"{f}@{n}": v for (f, n), v in before.items()},
+                              after={f"{f}@{n}": v for (f, n), v in after.items()}), indent=1))
+        return
+    cells = " | ".join(f"{n} rank{'s' * (n > 1)} before | {n} rank{'s' * (n > 1)} after"
+                       for n in ranks)
+    print(f"| file (pass/fail/skip) | {cells} |")
+    print("|---|" + "---|" * (2 * len(ranks)))
+
+    def cell(run, key):
+        r = run.get(key)
+        return "-" if r is None else f"{r['passed']}/{r['failed']}/{r['skipped']}"
+
+    for f in files + ["total"]:
+        row = []
+        for n in ranks:
+            for run in (before, after):
+                if f == "total":
+                    rows = [v for (_, m), v in run.items() if m == n]
+                    row.append("/".join(str(sum(v[k] for v in rows))
+                                        for k in ("passed", "failed", "skipped")))
+                else:
+                    row.append(cell(run, (f, n)))
+        print(f"| {f} | {' | '.join(row)} |")
+
+
+def run(args: argparse.Namespace, tests_dir: str) -> List[suite.FileResult]:
+    ref = None if args.ref == "worktree" else args.ref
+    suite.extract_tests(args.megatron_lm_src, ref, tests_dir)
+    results = []
+    for test_file in suite.test_files(tests_dir, args.files):
+        for n in args.ranks:
+            result = suite.run_file(tests_dir, test_file, n, keyword=args.keyword,
+                                    per_test_timeout_s=args.per_test_timeout,
+                                    file_timeout_s=args.file_timeout,
+                                    skip_patches=args.skip_patch)
+            results.append(result)
+            if not args.json:
+                print(f"{os.path.basename(test_file)} at {n} rank(s): {result.passed} passed, "
+                      f"{result.failed} failed, {result.skipped} skipped ({result.wall_s} s)",
+                      flush=True)
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.compare:
+            compare(*args.compare, args.json)
+            return 0
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
+            results = run(args, os.path.abspath(args.keep))
+        else:
+            with tempfile.TemporaryDirectory(prefix="megatron_moe_tests_") as tests_dir:
+                results = run(args, tests_dir)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        by_ranks = {str(n): dict(totals=suite.totals([r for r in results if r.world_size == n]),
+                                 causes=dict(suite.causes(
+                                     [r for r in results if r.world_size == n]).most_common()))
+                    for n in args.ranks}
+        print(json.dumps(dict(ref=args.ref, ranks=args.ranks, keyword=args.keyword,
+                              skipped_patches=args.skip_patch,
+                              files=[asdict(r) for r in results], by_ranks=by_ranks), indent=1))
+    else:
+        print_table(results, args.ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
