@@ -1,0 +1,164 @@
+"""tools/import_hf.py: export -> import is bit-identical (our class and a stock class), the
+trainer resumes from the imported checkpoint at another layout, and bad input (an unknown
+variant, a missing shard, a layout that cannot be gathered, an HF config that does not
+match its weights) is one line naming the file or field, with nothing written."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_helpers import SIGMOID_SHARED, prefixes, train_checkpoint
+from megatron_mvmoe.testing.spawn import run_distributed
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(600)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prefixes(str(tmp_path_factory.mktemp("hf_data")))
+
+
+@pytest.fixture(scope="module")
+def multi_view(data, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("mv") / "ck")
+    return train_checkpoint(root, data, "tiny_multi_view")
+
+
+def _tool(name, *args):
+    return subprocess.run([sys.executable, f"tools/{name}.py", *args], env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _ok(name, *args):
+    proc = _tool(name, *args, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def _refused(name, *args):
+    proc = _tool(name, *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+def _weights(rank, world_size, roots):
+    from megatron_mvmoe.hf.export import read_checkpoint
+
+    return [read_checkpoint(root).state for root in roots]
+
+
+def _assert_bit_identical(a, b):
+    assert set(a) == set(b)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert different == [], different
+
+
+@pytest.mark.parametrize("flags", [[], SIGMOID_SHARED], ids=["mvmoe", "glm4_moe"])
+def test_export_import_is_bit_identical(data, multi_view, tmp_path, flags):
+    root = multi_view if not flags else train_checkpoint(str(tmp_path / "ck"), data,
+                                                         "tiny_smoe", flags)
+    out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
+    exported = _ok("export_hf", "--load", root, "--out", out)
+    assert exported["hf_class"] == ("MVMoEForCausalLM" if not flags else "Glm4MoeForCausalLM")
+    summary = _ok("import_hf", "--hf", out, "--save", imported,
+                  "--expert-model-parallel-size", "2")
+    assert summary["source_step"] == 3
+    original, back = run_distributed(_weights, 1, timeout_s=300, args=([root, imported],))[0]
+    _assert_bit_identical(original, back)
+
+
+def test_training_resumes_from_the_imported_checkpoint_at_ep2(data, multi_view, tmp_path):
+    from harness import train
+    from megatron_mvmoe.run_config import config_from_dict
+
+    out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
+    _ok("export_hf", "--load", multi_view, "--out", out)
+    _ok("import_hf", "--hf", out, "--save", imported)
+    with open(os.path.join(imported, "latest")) as fh:
+        state = json.load(open(os.path.join(imported, fh.read().strip(), "run_state.json")))
+    raw = state["config"]
+    raw["parallel"]["ep"] = 2
+    raw["training"].update(load=imported, save=None, train_iters=2, eval_iters=0,
+                           global_batch_size=4, micro_batch_size=2)
+    raw["data"].update(path=[data["tech"]], split="90,10,0")
+    config_from_dict(raw)  # the imported run config is a valid run
+    result = train(raw, 2)
+    assert result["first_step"] == 1 and len(result["losses"]) == 2
+    assert all(3.0 < loss < 8.0 for loss in result["losses"]), result["losses"]
+
+
+def test_unknown_variant_is_refused(multi_view, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "ck")
+    shutil.copytree(multi_view, root)
+    step_dir = os.path.join(root, open(os.path.join(root, "latest")).read().strip())
+    path = os.path.join(step_dir, "run_state.json")
+    state = json.load(open(path))
+    state["config"]["model"]["moe_variant"] = "mystery_moe"
+    json.dump(state, open(path, "w"))
+    line = _refused("export_hf", "--load", root, "--out", str(tmp_path / "hf"))
+    assert "moe_variant" in line and "Fix:" in line, line
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_missing_shard_is_refused(multi_view, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "ck")
+    shutil.copytree(multi_view, root)
+    step_dir = os.path.join(root, open(os.path.join(root, "latest")).read().strip())
+    shard = sorted(f for f in os.listdir(step_dir) if f.endswith(".distcp"))[0]
+    os.remove(os.path.join(step_dir, shard))
+    line = _refused("export_hf", "--load", root, "--out", str(tmp_path / "hf"))
+    assert shard in line and "Fix:" in line, line
+    assert not os.path.exists(tmp_path / "hf")
+    assert not [f for f in os.listdir(tmp_path) if ".partial-" in f]
+
+
+def test_layout_that_cannot_be_gathered_is_refused(multi_view, tmp_path):
+    """Several ranks: the export gathers on one process."""
+    from megatron_mvmoe.testing.spawn import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(free_port()), "tools/export_hf.py",
+                           "--load", multi_view, "--out", str(tmp_path / "hf")], env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "world size" in proc.stderr and "Fix: run it without torchrun" in proc.stderr
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_hf_config_that_does_not_match_is_refused(multi_view, tmp_path):
+    out = str(tmp_path / "hf")
+    _ok("export_hf", "--load", multi_view, "--out", out)
+    config = json.load(open(os.path.join(out, "config.json")))
+    config["megatron_mvmoe"]["latent_size"] = 16  # the weights are 32 wide
+    json.dump(config, open(os.path.join(out, "config.json"), "w"))
+    line = _refused("import_hf", "--hf", out, "--save", str(tmp_path / "imported"))
+    assert "linear_fc1.weight: shape (128, 32) but config.json gives (128, 16)" in line, line
+    assert "Fix:" in line
+    assert not os.path.exists(tmp_path / "imported")
+    config["hidden_size"] = 96
+    json.dump(config, open(os.path.join(out, "config.json"), "w"))
+    line = _refused("import_hf", "--hf", out, "--save", str(tmp_path / "imported"))
+    assert "config.json: hidden_size" in line, line
+
+
+def test_stock_config_field_we_do_not_express_is_refused(data, tmp_path):
+    root = train_checkpoint(str(tmp_path / "ck"), data, "tiny_smoe")
+    out = str(tmp_path / "hf")
+    _ok("export_hf", "--load", root, "--out", out)
+    config = json.load(open(os.path.join(out, "config.json")))
+    config["tie_word_embeddings"] = True
+    json.dump(config, open(os.path.join(out, "config.json"), "w"))
+    line = _refused("import_hf", "--hf", out, "--save", str(tmp_path / "imported"))
+    assert "config.json: tie_word_embeddings" in line, line
