@@ -136,6 +136,16 @@ _ARCHITECTURE = (
 )
 
 
+# Fields whose default here suits our presets but differs from Megatron-LM's parser default
+# (megatron_lm_flags.json); on a Megatron-LM style line the parser's default applies.
+# tests/training/test_megatron_lm_parity.py found each one against Megatron-LM's own parser.
+_PARSER_DEFAULTS = (("--attention-dropout", "attention_dropout"),
+                    ("--hidden-dropout", "hidden_dropout"),
+                    ("--moe-aux-loss-coeff", "moe_aux_loss_coeff"),
+                    ("--moe-router-dtype", "moe_router_dtype"),
+                    ("--attention-softmax-in-fp32", "attention_softmax_in_fp32"))
+
+
 def megatron_lm_style(args: argparse.Namespace) -> bool:
     """A launch line without our YAML or preset: Megatron-LM's defaults apply."""
     return not args.config and not args.model_preset
@@ -150,6 +160,7 @@ def apply_megatron_lm_defaults(raw: Dict[str, Any], args: argparse.Namespace) ->
                 f"supported. Use instead: add {flag}"
                 for dest, choice, flag in _ARCHITECTURE if getattr(args, dest) is None]
     model = _section(raw, "model")
+    problems += _parser_defaults(model, raw)
     hidden = model.get("hidden_size")
     if model.get("ffn_hidden_size") is None and hidden is not None:
         # Megatron-LM validate_args with --swiglu (required above): 2/3 of 4h, to 64.
@@ -161,6 +172,33 @@ def apply_megatron_lm_defaults(raw: Dict[str, Any], args: argparse.Namespace) ->
             data.get("merge_file"):
         data["tokenizer_type"] = "GPT2BPETokenizer"
     return problems
+
+
+def _parser_defaults(model: Dict[str, Any], raw: Dict[str, Any]) -> List[str]:
+    """Megatron-LM's parser defaults for absent flags (see _PARSER_DEFAULTS), its
+    dispatcher default for its own MoE (our latent variants need alltoall), and its
+    expert-tensor-parallel default (= --tensor-model-parallel-size), which gloo cannot run
+    (its all_gather of uneven token counts): refused on CPU, naming the flag."""
+    from megatron_mvmoe import platform
+    from megatron_mvmoe.training.megatron_lm_table import table
+
+    extra = model.setdefault("extra", {})
+    for flag, name in _PARSER_DEFAULTS:
+        extra.setdefault(name, table()[flag].default)
+    if model.get("moe_variant") in (None, "smoe"):
+        extra.setdefault("moe_token_dispatcher_type",
+                         table()["--moe-token-dispatcher-type"].default)
+    parallel = _section(raw, "parallel")
+    tp = parallel.get("tp") or 1
+    if parallel.get("etp") is not None or tp == 1 or not model.get("num_experts"):
+        return []
+    if not platform.is_cuda():
+        return [f"--expert-tensor-parallel-size not given: Megatron-LM then uses "
+                f"--tensor-model-parallel-size ({tp}): not supported on CPU/gloo (its "
+                "all_gather of uneven expert token counts). Use instead: add "
+                "--expert-tensor-parallel-size 1"]
+    parallel["etp"] = tp
+    return []
 
 
 def backend_problems(raw: Dict[str, Any]) -> List[str]:

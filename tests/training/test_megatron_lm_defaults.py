@@ -34,15 +34,16 @@ def test_absent_architecture_flags_are_refused_by_name_in_one_pass():
     with pytest.raises(ValueError) as err:
         flags.config_from_args(GPT3_MOE)
     lines = str(err.value).splitlines()
-    assert lines[0] == "4 flags refused:", err.value
+    assert lines[0] == "5 flags refused:", err.value
     for fix in ("add --swiglu", "add --normalization RMSNorm",
                 "add --position-embedding-type rope",
-                "add --untie-embeddings-and-output-weights"):
+                "add --untie-embeddings-and-output-weights",
+                "add --expert-tensor-parallel-size 1"):  # ETP = TP: not on gloo
         assert any(line.endswith(fix) for line in lines), (fix, err.value)
 
 
 def test_megatron_lm_defaults_fill_the_rest():
-    config = flags.config_from_args(GPT3_MOE + EXPLICIT)
+    config = flags.config_from_args(GPT3_MOE + EXPLICIT + ["--expert-tensor-parallel-size", "1"])
     m = config.model
     # Megatron-LM validate_args with --swiglu: int((4h * 2/3) / 64) * 64, by hand for h=512
     assert m.ffn_hidden_size == 1344 and m.moe_ffn_hidden_size == 1344
@@ -50,6 +51,13 @@ def test_megatron_lm_defaults_fill_the_rest():
     assert m.vocab_size is None and config.data.tokenizer_type == "GPT2BPETokenizer"
     assert config.optimizer.warmup_iters == 3200  # .01 x 320000 decay steps
     assert config.training.ckpt_optimizer_format == "fully_reshardable"
+    # Megatron-LM's parser defaults where ours differ (tests/training/test_megatron_lm_parity.py)
+    assert {k: m.extra[k] for k in ("attention_dropout", "hidden_dropout", "moe_aux_loss_coeff",
+                                    "moe_router_dtype", "attention_softmax_in_fp32",
+                                    "moe_token_dispatcher_type")} == {
+        "attention_dropout": 0.1, "hidden_dropout": 0.1, "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": None, "attention_softmax_in_fp32": False,
+        "moe_token_dispatcher_type": "allgather"}
 
 
 def test_our_presets_keep_their_values():

@@ -1,0 +1,189 @@
+"""Record what Megatron-LM's own argument parser builds from a Megatron-LM MoE launch line, so
+the suite can compare this trainer's model config with it field by field
+(tests/training/test_megatron_lm_parity.py).
+
+The line: Megatron-LM's GPT-3 MoE functional test
+`tests/functional_tests/test_cases/moe/gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel/
+model_config.yaml` at NVIDIA/Megatron-LM core_r0.19.0 (f8837c04ef6cbef6cdefb8de001aad63178aebbf),
+its MODEL_ARGS in order (`key: true` a bare switch, `${...}` paths replaced by placeholders),
+plus the four flags that make its architecture explicit (--swiglu, --normalization RMSNorm,
+--position-embedding-type rope, --untie-embeddings-and-output-weights): without them
+Megatron-LM builds GeLU / LayerNorm / learned positions / tied embeddings, which this trainer
+refuses by name (tests/training/test_megatron_lm_defaults.py).
+
+What runs: Megatron-LM's `megatron/training/arguments.py` (the copy shipped in the pinned
+megatron-core 0.19.2 wheel; with --mirror it is first checked byte for byte against the
+mirror's file at f8837c04): `parse_args`, `validate_args` and
+`core_transformer_config_from_args`, on this CPU machine, as a launch with WORLD_SIZE = 8
+(TP 2 x PP 2 x DP 2) and the test's CUDA_DEVICE_MAX_CONNECTIONS=1 would run them; then
+Megatron-LM's `get_optimizer_param_scheduler` on a torch Adam for the schedule. Two
+stand-ins for the GPU machine the test runs on, neither of which sets a field:
+`get_device_arch_version()` (it reads GPU 0) returns 9 (Hopper): validate_args uses it only
+to decide whether CUDA_DEVICE_MAX_CONNECTIONS must be 1 and which streams get priority; and
+TransformerEngine's fused RoPE counts as installed: the line keeps Megatron-LM's default
+apply_rope_fusion=True, and TransformerConfig.__post_init__ only checks that the kernel
+exists (it is never called here).
+
+Output: tests/assets/megatron_lm_parity/<test case>.json with the line, the source, every
+TransformerConfig field (JSON-able, activation by name), the model arguments outside
+TransformerConfig (position embedding, tying, vocabulary padding) and the scheduler's fields.
+
+Usage: .venv/bin/python tools/gen_megatron_lm_parity.py [--mirror DIR] [--check] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import enum
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+COMMIT = "f8837c04ef6cbef6cdefb8de001aad63178aebbf"
+CASE = "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel"
+CASE_PATH = f"tests/functional_tests/test_cases/moe/{CASE}/model_config.yaml"
+OUT = os.path.join(ROOT, "tests", "assets", "megatron_lm_parity", f"{CASE}.json")
+EXPLICIT = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights"]
+PLACEHOLDERS = {"${TENSORBOARD_PATH}": "TB", "${CHECKPOINT_SAVE_PATH}": "CK",
+                "${CHECKPOINT_LOAD_PATH}": "CK", "${DATA_PATH}": "DATA",
+                "${DATA_CACHE_PATH}": "CACHE"}
+MODEL_ARGS = ("position_embedding_type", "rotary_base", "rotary_percent",
+              "untie_embeddings_and_output_weights", "max_position_embeddings", "seq_length",
+              "make_vocab_size_divisible_by", "tokenizer_type", "micro_batch_size",
+              "global_batch_size", "train_iters", "data_parallel_size")
+SCHEDULER = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps",
+             "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps")
+
+
+def line_from_config(text: str) -> list:
+    """MODEL_ARGS of a functional-test model_config.yaml as a command line."""
+    import yaml
+
+    line = []
+    for flag, value in yaml.safe_load(text)["MODEL_ARGS"].items():
+        if value is True:
+            line.append(flag)
+        elif value is not False:
+            for placeholder, short in PLACEHOLDERS.items():
+                value = str(value).replace(placeholder, short)
+            line += [flag, str(value)]
+    return line
+
+
+def _git_show(mirror: str, path: str) -> str:
+    return subprocess.run(["git", "--git-dir", mirror, "show", f"{COMMIT}:{path}"],
+                          check=True, capture_output=True, text=True).stdout
+
+
+def check_installed_copy(mirror: str) -> None:
+    """The wheel's arguments.py is the mirror's at COMMIT (else the record is not of it)."""
+    import megatron.training.arguments as arguments
+
+    if open(arguments.__file__).read() != _git_show(mirror, "megatron/training/arguments.py"):
+        raise SystemExit(f"error: {arguments.__file__} differs from Megatron-LM {COMMIT[:8]}'s "
+                         "megatron/training/arguments.py. Fix: regenerate against the "
+                         "installed release and update COMMIT")
+
+
+def _jsonable(value):
+    if isinstance(value, enum.Enum):
+        return value.name
+    if callable(value) and hasattr(value, "__name__"):
+        return value.__name__
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:  # e.g. functools.partial(<function normal_ at 0x..>, std=0.02)
+        return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
+
+
+def _te_fused_rope_is_installed(*args, **kwargs):
+    raise AssertionError("only its presence is checked (TransformerConfig.__post_init__)")
+
+
+def megatron_lm_record(line: list) -> dict:
+    """Megatron-LM's parse_args -> validate_args -> core_transformer_config_from_args and
+    scheduler for `line` (see the module docstring)."""
+    import torch
+    from megatron.training import arguments, global_vars
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    os.environ.update(WORLD_SIZE="8", RANK="0", LOCAL_RANK="0",
+                      CUDA_DEVICE_MAX_CONNECTIONS="1")
+    from megatron.core.models.common.embeddings import rope_utils
+
+    arguments.get_device_arch_version = lambda: 9  # stand-in 1 (module docstring)
+    argv, sys.argv = sys.argv, ["pretrain_gpt.py", *line]
+    fused_rope = rope_utils.fused_apply_rotary_pos_emb
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its listing of every argument
+            args = arguments.parse_args()
+            arguments.validate_args(args, {})
+        if fused_rope is None:  # stand-in 2: TE's fused RoPE present, as on the test's GPUs
+            rope_utils.fused_apply_rotary_pos_emb = _te_fused_rope_is_installed
+        config = arguments.core_transformer_config_from_args(args)
+    finally:
+        sys.argv, rope_utils.fused_apply_rotary_pos_emb = argv, fused_rope
+    global_vars.set_args(args)
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
+    scheduler = get_optimizer_param_scheduler(adam)
+    return {"transformer_config": {f.name: _jsonable(getattr(config, f.name))
+                                   for f in dataclasses.fields(config)},
+            "model_args": {name: _jsonable(getattr(args, name)) for name in MODEL_ARGS},
+            "scheduler": {name: _jsonable(getattr(scheduler, name)) for name in SCHEDULER}}
+
+
+def build_record(mirror: str) -> dict:
+    config_text = _git_show(mirror, CASE_PATH)
+    line = line_from_config(config_text) + EXPLICIT
+    return {"source": f"NVIDIA/Megatron-LM {COMMIT} {CASE_PATH} MODEL_ARGS + {EXPLICIT}",
+            "parser": "megatron/training/arguments.py of megatron-core 0.19.2 (= the file at "
+                      f"{COMMIT[:8]}): parse_args, validate_args, "
+                      "core_transformer_config_from_args; training.get_optimizer_param_scheduler",
+            "world_size": 8, "line": line, **megatron_lm_record(line)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mirror", default="/work/.mirror/NVIDIA+Megatron-LM/repo",
+                        help="git directory of a NVIDIA/Megatron-LM clone holding " + COMMIT[:8])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if the committed record differs from a fresh one")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.mirror):
+        print(f"error: --mirror {args.mirror}: not a directory. Fix: fetch NVIDIA/Megatron-LM "
+              "and pass its git directory", file=sys.stderr)
+        return 2
+    import megatron_mvmoe  # noqa: F401  (its log filters: the record's run prints no noise)
+
+    check_installed_copy(args.mirror)
+    text = json.dumps(build_record(args.mirror), indent=1) + "\n"
+    if args.check:
+        same = os.path.isfile(OUT) and open(OUT).read() == text
+        print(json.dumps({"same": same}) if args.json else
+              ("record up to date" if same else "record differs: rerun without --check"))
+        return 0 if same else 1
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "w") as fh:
+        fh.write(text)
+    record = json.loads(text)
+    summary = {"out": os.path.relpath(OUT, ROOT), "fields": len(record["transformer_config"]),
+               "line_tokens": len(record["line"])}
+    print(json.dumps(summary) if args.json else f"{summary['fields']} TransformerConfig "
+          f"fields -> {summary['out']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
