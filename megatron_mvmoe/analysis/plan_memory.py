@@ -29,6 +29,14 @@ What Megatron allocates (read from megatron/core 0.19.2):
   fc1 weight's gradient while the layer's stacked fc2 is already freed: transient
   E I F elements. Otherwise the transient is two fp32 copies of the largest parameter (its
   gradient before DDP's hook adds it into main_grad; Adam's per-tensor denominator).
+- selective recompute (`recomputed_modules`, Megatron's rule): `core_attn` keeps only the
+  core attention's inputs, so the softmax output b h S^2 is dropped; `moe` runs the whole
+  MoELayer forward under `tensor_parallel.checkpoint` (every variant; MH-MoE: its inner
+  MoELayer), which keeps only the layer's input (the pre-MLP norm's output, already counted),
+  so `moe_layer_elements` (and, on the grouped CPU path, the stacked expert copies) are
+  dropped. One layer's dropped tensors are rebuilt at a time in the backward: that layer's
+  worth is added back as `recompute_transient`. Other modules and full granularity are not
+  modelled (counted as kept: an over-estimate).
 - checkpoint save (torch_dist, `filesystem_async.prepare_write_data`): before writing,
   every CPU tensor of this rank's share that is a view of a larger storage is cloned, all
   at once (`_clone_or_dequantize_if_needed`). With the distributed optimizer that is every
@@ -125,34 +133,71 @@ def attention_elements(m: ModelSection, t: int, b: int, tp: int, flash: bool) ->
     """Saved per layer and microbatch by the attention half (local spec, no dropout): the
     RMSNorm's input, normalised input and output (3 tD), the rotated queries, the keys and
     values repeated to all heads for GQA, the context and its [s, b, hD] copy (5 tD), and
-    the softmax output b h S^2 (flash attention keeps only its log-sum-exp)."""
-    D, h, S = m.hidden_size, m.num_attention_heads // tp, m.seq_length
-    scores = t * h if flash else b * h * S * S
-    return 3 * t * D + 5 * t * D / tp + scores
+    the softmax output (`attention_score_elements`)."""
+    D = m.hidden_size
+    return 3 * t * D + 5 * t * D / tp + attention_score_elements(m, t, b, tp, flash)
 
 
-def moe_elements(m: ModelSection, t: int, tp: int) -> float:
-    """Saved per layer and microbatch by the MLP half: the pre-MLP RMSNorm (3 tD); for MoE
-    the router (logits, scores, probabilities: 3 tE per router), the shared expert's fc1
-    output and activation (3 t Fs), the down-projected latent (tL), the Multi-View views
-    (t R L) and blends (t k L), and per routed slot (t k): the expert input after dispatch,
-    fc1 output (2F), activation (F) and the combined output scaled by its probability."""
+def attention_score_elements(m: ModelSection, t: int, b: int, tp: int, flash: bool) -> float:
+    """The softmax output b h S^2 (flash attention keeps only its log-sum-exp, t h)."""
+    h, S = m.num_attention_heads // tp, m.seq_length
+    return t * h if flash else b * h * S * S
+
+
+def moe_elements(m: ModelSection, t: int, tp: int, grouped: bool = False) -> float:
+    """Saved per layer and microbatch by the MLP half: the pre-MLP RMSNorm (3 tD), a dense
+    MLP's fc1 output and activation, or an MoE layer's `moe_layer_elements` (MH-MoE: plus
+    its shared expert, which runs outside the inner MoELayer)."""
     D = m.hidden_size
     base = 3 * t * D
     if not m.is_moe:
         return base + 3 * t * m.ffn_hidden_size / tp
+    outside = _shared_expert_elements(m, t, tp) if m.moe_variant == "mh_moe" else 0
+    return base + outside + moe_layer_elements(m, t, tp, grouped)
+
+
+def _shared_expert_elements(m: ModelSection, t: int, tp: int) -> float:
+    return 3 * t * (m.moe_shared_expert_intermediate_size or 0) / tp
+
+
+def moe_layer_elements(m: ModelSection, t: int, tp: int, grouped: bool = False) -> float:
+    """Saved inside MoELayer.forward (what `moe` recompute drops): the router (logits,
+    scores, probabilities: 3 tE per router and MH-MoE sub-token), the shared expert's fc1 output and activation
+    (3 t Fs; not MH-MoE's), the down-projected latent (tL), the Multi-View views (t R L) and
+    blends (t k L), and per routed slot (t k): the expert input after dispatch, fc1 output
+    (2F), activation (F) and the combined output scaled by its probability. `grouped`: the
+    grouped CPU experts (layers/grouped_experts.py) also keep SiLU's output and the
+    probability-scaled activation, 2F more per slot (counted at autograd's saved-tensor
+    hook, tests/layers/test_moe_recompute.py)."""
+    if not m.is_moe:
+        return 0.0
+    D = m.hidden_size
     k, F, E = m.moe_router_topk, m.moe_ffn_hidden_size, m.num_experts
     heads = max(1, m.multi_head.num_heads) if m.moe_variant == "mh_moe" else 1
     width = m.latent_size if m.is_latent else D // heads
     routers = m.multi_view.num_routers if m.is_latent else 1
-    shared = 3 * t * (m.moe_shared_expert_intermediate_size or 0) / tp
+    shared = 0 if m.moe_variant == "mh_moe" else _shared_expert_elements(m, t, tp)
     latent = 2 * t * width if m.is_latent else 0  # down-projected input, up-projection input
     views = 0.0
     if m.moe_variant == "multi_view":
         views = t * m.multi_view.num_views * width + t * k * width
     slots = t * k * heads
-    return (base + 3 * t * E * routers + shared + latent + views
-            + slots * (2 * width + 3 * F))
+    per_slot = 2 * width + (5 if grouped else 3) * F
+    return 3 * t * heads * E * routers + shared + latent + views + slots * per_slot
+
+
+def recomputed_modules(m: ModelSection) -> frozenset:
+    """The modules Megatron recomputes for this model (TransformerConfig.__post_init__,
+    transformer_config.py:1763 and :1835 in 0.19.2): recompute_modules defaults to
+    [core_attn] and counts only under selective granularity; moe_layer_recompute turns
+    selective on and adds moe. Full granularity is not modelled (empty set)."""
+    extra = m.extra
+    modules = set(extra.get("recompute_modules") or ["core_attn"])
+    granularity = extra.get("recompute_granularity")
+    if extra.get("moe_layer_recompute"):
+        granularity = "selective"
+        modules.add("moe")
+    return frozenset(modules) if granularity == "selective" else frozenset()
 
 
 def loss_elements(m: ModelSection, t: int, tp: int) -> float:
@@ -195,19 +240,31 @@ def activation_bytes(m: ModelSection, target: PlanTarget, stage: int, precision:
     b = target.micro_batch_size
     t = m.seq_length * b // lay.tp
     layers = m.num_layers // lay.pp
-    layer = attention_elements(m, t, b, lay.tp, n.flash_attention) + moe_elements(m, t, lay.tp)
+    recomputed = recomputed_modules(m)
+    attn_dropped = attention_score_elements(m, t, b, lay.tp, n.flash_attention) \
+        if "core_attn" in recomputed else 0.0
+    moe_dropped = moe_layer_elements(m, t, lay.tp, stacked) if "moe" in recomputed else 0.0
+    layer = (attention_elements(m, t, b, lay.tp, n.flash_attention)
+             + moe_elements(m, t, lay.tp, stacked) - attn_dropped - moe_dropped)
     per_mb = layer * layers * n.activation
     if stage == lay.pp - 1:
         per_mb += loss_elements(m, t, lay.tp) * n.activation
     flight = microbatches_in_flight(target, stage)
+    stacked_copies = 0.0
     if stacked:
         w = stacked_expert_elements(m, target)
-        per_mb += 4 * (w["fc1"] + w["fc2"]) * layers
+        stacked_copies = 4 * (w["fc1"] + w["fc2"])  # one layer's, kept until its backward
         transient = 4 * (w["fc1"] - w["fc2"])  # fc1's weight grad while fc2's copy is freed
     else:
         transient = 2 * 4 * stage_parameters(m, target, stage)["largest"]
+    moe_rebuilt = moe_dropped * n.activation
+    if moe_dropped:  # the stacked copies are made inside the recomputed forward
+        moe_rebuilt, stacked_copies = moe_rebuilt + stacked_copies, 0.0
+    per_mb += stacked_copies * layers
+    rebuilt = max(attn_dropped * n.activation, moe_rebuilt)  # one layer's, in its backward
     return {"per_microbatch": float(per_mb), "in_flight": float(flight),
-            "transient": float(transient), "activations": per_mb * flight + transient}
+            "transient": float(transient), "recompute_transient": float(rebuilt),
+            "activations": per_mb * flight + transient + rebuilt}
 
 
 def save_transient(m: ModelSection, target: PlanTarget, stage: int, precision: str,
@@ -238,6 +295,7 @@ def rank_memory(m: ModelSection, target: PlanTarget, stage: int, precision: str 
     act = activation_bytes(m, target, stage, precision, stacked)
     out.update(activations=act["activations"], activations_per_microbatch=act["per_microbatch"],
                microbatches_in_flight=act["in_flight"], step_transient=act["transient"],
+               recompute_transient=act["recompute_transient"],
                checkpoint_save_transient=save_transient(m, target, stage, precision,
                                                         distributed_optimizer, *writes),
                runtime=float(runtime), stacked_expert_weights=float(stacked))

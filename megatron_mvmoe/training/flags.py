@@ -155,6 +155,13 @@ FLAGS: List[Flag] = [
     Flag("--recompute-method", "model", "extra.recompute_method", str, "uniform|block"),
     Flag("--recompute-num-layers", "model", "extra.recompute_num_layers", int,
          "layers per recompute unit"),
+    Flag("--recompute-modules", "model", "extra.recompute_modules", str,
+         "with --recompute-granularity selective: Megatron's modules to recompute, e.g. moe "
+         "(the whole MoE layer of every variant), core_attn, shared_experts (default core_attn)",
+         nargs="+"),
+    Flag("--moe-layer-recompute", "model", "extra.moe_layer_recompute", None,
+         "recompute every MoE layer in the backward (Megatron's: selective granularity, adds "
+         "moe to --recompute-modules, whose default core_attn stays)", const=True),
     Flag("--mtp-num-layers", "model", "extra.mtp_num_layers", int,
          "multi-token prediction: Megatron-Core's MTP block of this many layers, each built "
          "with the variant's MoE layer"),

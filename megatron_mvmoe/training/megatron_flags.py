@@ -104,7 +104,6 @@ UNSUPPORTED: Dict[str, Tuple[str, str]] = {
     "--tp-comm-overlap": ("needs TransformerEngine userbuffers", "drop the flag"),
     "--squared-relu": ("MLPs are SwiGLU", "drop the flag"),
     "--apply-layernorm-1p": ("normalization is RMSNorm", "drop the flag"),
-    "--moe-layer-recompute": ("MoE recompute is not wired", "--recompute-granularity"),
     "--vocab-extra-ids": ("extra ids are not added to tokenizers here", "drop the flag"),
     "--no-persist-layer-norm": ("accepted by Megatron only with TE", "drop the flag"),
     "--legacy-tokenizer": ("tokenizers are built from local files by this package",
