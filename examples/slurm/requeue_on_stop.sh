@@ -7,7 +7,7 @@
 # the same command line, whose `--load $SAVE` resumes from that checkpoint. A crash, or a
 # stale marker of an earlier job or restart (deleted at start, and ignored by run id
 # anyway), is not requeued, so a broken run cannot loop; MAX_RESTARTS bounds requeues.
-# Either way megatron_mvmoe.launch.job_end prints one line after all tracebacks: why the
+# Either way megatron_mvmoe.training.job_end prints one line after all tracebacks: why the
 # job ended, which rank or node failed, and the --load/--ckpt-step to resume with.
 start_run() {
     export MVMOE_RUN_ID="${SLURM_JOB_ID:-local}.${SLURM_RESTART_COUNT:-0}"
@@ -16,7 +16,7 @@ start_run() {
 
 requeue_on_stop() {
     local status=$1 restarts=${SLURM_RESTART_COUNT:-0} ended=0
-    "${PYTHON:-python}" -m megatron_mvmoe.launch.job_end --save "$SAVE" --status "$status" \
+    "${PYTHON:-python}" -m megatron_mvmoe.training.job_end --save "$SAVE" --status "$status" \
         || ended=$?
     if [ "$ended" -ne 3 ]; then  # 3: this run stopped early on purpose and saved
         return "$status"

@@ -1,5 +1,5 @@
 """How a training launch ended, in one line, printed by the launcher after every traceback:
-`python -m megatron_mvmoe.launch.job_end --status $status [--save DIR] [--json] [-- ARGS]`.
+`python -m megatron_mvmoe.training.job_end --status $status [--save DIR] [--json] [-- ARGS]`.
 
 - This run stopped early on purpose (its own STOPPED_MARKER, same run id): says so and exits
   with EXIT_REQUEUE (3), which the sbatch recipes turn into `scontrol requeue`.
@@ -22,6 +22,10 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_mvmoe.training.rank_reports import RankReport, read_reports
 from megatron_mvmoe.training.stopping import EXIT_REQUEUE, STOPPED_MARKER, run_id
+
+# checkpointing/directory.py's layout, read here without importing torch (seconds on a
+# busy node), so the summary line follows the tracebacks at once.
+LATEST, RUN_STATE = "latest", "run_state.json"
 
 
 def save_from_args(args: Sequence[str]) -> Optional[str]:
@@ -53,15 +57,21 @@ def _marker(save: Optional[str]) -> Optional[Dict]:
         return None
 
 
+def _last_checkpoint(save: str) -> Optional[str]:
+    """The complete checkpoint `latest` names in `save`, else None."""
+    try:
+        with open(os.path.join(save, LATEST)) as fh:
+            directory = os.path.join(save, fh.read().strip())
+    except OSError:
+        return None
+    return directory if os.path.isfile(os.path.join(directory, RUN_STATE)) else None
+
+
 def _resume_hint(save: Optional[str]) -> str:
     if save is None:
         return "nothing to resume from (no --save)"
-    from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
-    from megatron_mvmoe.checkpointing.errors import CheckpointError
-
-    try:
-        last = resolve_checkpoint(save)
-    except CheckpointError:
+    last = _last_checkpoint(save)
+    if last is None:
         return f"no checkpoint in {save} to resume from (rerun from the start)"
     step = os.path.basename(last).rsplit("_", 1)[-1]
     return (f"resume from the last good checkpoint {last}: --load {save} "

@@ -5,13 +5,14 @@ cannot say anything, and the survivors only see a collective time out. So every 
 `<save>/.ranks/rank_<r>.json` when training starts (host, PID, run id, no error) and rewrites
 it with its error if it fails: after the job, a rank whose record of this run still has no
 error is the one that died or hung, and the ranks with errors are the ones that noticed.
-megatron_mvmoe.launch.job_end reads them and prints the summary after all tracebacks.
+megatron_mvmoe.training.job_end reads them and prints the summary after all tracebacks.
 
 Design choices:
 - Records are written only while this run holds the --save lock (save_lock.py), so a run
   refused at start-up never overwrites the records of the run that holds the directory.
 - A record names its run (`run_id`, stopping.py); records of other runs are ignored, so a
   smaller rerun does not inherit a larger run's rank files.
+- Imports no torch (job_end runs after the job, on a busy node).
 - The error is one line (the exception's first line, shortened): the traceback itself is in
   the job's output already.
 """
@@ -21,16 +22,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, List, Optional
 
-from megatron_mvmoe.checkpointing.integrity import write_json_atomic
-from megatron_mvmoe.training.save_lock import host_name
 from megatron_mvmoe.training.stopping import run_id
 
 REPORTS_DIR = ".ranks"
 MAX_ERROR_CHARS = 240
+
+
+def host_name() -> str:
+    """The node's name as Slurm knows it (the namespaces of the local cluster share one
+    hostname), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 @dataclass
@@ -64,6 +70,9 @@ def recording(save: Optional[str], rank: int, world_size: int) -> Iterator[None]
     if save is None:
         yield
         return
+    # Here, not at the top: job_end reads records without importing torch.
+    from megatron_mvmoe.checkpointing.integrity import write_json_atomic
+
     report = RankReport(rank, world_size, host_name(), os.getpid(), run_id(), time.time())
     os.makedirs(os.path.dirname(_path(save, rank)), exist_ok=True)
     write_json_atomic(_path(save, rank), asdict(report))

@@ -32,7 +32,6 @@ import errno
 import fcntl
 import json
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
@@ -40,16 +39,11 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from megatron_mvmoe.errors import require
+from megatron_mvmoe.training.rank_reports import host_name
 from megatron_mvmoe.training.stopping import run_id
 
 LOCK_NAME = ".save.lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-
-
-def host_name() -> str:
-    """The node's name as Slurm knows it (the namespaces of the local cluster share one
-    hostname), else the hostname."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 @dataclass

@@ -8,7 +8,7 @@ Design choices:
   as 1, so the recipes read the marker, not the status).
 - The marker names the run that wrote it (`run_id`: MVMOE_RUN_ID, which the recipes set to
   `<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>`), and only a marker of this very run requeues
-  (megatron_mvmoe.launch.job_end): a marker left by an earlier job or an earlier restart
+  (megatron_mvmoe.training.job_end): a marker left by an earlier job or an earlier restart
   (e.g. a `scancel` that saved, then a relaunch that fails on a flag) is stale, so a crash
   can never requeue. The recipes also delete it before launching.
 - A second SIGINT (Ctrl-C twice) exits at once (SystemExit: `finally` blocks still run).

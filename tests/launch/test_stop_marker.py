@@ -1,7 +1,7 @@
 """Finding 1 of issue 25: a stale `stopped_early.json` (left by a `scancel` that saved) must
 never requeue a later job that crashes. The marker names the run that wrote it
 (`<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>`), the recipes delete it before the trainer starts,
-and only a marker of this very run requeues (megatron_mvmoe.launch.job_end).
+and only a marker of this very run requeues (megatron_mvmoe.training.job_end).
 
 The first test runs the recipes' own shell functions (examples/slurm/requeue_on_stop.sh)
 around the real trainer failing on `--no-such-flag`; before the fix it printed
@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_mvmoe.launch import job_end
+from megatron_mvmoe.training import job_end
 from megatron_mvmoe.training.stopping import EXIT_REQUEUE, STOPPED_MARKER, marker_payload
 
 REPO = Path(__file__).resolve().parents[2]
