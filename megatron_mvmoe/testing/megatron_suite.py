@@ -42,7 +42,8 @@ DEFAULT_REF = "core_r0.19.0"
 PLUGIN_NAME = "mvmoe_cpu_adapter"
 _PLUGIN_SOURCE = '''"""Written by tools/megatron_moe_tests.py: our platform layer + the test-side adapter."""
 from megatron_mvmoe.testing.megatron_test_adapter import (  # noqa: F401 - pytest hooks
-    install, pytest_collection_finish, pytest_runtest_logreport, pytest_unconfigure)
+    install, pytest_collection_finish, pytest_collectreport, pytest_runtest_logreport,
+    pytest_unconfigure)
 
 install()
 '''

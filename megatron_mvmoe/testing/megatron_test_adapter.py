@@ -208,6 +208,13 @@ def pytest_collection_finish(session) -> None:
     _append_report({"collected": [item.nodeid for item in session.items]})
 
 
+def pytest_collectreport(report) -> None:
+    """A file that fails to import is one failure, with its error."""
+    if report.failed:
+        _append_report({"nodeid": report.nodeid, "when": "collect", "outcome": "failed",
+                        "error": _first_error_line(report), "duration_s": 0.0})
+
+
 def pytest_unconfigure(config) -> None:
     """A test that initialised torch.distributed without tearing it down would leave the
     ranks waiting on each other at interpreter exit (Megatron's conftest tears down its

@@ -76,6 +76,7 @@ def fake_megatron_lm(tmp_path_factory):
     script.parent.mkdir(parents=True)
     script.write_text("")
     (moe / "test_fake.py").write_text(FAKE_TESTS)
+    (moe / "test_broken.py").write_text("import torch\nraise RuntimeError('at import')\n")
     _git(repo, "init", "-q", "-b", "release")
     _git(repo, "add", ".")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "fake")
@@ -91,12 +92,19 @@ def test_tool_counts_a_synthetic_checkout_at_1_and_2_ranks(fake_megatron_lm):
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
-    for row in report["files"]:
-        assert not row["killed"], row  # ranks that init NCCL(gloo) and never destroy it exit
-        assert (row["passed"], row["failed"], row["skipped"]) == (3, 1, 1), row
-        assert list(row["failures"].values()) == [
-            "[call] AssertionError: deliberate failure"], row
-    assert report["by_ranks"]["2"]["totals"] == {"passed": 3, "failed": 1, "skipped": 1}
+    rows = {(os.path.basename(r["file"]), r["world_size"]): r for r in report["files"]}
+    assert sorted(rows) == [("test_broken.py", 1), ("test_broken.py", 2), ("test_fake.py", 1),
+                            ("test_fake.py", 2)]
+    for n in (1, 2):
+        fake, broken = rows[("test_fake.py", n)], rows[("test_broken.py", n)]
+        assert not fake["killed"], fake  # ranks that init NCCL(gloo) and never destroy it exit
+        assert (fake["passed"], fake["failed"], fake["skipped"]) == (3, 1, 1), fake
+        assert list(fake["failures"].values()) == [
+            "[call] AssertionError: deliberate failure"], fake
+        assert (broken["passed"], broken["failed"], broken["skipped"]) == (0, 1, 0), broken
+        (error,) = broken["failures"].values()
+        assert error.startswith("[collect]") and "at import" in error, error
+    assert report["by_ranks"]["2"]["totals"] == {"passed": 3, "failed": 2, "skipped": 1}
     # the tests were read at the ref, not from the (changed) work tree, and not into our repo
     assert not (ROOT / suite.MOE_TESTS).exists()
 
