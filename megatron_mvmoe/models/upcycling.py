@@ -14,9 +14,11 @@ Two mappings, chosen by the target's variant (`upcycle_chunk`):
   (2F x L), fc2 = [W2; 0] (L x F). The experts then see z = [h; 0] and give back
   [MLP(h); 0], the up-projection returns MLP(h): the same identity as the stock path, with
   gates that sum to 1 (sigmoid scores normalised over the selection; Multi-Router's gates
-  are normalised over the selected set and scaled by alpha = 1). Routers (every head: they
-  are all "new heads"), expert biases and the Multi-View perturbations dP_m keep their
-  init: at gamma = 0 every view is P h, so the views are neutral.
+  are normalised over the selected set and scaled by alpha = 1). Routers (every head is a
+  new head: "fresh" keeps each head's init, "copy" makes heads 1..R-1 copies of head 0,
+  refused without views as in the warm start), expert biases and the Multi-View
+  perturbations dP_m keep their init: at gamma = 0 every view is P h, so the views are
+  neutral.
 Refused, with the reason: L < D (a rank-L bottleneck P cannot pass an arbitrary D-wide
 input through unchanged, so no latent layer equals the dense MLP), G > 1 for latent models
 (Megatron's fine-grained rule is approximate), MH-MoE (its experts see D/H-wide sub-tokens,
@@ -51,9 +53,13 @@ class UpcycleReport:
     """Target-only keys kept at their initialisation (routers, biases, views)."""
 
 
-def upcycle_problems(dense, target) -> List[str]:
+def upcycle_problems(dense, target, new_heads: str = "fresh") -> List[str]:
     """Why `dense` (a dense ModelSection) cannot be upcycled into `target` (one line each)."""
     problems = []
+    if new_heads == "copy" and target.moe_variant == "multi_router":
+        problems.append("warm_start_new_heads: 'copy' gives a Multi-Router layer without views "
+                        "R identical heads, whose gradients stay identical forever; use "
+                        "'fresh', or moe_variant multi_view (its views tell the heads apart)")
     if target.moe_variant == "mh_moe":
         problems.append("moe_variant: mh_moe experts see D/H-wide sub-tokens, so no expert can "
                         "hold the dense MLP (which mixes all D inputs); upcycle into smoe, "
@@ -158,16 +164,31 @@ def megatron_upcycle(moe_chunk: torch.nn.Module, dense_chunk: torch.nn.Module
     return report
 
 
-def upcycle_chunk(moe_chunk: torch.nn.Module, dense_chunk: torch.nn.Module, variant: str
-                  ) -> UpcycleReport:
+def copy_router_heads(state: Dict[str, torch.Tensor], num_experts: int) -> List[str]:
+    """new_heads 'copy': every Multi-Router weight [R*E, D] gets heads 1..R-1 = head 0 (all
+    heads are new in an upcycling; the dense model has no router). Returns the keys."""
+    keys = [k for k, v in state.items() if k.endswith("router.weight") and torch.is_tensor(v)
+            and v.shape[0] > num_experts]
+    for key in keys:
+        weight_XD = state[key]
+        state[key] = weight_XD[:num_experts].repeat(weight_XD.shape[0] // num_experts, 1)
+    return keys
+
+
+def upcycle_chunk(moe_chunk: torch.nn.Module, dense_chunk: torch.nn.Module, variant: str,
+                  new_heads: str = "fresh") -> UpcycleReport:
     """Map `dense_chunk`'s weights into `moe_chunk` in place (same layout, same groups);
-    Multi-View gamma ramps restart at step 0 so the views start neutral."""
+    Multi-View gamma ramps restart at step 0 so the views start neutral. Router heads keep
+    their init ("fresh") or are copies of head 0 ("copy"); either way the gates of a token
+    sum to 1, so the first forward is the dense model's."""
     if variant not in _LATENT_VARIANTS:
         return megatron_upcycle(moe_chunk, dense_chunk)
     from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
 
     merged, report = latent_upcycle_state_dict(dense_chunk.state_dict(),
                                                moe_chunk.state_dict())
+    if new_heads == "copy":
+        copy_router_heads(merged, moe_chunk.config.num_moe_experts)
     moe_chunk.load_state_dict(merged, strict=True)
     for module in moe_chunk.modules():
         if isinstance(module, MultiViewMoELayer):

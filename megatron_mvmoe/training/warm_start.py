@@ -90,7 +90,8 @@ def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartRep
     meta = ckpt_dir.read_run_state(directory)
     baseline_run = _baseline_run(meta, trainer.run)
     if upcycling:
-        check_dense_source(baseline_run.model, trainer.shape, directory, trainer.run.parallel)
+        check_dense_source(baseline_run.model, trainer.shape, directory, trainer.run.parallel,
+                           new_heads)
         baseline_run.parallel = dataclasses.replace(baseline_run.parallel, ep=1, etp=1)
     else:
         check_baseline(baseline_run.model, trainer.shape, directory)
@@ -99,7 +100,7 @@ def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartRep
     reports = []
     with torch.no_grad():
         for source, target in zip(baseline_chunks, trainer.unwrapped()):
-            reports.append(upcycle_chunk(target, source, trainer.shape.moe_variant)
+            reports.append(upcycle_chunk(target, source, trainer.shape.moe_variant, new_heads)
                            if upcycling else
                            warm_start_multi_view(target, source.state_dict(), new_heads))
         # bf16 runs keep fp32 main copies inside the optimizer: refresh them from the model
@@ -109,7 +110,7 @@ def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartRep
 
 
 def check_dense_source(dense: ModelSection, target: ModelSection, directory: str,
-                       parallel) -> None:
+                       parallel, new_heads: str = "fresh") -> None:
     """ValueError naming every field in which the dense checkpoint cannot be upcycled into
     the target (models/upcycling.upcycle_problems, the shared backbone fields, and the
     expert TP size: each rank maps its own TP shard of the dense MLP into its experts, which
@@ -117,7 +118,7 @@ def check_dense_source(dense: ModelSection, target: ModelSection, directory: str
     problems = [f"{name}: checkpoint {getattr(dense, name)!r} vs this run "
                 f"{getattr(target, name)!r}" for name in _UPCYCLE_SHARED_FIELDS
                 if getattr(dense, name) != getattr(target, name)]
-    problems += upcycle_problems(dense, target)
+    problems += upcycle_problems(dense, target, new_heads)
     if parallel.tp > 1 and parallel.etp != parallel.tp:
         problems.append(f"parallel.etp: {parallel.etp} with tp {parallel.tp}: each rank holds "
                         "a TP shard of the dense MLP; use --expert-tensor-parallel-size "

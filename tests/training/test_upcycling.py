@@ -24,6 +24,8 @@ TARGETS = {  # preset -> overrides that make the mapping exact (latent_size >= h
     "tiny_multi_router": dict(latent_size=64),
     "tiny_multi_view": dict(latent_size=96),
 }
+CASES = {name: (name, overrides, "fresh") for name, overrides in TARGETS.items()}
+CASES["tiny_multi_view/copy"] = ("tiny_multi_view", TARGETS["tiny_multi_view"], "copy")
 
 
 def _logits(chunk, tokens_BS):
@@ -47,17 +49,25 @@ def _first_forwards(rank, world_size, targets, dense_overrides):
     out = {}
     with torch.no_grad():
         reference = _logits(dense, tokens)
-        for name, overrides in targets.items():
+        for label, (name, overrides, new_heads) in targets.items():
             shape = model_from_preset(name, **overrides)
             moe = build_model_chunks(transformer_config(shape), shape, pgs)[0].eval()
             before = float((_logits(moe, tokens) - reference).abs().max())
-            report = upcycle_chunk(moe, dense, shape.moe_variant)
+            report = upcycle_chunk(moe, dense, shape.moe_variant, new_heads)
             after = float((_logits(moe, tokens) - reference).abs().max())
-            out[name] = {"before": before, "after": after, "mapping": report.mapping,
-                         "experts": len(report.experts)}
+            out[label] = {"before": before, "after": after, "mapping": report.mapping,
+                          "experts": len(report.experts), "heads_equal": _heads_equal(moe)}
             if name == "tiny_smoe" and dense_overrides["ffn_hidden_size"] == 128:
-                out[name]["weights"] = _granularity_2_check(moe, dense)
+                out[label]["weights"] = _granularity_2_check(moe, dense)
     return out
+
+
+def _heads_equal(moe):
+    """Whether each Multi-Router weight's heads are all equal (None: one head)."""
+    weight = moe.state_dict().get("decoder.layers.0.mlp.router.weight")
+    if weight is None or weight.shape[0] == 4:
+        return None
+    return all(torch.equal(head, weight[:4]) for head in weight.split(4))
 
 
 def _granularity_2_check(moe, dense):
@@ -80,18 +90,21 @@ def _granularity_2_check(moe, dense):
 
 
 def test_first_forward_equals_the_dense_model():
-    out = run_distributed(_first_forwards, 1, timeout_s=300, args=(TARGETS, DENSE))[0]
+    out = run_distributed(_first_forwards, 1, timeout_s=300, args=(CASES, DENSE))[0]
     for name, row in out.items():
         assert row["after"] < 1e-5, (name, row)      # the warm start's tolerance
         assert row["before"] > 1e-3, (name, row)     # a fresh MoE model is not the dense one
         assert row["experts"] == 2 * 2 * 4, row      # 2 layers x fc1/fc2 x 4 experts
     assert out["tiny_smoe"]["mapping"] == "megatron"
     assert out["tiny_multi_view"]["mapping"] == "latent"
+    assert out["tiny_multi_view"]["heads_equal"] is False  # fresh: own init per head
+    assert out["tiny_multi_view/copy"]["heads_equal"] is True
 
 
 def test_granularity_2_is_megatrons_scaled_slices():
     out = run_distributed(_first_forwards, 1, timeout_s=300,
-                          args=({"tiny_smoe": {}}, dict(ffn_hidden_size=128)))[0]
+                          args=({"tiny_smoe": ("tiny_smoe", {}, "fresh")},
+                                dict(ffn_hidden_size=128)))[0]
     assert out["tiny_smoe"]["weights"] < 1e-6, out
 
 
@@ -110,6 +123,9 @@ def test_refusals_name_the_field():
     for text, target in cases.items():
         assert any(text in line for line in upcycle_problems(dense, target)), text
     assert upcycle_problems(dense, model_from_preset("tiny_latent", latent_size=64)) == []
+    copy_without_views = upcycle_problems(
+        dense, model_from_preset("tiny_multi_router", latent_size=64), new_heads="copy")
+    assert "warm_start_new_heads: 'copy'" in copy_without_views[0]
     latent = model_from_preset("tiny_latent")
     assert "upcycling starts from a dense model" in upcycle_problems(latent, latent)[0]
 
