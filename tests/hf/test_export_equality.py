@@ -91,7 +91,6 @@ def test_ep2_source_checkpoint(data, tmp_path):
     _check_equal(data, root, str(tmp_path / "hf"))
 
 
-@pytest.mark.slow
 def test_tp2_pp2_source_checkpoint(data, tmp_path):
     root = train_checkpoint(str(tmp_path / "ck"), data, "tiny_multi_view",
                             ["--tensor-model-parallel-size", "2",
