@@ -197,6 +197,9 @@ def hold_save_lock(save: Optional[str]) -> Iterator[Optional[SaveLock]]:
                       f"releasing it ({lock.previous.describe()})", flush=True)
         except ValueError as err:
             verdict = [str(err)]
+        except OSError as err:  # e.g. read-only: every rank must hear it, not wait for it
+            verdict = [f"--save: cannot take the lock {os.path.join(save, LOCK_NAME)} "
+                       f"({err.strerror}). Fix: pass a --save directory this job can write"]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:

@@ -22,7 +22,9 @@ import pytest
 import yaml
 from textdata import build_token_dir
 
-from megatron_mvmoe.training.save_lock import LOCK_NAME, Holder, SaveLock, host_name
+from megatron_mvmoe.testing.spawn import run_distributed
+from megatron_mvmoe.training.save_lock import (LOCK_NAME, Holder, SaveLock, hold_save_lock,
+                                              host_name)
 
 HOLD = """
 import sys, time
@@ -151,3 +153,36 @@ def test_two_trainings_on_one_save_the_second_is_refused(tmp_path):
     saved = sorted(p.name for p in save.glob("iter_*"))
     assert len(saved) == 1  # only the first run's stop save
     print(f"second writer refused: {errors[0]}")
+
+
+
+def _take_lock_on_each_rank(rank: int, world_size: int, saves: list) -> list:
+    verdicts = []
+    for save in saves:
+        try:
+            with hold_save_lock(save):
+                verdicts.append("held")
+        except ValueError as err:
+            verdicts.append(str(err))
+    return verdicts
+
+
+@pytest.mark.slow  # two spawned ranks: about 20 s, over 60 s on a busy box
+def test_every_rank_hears_rank_0s_verdict(tmp_path):
+    """A held directory and an unusable one: rank 1 raises rank 0's one line too (and no
+    rank is left waiting in a collective); a free one is held."""
+    save = tmp_path / "ck"
+    holder = hold_in_another_process(save)
+    (tmp_path / "a_file").write_text("")
+    paths = [str(save), str(tmp_path / "a_file" / "ck"), str(tmp_path / "free")]
+    try:
+        per_rank = run_distributed(_take_lock_on_each_rank, 2, timeout_s=300, args=(paths,))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert per_rank[0] == per_rank[1]
+    held, unusable, free = per_rank[0]
+    assert f"PID {holder.pid}" in held and "is in use by another training" in held
+    assert unusable == (f"--save: cannot take the lock {tmp_path}/a_file/ck/{LOCK_NAME} "
+                        "(Not a directory). Fix: pass a --save directory this job can write")
+    assert free == "held" and not (tmp_path / "free" / LOCK_NAME).exists()
