@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from megatron_mvmoe.errors import require as _require
+from megatron_mvmoe.data.batch_rampup import check_rampup
 from megatron_mvmoe.models.model_section import (
     LEGACY_FIELDS, ModelSection, model_section_from_dict, run_field_names)
 from megatron_mvmoe.models.warm_start import NEW_HEADS as WARM_START_NEW_HEADS
@@ -137,6 +138,10 @@ class TrainingSection:
     train_iters: int = 100
     global_batch_size: int = 8
     """Sequences per optimizer step, over all data-parallel ranks and microbatches."""
+    rampup_batch_size: Optional[List[int]] = None
+    """Megatron-LM's --rampup-batch-size START INCR SAMPLES: the global batch starts at START
+    and grows by INCR every SAMPLES / ((global_batch_size - START) / INCR) consumed samples
+    up to global_batch_size (data/batch_rampup.py); None = constant."""
     micro_batch_size: int = 2
     eval_interval: int = 50
     """Evaluate every this many steps (0 = only at the end)."""
@@ -287,6 +292,7 @@ class RunConfig:
                  "use --exit-duration-in-mins X > 0")
         _require(t.ckpt_step is None or t.load is not None, "training.ckpt_step",
                  "set without training.load", "pass --load DIR with --ckpt-step")
+        check_rampup(t.rampup_batch_size, t.global_batch_size)
         _require(self.parallel.distributed_timeout_seconds > 0,
                  "parallel.distributed_timeout_seconds", "must be > 0", "use e.g. 120")
         if world_size is not None:
@@ -318,6 +324,7 @@ class RunConfig:
                  f"{t.global_batch_size} is not divisible by micro_batch_size * data-parallel "
                  f"size = {t.micro_batch_size} * {dp}",
                  f"use a multiple of {t.micro_batch_size * dp}")
+        check_rampup(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size * dp)
 
     def num_microbatches(self, world_size: int) -> int:
         dp = self.parallel.layout().data_parallel_size(world_size)

@@ -241,6 +241,10 @@ FLAGS: List[Flag] = [
          "optimizer steps (0 = only evaluate/save the initial model)"),
     Flag("--global-batch-size", "training", "global_batch_size", int, "sequences per step"),
     Flag("--micro-batch-size", "training", "micro_batch_size", int, "sequences per microbatch"),
+    Flag("--rampup-batch-size", "training", "rampup_batch_size", int,
+         "START INCR SAMPLES: the global batch grows from START by INCR over SAMPLES "
+         "samples up to --global-batch-size (Megatron's num-microbatches calculator)",
+         nargs=3),
     Flag("--eval-interval", "training", "eval_interval", int,
          "steps between evaluations (0 = only at the end)"),
     Flag("--eval-iters", "training", "eval_iters", int, "global batches per domain per evaluation"),

@@ -98,7 +98,6 @@ UNSUPPORTED: Dict[str, Tuple[str, str]] = {
     "--data-args-path": ("data arguments come from flags here", "--data-path"),
     "--dataloader-type": ("samples always follow Megatron's pretraining sampler order "
                           "('single')", "drop the flag"),
-    "--rampup-batch-size": ("the global batch size is constant", "--global-batch-size"),
     "--use-torch-fsdp2": ("FSDP is not wired", "--use-distributed-optimizer (ZeRO-1)"),
     "--use-megatron-fsdp": ("FSDP is not wired", "--use-distributed-optimizer (ZeRO-1)"),
     "--tp-comm-overlap": ("needs TransformerEngine userbuffers", "drop the flag"),

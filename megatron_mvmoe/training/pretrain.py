@@ -32,6 +32,7 @@ from megatron_mvmoe import platform
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.integrity import remove_stale_tmp, write_json_atomic
+from megatron_mvmoe.data.batch_rampup import batch_calculator
 from megatron_mvmoe.data.run_data import RunData, resolve_tokenizer
 from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
 from megatron_mvmoe.training import checkpoint as ckpt
@@ -94,7 +95,13 @@ class _Loop:
         self.run, self.on_step = run, on_step
         self.trainer = build_trainer(run, pg_collection)
         world = dist.get_world_size()
-        self.num_microbatches = run.num_microbatches(world)
+        self.num_microbatches = run.num_microbatches(world)  # of the full global batch (eval)
+        t = run.training
+        self.batches = batch_calculator(t.rampup_batch_size, t.global_batch_size,
+                                        t.micro_batch_size,
+                                        parallel_state.get_data_parallel_world_size(),
+                                        dist.get_rank())
+        self.window = {"samples": 0, "microbatches": 0}  # since the last progress line
         self.data = RunData(run, self.trainer.shape.seq_length, self.trainer.shape.vocab_size,
                             parallel_state.get_data_parallel_rank(),
                             parallel_state.get_data_parallel_world_size())
@@ -190,7 +197,12 @@ class _Loop:
         step = self.state.step + 1
         if self.on_step is not None:
             self.on_step(step, self.trainer)
-        metrics = train_step(self.trainer, iterators, self.num_microbatches,
+        # Megatron's calculator: this step's batch from the samples consumed so far (a
+        # resume recomputes it from the checkpoint's count, so the ramp continues exactly).
+        self.batches.update(self.state.consumed_samples, consistency_check=True)
+        num_microbatches = self.batches.get()
+        global_batch = self.batches.get_current_global_batch_size()
+        metrics = train_step(self.trainer, iterators, num_microbatches,
                              self.stops.local_flags().as_list())
         if self.tracer is not None:
             self.tracer.advance_step(step)
@@ -199,9 +211,12 @@ class _Loop:
         self.watch.reset()
         gamma = self.advance_gamma()
         self.state.step = step
-        self.state.consumed_samples += self.run.training.global_batch_size
+        self.state.consumed_samples += global_batch
+        self.window["samples"] += global_batch
+        self.window["microbatches"] += num_microbatches
         self.state.gamma = gamma
         metrics["gamma"] = gamma
+        metrics["global_batch_size"] = global_batch
         metrics["skipped_iters"] = self.state.skipped_iters
         self.result.stopped = self.stops.reason(step, StopFlags(*metrics.pop("stop")))
         return metrics
@@ -220,26 +235,30 @@ class _Loop:
 
     def report(self, metrics: Dict, seconds: float, steps: int) -> None:
         t, shape = self.run.training, self.trainer.shape
-        tokens = steps * t.global_batch_size * shape.seq_length
+        tokens = self.window["samples"] * shape.seq_length
+        microbatches = self.window["microbatches"]
+        self.window = {"samples": 0, "microbatches": 0}
         metrics = dict(metrics, tokens_per_s=tokens / max(seconds, 1e-9),
                        consumed_samples=self.state.consumed_samples)
         metrics.update(self.efficiency.figures(metrics["tokens_per_s"], seconds / max(steps, 1),
                                                self.state.step))
         if self.routing is not None:
             metrics["routing"] = routing_summary(self.routing.reduce(),
-                                                 aux_losses(steps * self.num_microbatches,
+                                                 aux_losses(microbatches,
                                                             self.trainer.config),
                                                  self.routing.reduce_diversity())
-        metrics.update(mtp_losses(steps * self.num_microbatches, self.trainer.config))
+        metrics.update(mtp_losses(microbatches, self.trainer.config))
         self.log.record("train", self.state.step, metrics)
         gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
         skipped = (f" | skipped iterations {self.state.skipped_iters}"
                    if self.state.skipped_iters else "")
+        batch = (f" | global batch {metrics['global_batch_size']}"  # the ramp's current one
+                 if t.rampup_batch_size is not None else "")
         mtp = "".join(f" | {k} {v:.4f}" for k, v in metrics.items() if k.startswith("mtp_")
                       and k.endswith("_loss"))
         self.log.line(f"step {self.state.step:6d}/{t.train_iters} | loss {metrics['loss']:.4f} "
                       f"| lr {metrics['lr']:.3e} | grad norm {metrics['grad_norm']:.3f} | "
-                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}{skipped}{mtp}"
+                      f"{metrics['tokens_per_s']:.0f} tok/s{gamma}{skipped}{batch}{mtp}"
                       f"{self.efficiency.text(metrics)}")
 
     def evaluate(self) -> Dict[str, float]:
@@ -343,6 +362,7 @@ def _train(run: RunConfig, pg_collection, on_step) -> RunResult:
             write_run_files(run.logging.run_dir, run, loop.trainer.shape, loop.efficiency,
                             dist.get_world_size(), loop.log.line)
         loop.result.first_step = loop.state.step + 1
+        first_samples = loop.state.consumed_samples
         iterators = loop.iterators()
         window_start, window_steps = time.perf_counter(), 0
         total_start, total_steps = window_start, 0
@@ -368,7 +388,7 @@ def _train(run: RunConfig, pg_collection, on_step) -> RunResult:
             return loop.result
         loop.result.stopped = None  # a stop request at the last step changes nothing
         elapsed = time.perf_counter() - total_start
-        loop.result.tokens_per_second = (total_steps * t.global_batch_size *
+        loop.result.tokens_per_second = ((loop.state.consumed_samples - first_samples) *
                                          loop.trainer.shape.seq_length / max(elapsed, 1e-9))
         if t.eval_iters > 0:
             loop.result.eval = loop.evaluate()
