@@ -3,7 +3,7 @@ through our platform layer, and print passed/failed/skipped per file and failure
 
     python tools/megatron_moe_tests.py --megatron-lm-src ~/src/Megatron-LM \\
         [--ref core_r0.19.0 | --ref worktree] [--ranks 1 2] [--files test_routers.py ...] \\
-        [-k EXPR] [--per-test-timeout 120] [--file-timeout 1800] [--keep DIR] \\
+        [-k EXPR] [--per-test-timeout 120] [--timeout 3600] [--isolate-files] [--keep DIR] \\
         [--skip-patch NAME ...] [--json]
 
 --megatron-lm-src is your Megatron-LM checkout (or a bare git directory). The tests are
@@ -24,10 +24,9 @@ earlier `--json` runs side by side (markdown; with --json one object holding bot
 --skip-patch leaves a named platform patch out (names: megatron_mvmoe.platform.cpu_patches
 .ALL_PATCHES), to count what it fixes.
 
-Each file runs at each rank count in its own processes (one per rank, launched like
-Megatron's CI: WORLD_SIZE / LOCAL_RANK / MASTER_PORT). A test passes at N ranks when it
-passes on every rank. The full run is slow on a small CPU box (all files at 1 and 2 ranks:
-about an hour on 2 cores); filter with --files / -k.
+Each rank count is one pytest session per rank over the selected files (launched like
+Megatron's CI: WORLD_SIZE / LOCAL_RANK / MASTER_PORT; --isolate-files: one per file). A test
+passes at N ranks when it passes on every rank. Filter with --files / -k.
 """
 
 from __future__ import annotations
@@ -57,8 +56,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="only these test files (e.g. test_routers.py)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
     parser.add_argument("--per-test-timeout", type=float, default=120.0, metavar="S")
-    parser.add_argument("--file-timeout", type=float, default=1800.0, metavar="S",
-                        help="kill a file's ranks after this long")
+    parser.add_argument("--timeout", type=float, default=3600.0, metavar="S",
+                        help="kill a session's ranks after this long")
+    parser.add_argument("--isolate-files", action="store_true",
+                        help="one session per file (slower; a crash costs one file)")
     parser.add_argument("--keep", metavar="DIR",
                         help="extract into DIR and keep it (logs per file and rank)")
     parser.add_argument("--skip-patch", nargs="+", default=[], metavar="NAME",
@@ -77,7 +78,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     bad = [n for n in args.ranks if n < 1]
     if bad:
         parser.error(f"--ranks {bad[0]}: must be >= 1")
-    for name in ("per_test_timeout", "file_timeout"):
+    for name in ("per_test_timeout", "timeout"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be > 0")
     return args
@@ -146,18 +147,20 @@ def compare(before_path: str, after_path: str, as_json: bool) -> None:
 def run(args: argparse.Namespace, tests_dir: str) -> List[suite.FileResult]:
     ref = None if args.ref == "worktree" else args.ref
     suite.extract_tests(args.megatron_lm_src, ref, tests_dir)
+    files = suite.test_files(tests_dir, args.files)
+    sessions = [[f] for f in files] if args.isolate_files else [files]
     results = []
-    for test_file in suite.test_files(tests_dir, args.files):
-        for n in args.ranks:
-            result = suite.run_file(tests_dir, test_file, n, keyword=args.keyword,
-                                    per_test_timeout_s=args.per_test_timeout,
-                                    file_timeout_s=args.file_timeout,
-                                    skip_patches=args.skip_patch)
-            results.append(result)
-            if not args.json:
-                print(f"{os.path.basename(test_file)} at {n} rank(s): {result.passed} passed, "
-                      f"{result.failed} failed, {result.skipped} skipped ({result.wall_s} s)",
-                      flush=True)
+    for n in args.ranks:
+        for session in sessions:
+            for result in suite.run_files(tests_dir, session, n, keyword=args.keyword,
+                                          per_test_timeout_s=args.per_test_timeout,
+                                          timeout_s=args.timeout,
+                                          skip_patches=args.skip_patch):
+                results.append(result)
+                if not args.json:
+                    print(f"{os.path.basename(result.file)} at {n} rank(s): {result.passed} "
+                          f"passed, {result.failed} failed, {result.skipped} skipped",
+                          flush=True)
     return results
 
 

@@ -5,9 +5,11 @@ Design choices:
 - The tests come from the user's Megatron-LM checkout or git directory and are copied into
   a fresh temporary directory (never into our repository): a git ref is read with
   `git archive`, a work tree is copied as it is.
-- Each (file, world size) is its own set of processes, one per rank, started the way
-  Megatron's CI starts them (WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT read by
-  its test Utils). A hang or crash costs one file, never the rest of the run.
+- Each world size is one set of processes, one pytest session per rank over the selected
+  files, started the way Megatron's CI starts them (WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+  MASTER_PORT read by its test Utils); starting a session costs minutes on a small box.
+  A per-test timeout and a process-group timeout keep a hang to one test; --isolate-files
+  gives each file its own processes instead (a crash then costs one file).
 - The only code between the tests and Megatron-Core is the platform layer and the
   test-side adapter (megatron_mvmoe/testing/megatron_test_adapter.py), loaded as a pytest
   plugin written into the temporary directory.
@@ -59,6 +61,7 @@ class FileResult:
     failed: int = 0
     skipped: int = 0
     wall_s: float = 0.0
+    """Seconds in this file's test phases (the slowest rank)."""
     killed: bool = False
     failures: Dict[str, str] = field(default_factory=dict)
     """nodeid -> first error line (on the first rank that failed)."""
@@ -142,45 +145,65 @@ def _rank_env(tests_dir: str, rank: int, world_size: int, port: int, report: str
     return env
 
 
-def _pytest_command(test_file: str, keyword: Optional[str], per_test_timeout_s: float) -> list:
-    cmd = [sys.executable, "-m", "pytest", test_file, "-p", PLUGIN_NAME, "-p", "no:cacheprovider",
-           "-q", "--no-header", "-rN", f"--timeout={per_test_timeout_s:g}",
-           "--timeout-method=signal", "-W", "ignore"]
+def _pytest_command(test_files: Sequence[str], keyword: Optional[str],
+                    per_test_timeout_s: float) -> list:
+    cmd = [sys.executable, "-m", "pytest", *test_files, "-p", PLUGIN_NAME,
+           "-p", "no:cacheprovider", "-q", "--no-header", "-rN",
+           f"--timeout={per_test_timeout_s:g}", "--timeout-method=signal", "-W", "ignore",
+           "--continue-on-collection-errors"]
     if keyword:
         cmd += ["-k", keyword]
     return cmd
 
 
-def run_file(tests_dir: str, test_file: str, world_size: int, *, keyword: Optional[str] = None,
-             per_test_timeout_s: float = 120.0, file_timeout_s: float = 1800.0,
-             log_dir: Optional[str] = None, skip_patches: Sequence[str] = ()) -> FileResult:
-    """One file at `world_size` ranks; reads every rank's report. `skip_patches` names
-    platform patches to leave out (to measure what they fix)."""
+def run_files(tests_dir: str, test_files: Sequence[str], world_size: int, *,
+              keyword: Optional[str] = None, per_test_timeout_s: float = 120.0,
+              timeout_s: float = 1800.0, skip_patches: Sequence[str] = ()) -> List[FileResult]:
+    """`test_files` in one pytest session per rank at `world_size` ranks, results split per
+    file. One session because starting one (importing Megatron) costs minutes on a small,
+    loaded box; run one file per call to isolate files from each other's crashes.
+    `skip_patches` names platform patches to leave out (to measure what they fix)."""
     port = free_port()
-    tag = f"{os.path.basename(test_file)[:-3]}.ws{world_size}"
+    tag = (os.path.basename(test_files[0])[:-3] if len(test_files) == 1 else "session")
+    tag = f"{tag}.ws{world_size}"
     reports = [os.path.join(tests_dir, f"report.{tag}.rank{r}.jsonl") for r in range(world_size)]
     for path in reports:
         if os.path.exists(path):
             os.remove(path)
-    logs = [open(os.path.join(log_dir or tests_dir, f"{tag}.rank{r}.log"), "w")
-            for r in range(world_size)]
-    start = time.monotonic()
+    logs = [open(os.path.join(tests_dir, f"{tag}.rank{r}.log"), "w") for r in range(world_size)]
     envs = [_rank_env(tests_dir, r, world_size, port, reports[r], per_test_timeout_s)
             for r in range(world_size)]
     for env in envs:
         if skip_patches:
             env[SKIP_ENV] = ",".join(skip_patches)
-    procs = [subprocess.Popen(_pytest_command(test_file, keyword, per_test_timeout_s),
+    procs = [subprocess.Popen(_pytest_command(test_files, keyword, per_test_timeout_s),
                               cwd=tests_dir, stdout=logs[r], stderr=subprocess.STDOUT,
                               env=envs[r])
              for r in range(world_size)]
-    killed = _wait_all(procs, file_timeout_s)
+    killed = _wait_all(procs, timeout_s)
     for log in logs:
         log.close()
-    result = merge_rank_reports([_read_report(p) for p in reports], test_file, world_size)
-    result.wall_s = round(time.monotonic() - start, 1)
-    result.killed = killed
-    return result
+    rank_rows = [_read_report(p) for p in reports]
+    results = []
+    for test_file in test_files:
+        per_rank = [_rows_of_file(rows, test_file) for rows in rank_rows]
+        result = merge_rank_reports(per_rank, test_file, world_size)
+        result.wall_s = round(max((sum(r.get("duration_s", 0.0) for r in rows)
+                                   for rows in per_rank), default=0.0), 1)
+        result.killed = killed
+        results.append(result)
+    return results
+
+
+def _rows_of_file(rows: List[dict], test_file: str) -> List[dict]:
+    out = []
+    for row in rows:
+        if "collected" in row:
+            out.append({"collected": [n for n in row["collected"]
+                                      if n.split("::")[0] == test_file]})
+        elif row["nodeid"].split("::")[0] == test_file:
+            out.append(row)
+    return out
 
 
 def _wait_all(procs, timeout_s: float) -> bool:

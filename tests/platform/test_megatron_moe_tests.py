@@ -88,7 +88,7 @@ def test_tool_counts_a_synthetic_checkout_at_1_and_2_ranks(fake_megatron_lm):
     out = subprocess.run(
         [sys.executable, str(TOOL), "--megatron-lm-src", str(fake_megatron_lm),
          "--ref", "release", "--ranks", "1", "2", "--per-test-timeout", "60",
-         "--file-timeout", "240", "--json"],
+         "--timeout", "240", "--json"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
