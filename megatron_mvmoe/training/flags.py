@@ -58,6 +58,13 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _drop_policy(text: str) -> str:
+    """Megatron-LM's --moe-token-drop-policy choices."""
+    if text not in ("probs", "position"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of probs, position")
+    return text
+
+
 FLAGS: List[Flag] = [
     # --- parallel layout
     Flag("--tensor-model-parallel-size", "parallel", "tp", int,
@@ -139,6 +146,19 @@ FLAGS: List[Flag] = [
     Flag("--moe-router-topk-scaling-factor", "model", "extra.moe_router_topk_scaling_factor",
          float, "scale on the routing probabilities"),
     Flag("--moe-router-dtype", "model", "extra.moe_router_dtype", str, "fp32|fp64 router math"),
+    Flag("--moe-expert-capacity-factor", "model", "extra.moe_expert_capacity_factor", float,
+         "expert capacity C = ceil(T*k/E * factor) rows per rank; rows beyond it drop "
+         "(Megatron's rule, every variant; docs/features.md)"),
+    Flag("--moe-pad-expert-input-to-capacity", "model",
+         "extra.moe_pad_expert_input_to_capacity", None,
+         "pad every expert to exactly C rows (needs --moe-expert-capacity-factor)", const=True),
+    Flag("--moe-token-drop-policy", "model", "extra.moe_token_drop_policy", _drop_policy,
+         "probs|position: which C rows an expert keeps (probs: its largest gates)"),
+    Flag("--moe-router-num-groups", "model", "extra.moe_router_num_groups", int,
+         "expert groups of group-limited routing (DeepSeek: EP ranks or nodes)"),
+    Flag("--moe-router-group-topk", "model", "extra.moe_router_group_topk", int,
+         "groups a token may route to (with --moe-router-num-groups; Multi-Router: chosen "
+         "on the summed sigmoid scores)"),
     Flag("--moe-layer-freq", "model", "extra.moe_layer_freq", _moe_freq,
          "every N-th layer is MoE (1 = all), or Megatron-LM's list form, e.g. "
          "'[0]*1+[1]*3' (1 = MoE layer)"),
