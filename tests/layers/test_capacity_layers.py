@@ -153,3 +153,29 @@ def test_padding_beyond_the_tokens_of_a_rank_is_refused_in_one_line(variant):
     assert message is not None and "\n" not in message
     assert message.startswith("moe_expert_capacity_factor: 4.0") and "Fix: a factor <= 2.66667" \
         in message, message
+
+
+def _ep_worker(rank, world_size):
+    from layer_utils import ep_layer, init_ep_layout
+    pgs = init_ep_layout(world_size)
+    runs = {}
+    for name, capacity in (("drop", DROP), ("pad", PAD)):
+        for variant in ("latent", "multi_view"):
+            _, layer = ep_layer(variant, pgs, world_size, num_routers=1, **capacity)
+            runs[(name, variant)] = _forward_backward(
+                layer, global_input(layer.config.hidden_size, seed=7 + rank))
+    return runs
+
+
+def test_r1_multi_view_equals_the_latent_baseline_with_capacity_at_ep2():
+    """The per-row dispatcher on Megatron's capacity paths across ranks (4 local experts
+    each: the drop-and-pad local sort) matches Megatron's own dispatcher."""
+    for runs in run_distributed(_ep_worker, 2, timeout_s=150):
+        for capacity in ("drop", "pad"):
+            base, mv = runs[(capacity, "latent")], runs[(capacity, "multi_view")]
+            assert torch.equal(mv["map"], base["map"]), capacity
+            torch.testing.assert_close(mv["out"], base["out"], atol=1e-6, rtol=0)
+            torch.testing.assert_close(mv["x_grad"], base["x_grad"], atol=1e-6, rtol=1e-6)
+            for name, grad in base["grads"].items():
+                torch.testing.assert_close(mv["grads"][name], grad, atol=1e-6, rtol=1e-6,
+                                           msg=f"{capacity} {name}")
