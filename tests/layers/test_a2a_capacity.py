@@ -5,7 +5,7 @@
   in all four collectives (dispatch and combine, forward and backward), whatever the routing;
 - dropping without padding: a rank sends the rows left in its routing map (`kept_rows`),
   fewer than T*k, and the group receives what it sent;
-- C is Megatron's get_capacity.
+- C is Megatron's get_capacity; MH-MoE counts its T*H sub-tokens (rows of D/H).
 """
 
 import math
@@ -96,3 +96,38 @@ def test_capacity_without_experts_is_refused(bad, field_name):
     with pytest.raises(ValueError, match=field_name):
         dispatch_bytes("latent", "alltoall", CommShape(tokens=4, hidden=8, topk=2, latent=4,
                                                        **bad))
+
+
+def _mh_worker(rank, world_size, capacity):
+    from megatron_mvmoe.layers.builders import build
+    from megatron_mvmoe.layers.mh_reference import mh_test_config
+    from megatron_mvmoe.layers.multi_head_moe import mh_moe_spec
+    pgs = init_ep_layout(world_size)
+    config = mh_test_config(heads=2, topk=2, experts=4, hidden=8, ffn=6,
+                            expert_model_parallel_size=world_size, **capacity)
+    layer = build(mh_moe_spec(config), config=config, pg_collection=pgs)
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(5 + rank))
+    with count_collectives(layer) as counter:
+        out, _ = layer(x.requires_grad_(True))
+        out.sum().backward()
+    a2a = {(phase, d): b for (_, phase, d), b in counter.layer_bytes().items()}
+    return a2a, int(layer.moe.token_dispatcher.routing_map.sum())
+
+
+@pytest.mark.parametrize("capacity", [DROP, PAD], ids=["drop", "pad"])
+def test_mh_moe_capacity_counts_sub_tokens(capacity):
+    """MH-MoE routes T*H sub-tokens with Megatron's TopKRouter: C = ceil(T*H*k/E * factor)
+    sub-token rows of D/H per expert."""
+    shape = CommShape(tokens=8, hidden=8, topk=2, heads=2, dtype_bytes=4, ep=2, experts=4,
+                      capacity_factor=capacity["moe_expert_capacity_factor"],
+                      pad_to_capacity=capacity.get("moe_pad_expert_input_to_capacity", False))
+    for a2a, kept in run_distributed(_mh_worker, 2, timeout_s=150, args=(capacity,)):
+        if capacity is PAD:
+            volume = dispatch_bytes("mh_moe", "alltoall", shape)
+            assert volume.rows == math.ceil(8 * 2 * 2 / 4) * 4 == kept
+            assert set(a2a.values()) == {volume.tokens_in} and len(a2a) == 4
+        else:
+            assert kept < 8 * 2 * 2
+            volume = dispatch_bytes("mh_moe", "alltoall", CommShape(
+                **{**shape.__dict__, "kept_rows": kept}))
+            assert a2a[("token_dispatch", "fwd")] == volume.tokens_in == kept * 4 * 4
