@@ -190,6 +190,7 @@ class MVMoETransformerConfig(TransformerConfig):
         _require(num_experts % ep == 0, "num_moe_experts",
                  f"{num_experts} experts do not divide over expert_model_parallel_size={ep}",
                  "choose an EP size that divides the expert count")
+        validate_capacity(self)
 
     def _validate_latent(self) -> None:
         _require(self.latent_size is not None and self.latent_size > 0, "latent_size",
@@ -225,3 +226,20 @@ class MVMoETransformerConfig(TransformerConfig):
                  "moe_token_dispatcher_type",
                  f"{self.moe_token_dispatcher_type!r} is not tested with MH-MoE",
                  "use 'alltoall'")
+
+
+def validate_capacity(config) -> None:
+    """Padding to capacity needs C <= T: Megatron's drop-and-pad permute keeps at most the T
+    tokens of a rank per expert, and C = ceil(T*k/E * factor) exceeds T exactly when
+    factor * k > E (for every T), which fails there with a reshape error."""
+    factor = config.moe_expert_capacity_factor
+    if factor is None or not config.moe_pad_expert_input_to_capacity:
+        return
+    limit = config.num_moe_experts / config.moe_router_topk
+    if factor > limit:
+        raise ValueError(
+            f"moe_expert_capacity_factor: {factor} with moe_pad_expert_input_to_capacity pads "
+            f"every expert to more rows than a rank has tokens (factor x top-k > experts), "
+            f"which Megatron's drop-and-pad permute cannot hold. Fix: a factor <= "
+            f"{limit:g} (E / k), or moe_pad_expert_input_to_capacity=False")
+

@@ -35,7 +35,6 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron_mvmoe.layers.bitnet import bitlinear_input, quantize_weight_ste
 from megatron_mvmoe.layers.builders import as_builder, build
-from megatron_mvmoe.routing.router import validate_capacity
 
 
 def latent_expert_config(config):
@@ -96,7 +95,6 @@ class LatentMoELayer(MoELayer):
                  layer_number: Optional[int] = None, pg_collection=None,
                  is_mtp_layer: bool = False, name: Optional[str] = None) -> None:
         assert config.latent_size, "MVMoETransformerConfig validates latent_size"
-        validate_capacity(config)  # Megatron's TopKRouter would fail in the permute
         super().__init__(config=config, submodules=latent_submodules(submodules),
                          layer_number=layer_number, pg_collection=pg_collection,
                          is_mtp_layer=is_mtp_layer, name=name)

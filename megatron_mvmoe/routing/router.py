@@ -457,7 +457,6 @@ def _validate(config: MVMoETransformerConfig) -> None:
                f"allow at least moe_router_topk={config.moe_router_topk} experts: "
                f"group_topk x experts per group = {config.moe_router_group_topk} x "
                f"{per_group} is fewer")
-    validate_capacity(config)
     refuse(config.moe_input_jitter_eps is None, "moe_input_jitter_eps", "leave it None")
     refuse(not config.moe_router_force_load_balancing, "moe_router_force_load_balancing",
            "leave it False")
@@ -477,22 +476,6 @@ def _validate(config: MVMoETransformerConfig) -> None:
            "moe_router_topk_scaling_factor",
            f"set multi_view.gate_scale (alpha) instead, or make both equal ({scaling} != "
            f"{config.multi_view.gate_scale})")
-
-
-def validate_capacity(config) -> None:
-    """Padding to capacity needs C <= T: Megatron's drop-and-pad permute keeps at most the T
-    tokens of a rank per expert, and C = ceil(T*k/E * factor) exceeds T exactly when
-    factor * k > E (for every T), which fails there with a reshape error."""
-    factor = config.moe_expert_capacity_factor
-    if factor is None or not config.moe_pad_expert_input_to_capacity:
-        return
-    limit = config.num_moe_experts / config.moe_router_topk
-    if factor > limit:
-        raise ValueError(
-            f"moe_expert_capacity_factor: {factor} with moe_pad_expert_input_to_capacity pads "
-            f"every expert to more rows than a rank has tokens (factor x top-k > experts), "
-            f"which Megatron's drop-and-pad permute cannot hold. Fix: a factor <= "
-            f"{limit:g} (E / k), or moe_pad_expert_input_to_capacity=False")
 
 
 def _make_gate_scale(config: MVMoETransformerConfig):

@@ -135,24 +135,24 @@ def test_experts_see_kept_blends_and_backbone_padding(capacity):
     torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
 
 
-def _refusal_worker(rank, world_size, variant):
-    pgs = initialize_layout(ParallelLayout())
-    config = mv_config(variant, num_routers=1 if variant == "latent" else 2,
-                       moe_expert_capacity_factor=4.0, moe_pad_expert_input_to_capacity=True)
-    try:
-        build_layer(config, pgs)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-@pytest.mark.parametrize("variant", ["latent", "multi_router", "multi_view"])
+@pytest.mark.parametrize("variant", ["smoe", "latent", "multi_router", "multi_view",
+                                     "mh_moe"])
 def test_padding_beyond_the_tokens_of_a_rank_is_refused_in_one_line(variant):
-    # factor 4 x top-3 > 8 experts: C = ceil(T*3/8 * 4) > T for every T
-    message = run_distributed(_refusal_worker, 1, args=(variant,))[0]
-    assert message is not None and "\n" not in message
-    assert message.startswith("moe_expert_capacity_factor: 4.0") and "Fix: a factor <= 2.66667" \
-        in message, message
+    # factor 4 x top-3 > 8 experts: C = ceil(T*3/8 * 4) > T for every T, where Megatron's
+    # drop-and-pad permute fails with a reshape error
+    from megatron_mvmoe.layers.mh_reference import mh_test_config
+    capacity = dict(moe_expert_capacity_factor=4.0, moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(ValueError) as err:
+        if variant == "mh_moe":
+            mh_test_config(experts=8, topk=3, **capacity)
+        else:
+            mv_config(variant, num_routers=1 if variant in ("smoe", "latent") else 2,
+                      **capacity)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("moe_expert_capacity_factor: 4.0")
+    assert "Fix: a factor <= 2.66667" in message, message
+    mv_config(variant if variant != "mh_moe" else "latent", num_routers=1,
+              moe_expert_capacity_factor=2.5, moe_pad_expert_input_to_capacity=True)
 
 
 def _ep_worker(rank, world_size):
