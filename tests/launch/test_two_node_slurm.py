@@ -91,12 +91,13 @@ def config(tmp_path_factory):
     return str(path)
 
 
-def _submit(cluster, recipe: str, config: str, save: Path, log: Path, *extra) -> str:
+def _submit(cluster, recipe: str, config: str, save: Path, log: Path, *extra,
+            sbatch_opts=()) -> str:
     env = dict(CONFIG=config, SAVE=str(save), PYTHON=sys.executable, GPUS_PER_NODE="1",
                OMP_NUM_THREADS="1", CPU_BIND="none", REPO=str(REPO))
     out = _client(cluster, ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1",
                             "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
-                            f"--output={log}", RECIPES[recipe], "--run-dir",
+                            f"--output={log}", *sbatch_opts, RECIPES[recipe], "--run-dir",
                             str(save) + "_run", *extra], **env)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
@@ -198,6 +199,9 @@ def test_node_loss_ends_the_job_in_bounded_time_and_rerun_resumes(cluster, confi
     ended_s = time.monotonic() - start
     assert state != "COMPLETED" and ended_s <= TIMEOUT_S + 40, (state, ended_s)
     assert not (save / "stopped_early.json").exists()  # a crash is not requeued
+    summary = _log(log).strip().splitlines()[-1]  # one line after all tracebacks (issue 25)
+    assert summary.startswith("job failed") and "node n2 lost (rank 1" in summary and \
+        f"--load {save} --ckpt-step" in summary, summary
     rerun_log = tmp_path / "rerun.out"
     rerun = _submit(cluster, "srun", config, save, rerun_log)
     state = _wait(cluster, rerun, lambda s: s.get("JobState") in FINAL and s["JobState"], 240,
@@ -207,4 +211,4 @@ def test_node_loss_ends_the_job_in_bounded_time_and_rerun_resumes(cluster, confi
     resumed = int(re.search(r"resumed from \S+ at step (\d+)", text).group(1))
     assert killed_after - resumed <= SAVE_INTERVAL, (killed_after, resumed)
     print(f"node loss: job ended {ended_s:.1f} s after the kill (timeout {TIMEOUT_S} s); "
-          f"killed after step {killed_after}, rerun resumed at step {resumed}")
+          f"killed after step {killed_after}, rerun resumed at step {resumed}; {summary}")
