@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import asdict
 from typing import List, Optional
 
@@ -142,6 +143,12 @@ def compare(before_path: str, after_path: str, as_json: bool) -> None:
                 else:
                     row.append(cell(run, (f, n)))
         print(f"| {f} | {' | '.join(row)} |")
+    for label, run in (("before", before), ("after", after)):
+        for n in ranks:
+            errors = [e for (_, m), v in run.items() if m == n for e in v["failures"].values()]
+            print(f"\nfailures {label} at {n} rank(s), by cause:")
+            for cause, count in Counter(suite.cause_of(e) for e in errors).most_common():
+                print(f"  {count:4d}  {cause}")
 
 
 def run(args: argparse.Namespace, tests_dir: str) -> List[suite.FileResult]:

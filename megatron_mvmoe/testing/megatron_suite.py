@@ -271,17 +271,19 @@ def _merge_outcome(by_rank: Dict[int, List[dict]], world_size: int):
 # First error lines -> the cause a reader can act on (checked in order; unknown lines
 # are their own cause).
 CAUSES = (
+    (r"^\[collect\].*(NVIDIA driver|CUDA)",
+     "the test file asks the GPU's generation at import (no GPU to ask)"),
     (r"Torch not compiled with CUDA enabled|Found no NVIDIA driver|CUDA driver|"
      r"No CUDA GPUs|cudaGetDeviceCount", "Megatron-internal CUDA call (platform gap)"),
     (r"transformer_engine|Transformer Engine|TE is not installed|requires TE|HAVE_TE",
      "needs Transformer Engine"),
-    (r"[Aa]pex", "needs apex"),
+    (r"[Aa]pex|persist_layer_norm not supported", "needs apex (fused layer norm)"),
     (r"deep_ep|DeepEP|hybrid_ep|HybridEP", "needs DeepEP/HybridEP"),
     (r"[Tt]riton|cuda.*kernel|no kernel image", "needs a GPU kernel (Triton/CUDA)"),
     (r"Timeout|timed out|Timed out|killed at its timeout", "timeout"),
     (r"world_size \(\d+\) is not divisible by|world size .* too small|requires \d+ ranks",
      "layout needs more ranks than the run has"),
-    (r"device\.type == .cuda.|is_cuda", "test asserts a CUDA device"),
+    (r"device\.type == .cuda.|is_cuda|'cpu' == 'cuda'", "test asserts a CUDA device"),
 )
 
 

@@ -157,6 +157,8 @@ def test_causes_group_what_a_reader_can_act_on():
         "Megatron-internal CUDA call (platform gap)")
     assert suite.cause_of("[call] RuntimeError: world_size (2) is not divisible by 4") == (
         "layout needs more ranks than the run has")
+    assert suite.cause_of("[collect] E   RuntimeError: Found no NVIDIA driver") == (
+        "the test file asks the GPU's generation at import (no GPU to ask)")
     assert suite.cause_of("[call] ValueError: odd 0x7f3a") == "[call] ValueError: odd 0x.."
 
 
