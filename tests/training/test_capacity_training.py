@@ -23,7 +23,6 @@ def token_dir(tmp_path_factory):
     return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_trains_with_capacity_and_group_limited_routing(token_dir, variant,
