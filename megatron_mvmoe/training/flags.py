@@ -49,6 +49,19 @@ def _moe_freq(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
 
 
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts", "gdn_norm_out")
+"""Megatron-Core 0.19.2's selective-recompute modules (TransformerConfig.__post_init__
+asserts on any other name; checked here so a typo is one line)."""
+
+
+def _recompute_module(text: str) -> str:
+    if text not in RECOMPUTE_MODULES:
+        raise argparse.ArgumentTypeError(f"unknown module {text!r}; Megatron's are "
+                                         f"{', '.join(RECOMPUTE_MODULES)}")
+    return text
+
+
 def _bool(text: str) -> bool:
     lowered = str(text).lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -175,7 +188,7 @@ FLAGS: List[Flag] = [
     Flag("--recompute-method", "model", "extra.recompute_method", str, "uniform|block"),
     Flag("--recompute-num-layers", "model", "extra.recompute_num_layers", int,
          "layers per recompute unit"),
-    Flag("--recompute-modules", "model", "extra.recompute_modules", str,
+    Flag("--recompute-modules", "model", "extra.recompute_modules", _recompute_module,
          "with --recompute-granularity selective: Megatron's modules to recompute, e.g. moe "
          "(the whole MoE layer of every variant), core_attn, shared_experts (default core_attn)",
          nargs="+"),

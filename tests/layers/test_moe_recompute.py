@@ -159,3 +159,17 @@ def test_flags_reach_megatron_and_the_planner():
     assert a["activations"] - b["activations"] == pytest.approx(
         (on.num_layers - 1) * one_layer)
     assert b["recompute_transient"] == pytest.approx(one_layer)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe", "atn"],
+     "--recompute-modules: unknown module 'atn'; Megatron's are core_attn"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
+     "moe_act in recompute_modules is only supported with moe_grouped_gemm"),
+])
+def test_bad_recompute_lines_are_one_line(argv, message):
+    from megatron_mvmoe.training.flags import config_from_args
+
+    with pytest.raises(ValueError, match=message) as err:
+        config_from_args(["--model-preset", "tiny_multi_view"] + argv)
+    assert "\n" not in str(err.value)

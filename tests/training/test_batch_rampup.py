@@ -95,3 +95,16 @@ def test_trainer_ramps_and_resumes_mid_ramp_exactly(data_dir, tmp_path):
     assert resumed["first_step"] == 5
     assert resumed["losses"] == full["losses"][4:]  # steps 5..8, bit for bit
     assert _batches(str(tmp_path / "resumed")) == steps[4:]
+
+
+def test_ramp_over_two_data_parallel_ranks(data_dir, tmp_path):
+    """EP=2 on 2 ranks (data-parallel 2): every batch of the ramp is whole microbatches on
+    both ranks; the steps take Megatron's batches and the losses stay finite."""
+    ramp = [4, 4, 16]  # micro batch 2 x DP 2 = 4 per microbatch round; batches 4 4 4 8 ...
+    raw = tiny_run(data_dir, parallel={"ep": 2}, train_iters=5, rampup_batch_size=ramp,
+                   eval_iters=0)
+    raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=1)
+    losses = train(raw, 2)["losses"]
+    assert [b for _, b, _ in _batches(str(tmp_path / "run"))] == ramp_batches(ramp, 8, 5)
+    assert ramp_batches(ramp, 8, 5) == [4, 4, 4, 4, 8]
+    assert all(0 < loss < 10 for loss in losses)
