@@ -5,17 +5,22 @@
     python tools/bench_moe_layer.py --hidden 1024 --latent 512 --experts 64 --expert-ffn 512
     python tools/bench_moe_layer.py --sweep --out examples/results/scaling.json   # item 3
     python tools/bench_moe_layer.py --preset mvmoe_10b_a1b --dtype bf16 --tokens 16384  # GPU
+    python tools/bench_moe_layer.py --tokens 4096 --clock cpu --threads 1   # a shared machine
 
 Single process (gloo world of 1, or NCCL on a GPU). The layers are the trainer's: the
 preset's model section with the given fields overridden, `provider.transformer_config`
 (SwiGLU, shared expert, sigmoid routing, this machine's fast paths) and the decoder block's
-MoE builder (megatron_mvmoe/analysis/layer_bench.py). On CPU the experts are
-GroupedMatmulExperts (fast-path rule `cpu_grouped_experts`) and by default each variant is
-also timed through SequentialMLP.forward on the same weights (`--experts-impl both`).
+MoE builder (megatron_mvmoe/analysis/layer_bench.py). On CPU, `--experts-impl both` (the
+default) builds the experts as GroupedMatmulExperts whatever the fast-path rule
+`cpu_grouped_experts` picks and times each variant both ways on the same weights: grouped
+(torch._grouped_mm) and SequentialMLP.forward; `built` times only what the rule builds.
 Every timed round runs each (variant, impl) once in turn; ratios are per round (median,
 min, max). Achieved GFLOP/s is 3 x analytic forward FLOPs x tokens / time, next to the
-measured matmul peak (training/run_info.measured_matmul_peak, measured before and after).
-Memory: on CPU the bytes autograd saves for backward; on CUDA the allocator peak.
+matmul peak measured with the same clock before every round (layer_bench.matmul_peak).
+--clock cpu times the process's CPU time (use it with --threads 1 when other jobs share
+the cores: the wall clock then measures the scheduler's share, not the work).
+Memory: on CPU the bytes autograd saves for backward; on CUDA the allocator peak; that
+pass runs first and warms every layer up.
 
 --sweep varies one field at a time over tokens per rank, experts, top-k and hidden size,
 the others at the preset's values (D-derived widths keep the 10B-A1B ratios), and writes
@@ -46,7 +51,8 @@ _SHAPE_FLAGS = {"hidden": "hidden_size", "latent": "latent_size", "experts": "nu
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mvmoe_10b_a1b",
                    help="model preset the layers come from (its D, L, E, k, F, S, R)")
     p.add_argument("--hidden", type=int, help="D: model hidden size (default: preset's)")
@@ -61,13 +67,19 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--experts-impl", choices=["both", "built"], default="both",
                    help="both: time grouped experts and SequentialMLP on the same weights "
                         "(CPU); built: only what the fast paths built")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds")
+    p.add_argument("--clock", choices=sorted(lb.CLOCKS), default="wall",
+                   help="wall: perf_counter; cpu: this process's CPU time")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed rounds after the (untimed) memory pass")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds")
     p.add_argument("--tolerance", type=float, default=1.1,
                    help="pass if MV time ratio <= tolerance x analytic FLOP ratio")
     p.add_argument("--sweep", action="store_true", help="the scaling sweep (see above)")
     p.add_argument("--sweep-base-tokens", type=int, default=1024,
                    help="tokens per rank while another field is swept")
+    p.add_argument("--sweep-tokens", type=int, nargs="+",
+                   help="the tokens axis of the sweep (default: 256 1024 4096 8192)")
     p.add_argument("--out", default=None, help="--sweep: JSON path (page and plots beside)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -75,10 +87,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
     if args.preset not in PRESETS:
         p.error(f"--preset {args.preset!r}: not a preset (choose from {sorted(PRESETS)})")
-    for name in ("tokens", "repeats", "sweep_base_tokens", *_SHAPE_FLAGS):
+    for name in ("tokens", "repeats", "sweep_base_tokens", "threads", *_SHAPE_FLAGS):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "shared_ffn" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.sweep_tokens and min(args.sweep_tokens) < 1:
+        p.error(f"--sweep-tokens must all be >= 1, got {args.sweep_tokens}")
     if args.sweep and not args.out:
         p.error("--sweep needs --out PATH.json (e.g. examples/results/scaling.json)")
     return args
@@ -108,17 +122,19 @@ def impls_for(layers) -> List[str]:
 def run_point(args, shape: lb.LayerShape, tokens: int, pgs, impls_wanted: str) -> Dict:
     """Build, time (interleaved) and summarize one layer shape."""
     from megatron_mvmoe import platform
-    from megatron_mvmoe.training.run_info import measured_matmul_peak
 
     platform.seed_all(0)
-    layers = lb.build_layers(args.preset, shape, pgs, use_bf16=args.dtype == "bf16")
-    impls = impls_for(layers) if impls_wanted == "both" else [
-        "grouped" if impls_for(layers) == list(lb.IMPLS) else "built"]
+    both = impls_wanted == "both" and not platform.is_cuda()
+    layers = lb.build_layers(args.preset, shape, pgs, use_bf16=args.dtype == "bf16",
+                             grouped=True if both else None)
+    impls = impls_for(layers)
+    if not both:
+        impls = ["grouped" if impls == list(lb.IMPLS) else "built"]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     x = torch.randn(tokens, 1, shape.hidden_size, dtype=dtype, device=platform.device())
-    peaks = [measured_matmul_peak(dtype)]
-    times = lb.timed_rounds(layers, x, impls, args.warmup, args.repeats)
-    peaks.append(measured_matmul_peak(dtype))
+    memory = {v: lb.memory_bytes(layer, x) for v, layer in layers.items()}  # + warm-up
+    peaks: List[float] = []
+    times = lb.timed_rounds(layers, x, impls, args.warmup, args.repeats, args.clock, peaks)
     flops = {v: lb.layer_flops_per_token(layer.config) for v, layer in layers.items()}
     rows = lb.summarize(times, flops, tokens, max(peaks))
     main_impl = impls[-1]
@@ -128,7 +144,7 @@ def run_point(args, shape: lb.LayerShape, tokens: int, pgs, impls_wanted: str) -
         variants[v] = dict(row, median_s=row["seconds"]["median"],
                            time_ratio=row["time_ratio"]["median"],
                            achieved_tflops=row["gflops"]["median"] / 1e3,
-                           memory_bytes=lb.memory_bytes(layer, x),
+                           memory_bytes=memory[v],
                            flops_per_token=flops[v], experts=lb.experts_class(layer))
     base_mem = variants["latent"]["memory_bytes"]
     for row in variants.values():
@@ -136,21 +152,30 @@ def run_point(args, shape: lb.LayerShape, tokens: int, pgs, impls_wanted: str) -
     mv = variants["multi_view"]
     del layers
     return {"shape": lb.dataclasses.asdict(shape), "tokens": tokens, "impl": main_impl,
+            "clock": args.clock, "threads": torch.get_num_threads(),
+            "cpu_grouped_experts_rule": fast_path_line(shape),
             "peak_gflops": [p / 1e9 for p in peaks], "variants": variants, "pairs": rows,
             "mv_time_within_tolerance": mv["time_ratio"] <= args.tolerance * mv["flop_ratio"]}
 
 
-def fast_path_line() -> Dict:
-    from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths
+def fast_path_line(shape: lb.LayerShape) -> Dict:
+    """The fast-path rule's cpu_grouped_experts decision for the layer at `shape`."""
+    from megatron_mvmoe.models.fast_paths import (GROUPED_MM_MAX_EXPERT_ELEMENTS, Target,
+                                                  choose_fast_paths)
 
-    path = next(p for p in choose_fast_paths(Target.here(), "multi_view")
+    elements = shape.latent_size * shape.moe_ffn_hidden_size  # the latent variants' experts
+    path = next(p for p in choose_fast_paths(Target.here(), "multi_view",
+                                             expert_elements=elements)
                 if p.name == "cpu_grouped_experts")
-    return {"on": path.on, "why": path.why}
+    return {"on": path.on, "why": path.why, "expert_elements": elements,
+            "threshold": GROUPED_MM_MAX_EXPERT_ELEMENTS}
 
 
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads or os.cpu_count() or 1))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from megatron_mvmoe.analysis.tool_common import emit
 
     shape = base_shape(args)
@@ -158,12 +183,12 @@ def main(argv: List[str]) -> int:
         if args.sweep:
             from megatron_mvmoe.analysis import scaling_report
 
-            out = scaling_report.run_sweep(args, shape, pgs, run_point, fast_path_line())
-            scaling_report.write(out, args.out)
+            out = scaling_report.run_sweep(args, shape, pgs, run_point, fast_path_line(shape),
+                                           lambda partial: scaling_report.write(partial, args.out))
             emit(out, args.json, scaling_report.text(out))
             return 0
         out = run_point(args, shape, args.tokens, pgs, args.experts_impl)
-    out.update(config=vars(args), cpu_grouped_experts=fast_path_line(),
+    out.update(config=vars(args), cpu_grouped_experts=fast_path_line(shape),
                memory_kind="cuda_peak" if torch.cuda.is_available() else "saved_activations")
     emit(out, args.json, point_text(out, args.tolerance))
     return 0
@@ -193,7 +218,8 @@ def single_rank_layout():
 def point_text(out: Dict, tolerance: float) -> str:
     fp = out["cpu_grouped_experts"]
     lines = [f"cpu_grouped_experts: {'on' if fp['on'] else 'off'} ({fp['why']})",
-             f"matmul peak {max(out['peak_gflops']):.1f} GFLOP/s (before/after: "
+             f"matmul peak {max(out['peak_gflops']):.1f} GFLOP/s ({out['clock']} clock, "
+             f"{out['threads']} threads; per round: "
              + ", ".join(f"{p:.1f}" for p in out["peak_gflops"]) + ")",
              f"{'variant/impl':26s} {'median_s':>9s} {'GFLOP/s [min,max]':>22s} "
              f"{'%peak':>6s} {'time_x [min,max]':>22s} {'flop_x':>7s} {'grouped_x':>10s}"]

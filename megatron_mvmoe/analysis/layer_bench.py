@@ -19,7 +19,13 @@ Design choices:
 - FLOPs are analytic matmul FLOPs of the config (`layer_flops_per_token`); achieved
   FLOP/s = 3 x forward FLOPs x T / time (backward ~ 2 x forward).
 - Memory on CPU: bytes autograd saves for backward (saved-tensor hooks), deterministic; on
-  CUDA the allocator peak of one forward + backward.
+  CUDA the allocator peak of one forward + backward. That pass runs before the timed rounds
+  (it is a full step: the warm-up of every layer).
+- Two clocks: "wall" (perf_counter), or "cpu" (the process's CPU time, user + system, so
+  page faults count): on a machine shared with other jobs the wall clock measures the
+  share the scheduler gave, the CPU clock the work itself (run it with one thread: an
+  OpenMP team's spin-waits would count too). The matmul peak is measured with the same
+  clock before every round, so "% of peak" compares like with like.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 VARIANTS = ("latent", "multi_router", "multi_view")
 IMPLS = ("sequential", "grouped")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +78,16 @@ def variant_section(preset: str, shape: LayerShape, variant: str):
                              multi_view=multi_view, **fields)
 
 
-def layer_config(section, use_bf16: bool):
-    """The trainer's Megatron config of `section` on this machine."""
+def layer_config(section, use_bf16: bool, grouped: Optional[bool] = None):
+    """The trainer's Megatron config of `section` on this machine; `grouped` overrides the
+    fast-path rule's `cpu_grouped_experts` (None: the rule's choice)."""
     from megatron_mvmoe import platform
     from megatron_mvmoe.models.provider import transformer_config
 
     config = transformer_config(section, use_bf16=use_bf16, on_cpu=not platform.is_cuda())
     config.gradient_accumulation_fusion = False  # it needs DDP's main_grad buffers
+    if grouped is not None:
+        config.cpu_grouped_experts = grouped
     return config
 
 
@@ -98,14 +108,16 @@ def layer_flops_per_token(config) -> int:
 
 
 def build_layers(preset: str, shape: LayerShape, pgs, use_bf16: bool = False,
-                 variants: Sequence[str] = VARIANTS) -> Dict[str, torch.nn.Module]:
-    """{variant: its MoE layer} built by the trainer's spec and config path."""
+                 variants: Sequence[str] = VARIANTS,
+                 grouped: Optional[bool] = None) -> Dict[str, torch.nn.Module]:
+    """{variant: its MoE layer} built by the trainer's spec and config path (`grouped`: see
+    `layer_config`)."""
     from megatron_mvmoe import platform
     from megatron_mvmoe.models.specs import build_moe_layer
 
     layers = {}
     for variant in variants:
-        config = layer_config(variant_section(preset, shape, variant), use_bf16)
+        config = layer_config(variant_section(preset, shape, variant), use_bf16, grouped)
         layers[variant] = build_moe_layer(config, pgs).to(platform.device())
     return layers
 
@@ -163,22 +175,47 @@ def memory_bytes(layer, x: torch.Tensor) -> int:
     return platform.peak_memory_bytes()
 
 
-def timed_rounds(layers: Dict[str, torch.nn.Module], x: torch.Tensor, impls: Sequence[str],
-                 warmup: int, repeats: int) -> Dict[str, List[float]]:
-    """{"variant/impl": [seconds per repeat]}, every pair once per round, in turn."""
+def matmul_peak(dtype: torch.dtype, clock: str = "wall", size: int = 1024,
+                budget_s: float = 0.3) -> float:
+    """FLOP/s of a square fp matmul on this device, best of repeated timings on `clock`."""
     from megatron_mvmoe import platform
 
+    now = CLOCKS[clock]
+    gen = torch.Generator(device=platform.device()).manual_seed(0)  # the run's RNG untouched
+    a, b = (torch.randn(size, size, generator=gen, device=platform.device()).to(dtype)
+            for _ in range(2))
+    best, deadline = 0.0, time.perf_counter() + budget_s
+    while time.perf_counter() < deadline or best == 0.0:
+        start = now()
+        for _ in range(2):
+            a @ b
+        platform.synchronize()
+        best = max(best, 2 * 2 * size ** 3 / max(now() - start, 1e-9))
+    return best
+
+
+def timed_rounds(layers: Dict[str, torch.nn.Module], x: torch.Tensor, impls: Sequence[str],
+                 warmup: int, repeats: int, clock: str = "wall",
+                 peaks: Optional[List[float]] = None) -> Dict[str, List[float]]:
+    """{"variant/impl": [seconds per repeat]}, every pair once per round, in turn, on
+    `clock`; `peaks` (if given) gets the matmul peak measured before every timed round."""
+    from megatron_mvmoe import platform
+
+    now = CLOCKS[clock]
     pairs = [(v, i) for v in layers for i in impls]
     times: Dict[str, List[float]] = {f"{v}/{i}": [] for v, i in pairs}
     for round_index in range(warmup + repeats):
+        if peaks is not None and round_index >= warmup:
+            peaks.append(matmul_peak(x.dtype, clock))
         for variant, impl in pairs:
             with experts_impl(layers[variant], impl):
                 platform.synchronize()
-                start = time.perf_counter()
+                start = now()
                 step(layers[variant], x)
                 platform.synchronize()
+                seconds = now() - start
             if round_index >= warmup:
-                times[f"{variant}/{impl}"].append(time.perf_counter() - start)
+                times[f"{variant}/{impl}"].append(seconds)
     return times
 
 

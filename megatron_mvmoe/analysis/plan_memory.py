@@ -230,7 +230,8 @@ def grouped_experts_on(m: ModelSection, precision: str, bitnet: bool = False) ->
     from megatron_mvmoe.models import fast_paths
 
     paths = fast_paths.choose_fast_paths(fast_paths.Target(cuda=False, te=False),
-                                         m.moe_variant, bitnet=bitnet)
+                                         m.moe_variant, bitnet=bitnet,
+                                         expert_elements=fast_paths.expert_matrix_elements(m))
     return any(p.name == "cpu_grouped_experts" and p.on for p in paths)
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 AXES: Dict[str, List[int]] = {
     "tokens": [256, 1024, 4096, 8192],
@@ -41,10 +41,13 @@ def scaled_shape(base, field: str, value: int):
         moe_shared_expert_intermediate_size=round(shared * ratio) if shared else shared)
 
 
-def sweep_points(base, base_tokens: int) -> List[Tuple[str, int, object, int]]:
-    """(field, value, shape, tokens) for every point of every axis."""
+def sweep_points(base, base_tokens: int, tokens_axis: Optional[List[int]] = None
+                 ) -> List[Tuple[str, int, object, int]]:
+    """(field, value, shape, tokens) for every point of every axis (`tokens_axis` replaces
+    AXES' tokens values)."""
     points = []
-    for field, values in AXES.items():
+    axes = dict(AXES, tokens=tokens_axis) if tokens_axis else AXES
+    for field, values in axes.items():
         for value in values:
             if field != "tokens" and value > (base.num_experts if field == "moe_router_topk"
                                               else 1 << 30):
@@ -54,21 +57,34 @@ def sweep_points(base, base_tokens: int) -> List[Tuple[str, int, object, int]]:
     return points
 
 
-def run_sweep(args, base, pgs, run_point: Callable, fast_path: Dict) -> Dict:
-    """Every sweep point measured (a point shared by two axes is measured once)."""
+def point_cost(shape, tokens: int) -> float:
+    """Relative work of a point (tokens x top-k x D^2), to measure the cheap ones first."""
+    return tokens * shape.moe_router_topk * shape.hidden_size ** 2
+
+
+def run_sweep(args, base, pgs, run_point: Callable, fast_path: Dict,
+              on_point: Optional[Callable[[Dict], None]] = None) -> Dict:
+    """Every sweep point measured (a point shared by two axes is measured once), cheapest
+    first; `on_point` gets the output so far after every point (a cut-short sweep keeps
+    what it measured)."""
+    points = sweep_points(base, args.sweep_base_tokens, getattr(args, "sweep_tokens", None))
+    order = {(field, value): i for i, (field, value, _, _) in enumerate(points)}
     done: Dict[Tuple, Dict] = {}
-    rows = []
-    for field, value, shape, tokens in sweep_points(base, args.sweep_base_tokens):
+    out = {"preset": args.preset, "base_shape": dataclasses.asdict(base),
+           "base_tokens": args.sweep_base_tokens, "repeats": args.repeats,
+           "warmup": args.warmup, "dtype": args.dtype, "cpu_grouped_experts": fast_path,
+           "clock": args.clock, "threads": _threads(), "rows": []}
+    for field, value, shape, tokens in sorted(points, key=lambda p: point_cost(p[2], p[3])):
         key = (dataclasses.astuple(shape), tokens)
         if key not in done:
             start = time.perf_counter()
             done[key] = run_point(args, shape, tokens, pgs, "built")
             done[key]["wall_s"] = time.perf_counter() - start
-        rows.append({"axis": field, "value": value, **_row(done[key])})
-    return {"preset": args.preset, "base_shape": dataclasses.asdict(base),
-            "base_tokens": args.sweep_base_tokens, "repeats": args.repeats,
-            "warmup": args.warmup, "dtype": args.dtype, "cpu_grouped_experts": fast_path,
-            "threads": _threads(), "rows": rows}
+        out["rows"].append({"axis": field, "value": value, **_row(done[key])})
+        out["rows"].sort(key=lambda r: order[(r["axis"], r["value"])])
+        if on_point is not None:
+            on_point(out)
+    return out
 
 
 def _threads() -> int:

@@ -27,8 +27,19 @@ Design choices:
   call (`grouped_unsupported` says why): expert TP > 1 (row-parallel all-reduce), fp8/fp4,
   expert biases (the project runs bias-free; SequentialMLP's own expert-bias add fails on
   CPU at TP = 1, in place on a custom Function's view), fused or TE activations, delayed
-  weight grads, non-local linears (BitNet, TE), CUDA tensors. The fast-path rule (models/fast_paths.py, `cpu_grouped_experts`) only turns it
-  on where none of these apply.
+  weight grads, non-local linears (BitNet, TE), CUDA tensors. The fast-path rule
+  (models/fast_paths.py, `cpu_grouped_experts`) only turns it on where none of these apply
+  and where it is faster: one expert's I x F at most GROUPED_MM_MAX_EXPERT_ELEMENTS.
+
+Where it is slower, and why (measured, examples/results/grouped_experts.md): torch 2.13's
+CPU `_grouped_mm` is a loop of per-group GEMMs (the same MKL calls SequentialMLP makes),
+so it saves only the per-expert module/autograd overhead, and pays for the stacked copy of
+every expert weight per forward, the stacked gradient split back in backward, and the page
+faults of those fresh GB-sized buffers (at the 10B-A1B width 0.6-0.8 s of system time per
+step of 16 experts). Tried and dropped, both exact-or-close but slower than SequentialMLP's
+loop at the real width: a padded `torch.bmm` over experts (the same copies plus padding,
+0.5-0.6x), and one autograd Function walking the experts with the activation recomputed
+in backward (0.75-0.95x: the recompute costs more than the module overhead it removes).
 """
 
 from __future__ import annotations

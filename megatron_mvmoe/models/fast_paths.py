@@ -13,8 +13,14 @@ Design choices:
   TE, gradient-accumulation fusion needs TE linears (or apex), overlapped grad-reduce /
   param-gather need asynchronous (NCCL) collectives to overlap with.
 - On CPU, SequentialMLP's per-expert loop is replaced by `cpu_grouped_experts` (the same
-  parameters, two torch._grouped_mm calls) wherever torch runs _grouped_mm on CPU, and not
-  under BitNet (its expert linears are Bit linears).
+  parameters, two torch._grouped_mm calls) where that is faster, a measured criterion: one
+  expert's matrix (I x F elements, I = its input width) at most
+  GROUPED_MM_MAX_EXPERT_ELEMENTS. torch's CPU _grouped_mm is itself a loop of GEMMs, so
+  all it saves is SequentialMLP's per-expert Python/autograd overhead, while it pays for
+  copying every expert weight into a stacked [E, G, I] tensor each forward (and the
+  stacked grad back in backward), page faults of the fresh GB-sized buffers included:
+  that copy grows with I x F, the overhead it saves does not. Not under BitNet (its expert
+  linears are Bit linears), and only where torch runs _grouped_mm on CPU.
 - BitNet quantizes Megatron's local Column/RowParallelLinear: TE linears (and so TE grouped
   experts, fused RoPE, TE attention) are off under BitNet, with that reason.
 - Multi-View's per-row dispatcher gathers (token, slot) rows itself: TE's fused permute
@@ -26,7 +32,14 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
+
+GROUPED_MM_MAX_EXPERT_ELEMENTS = 1 << 16
+"""Largest I x F of one expert for which the grouped path beats SequentialMLP's loop on CPU.
+Measured (examples/results/grouped_experts.md, CPU time of one thread, fwd + bwd of the
+experts, interleaved): grouped / loop time 0.5-0.9 at I x F = 8k and 32k (tiny widths),
+1.3-1.5 at 131k and 262k, 1.3-1.7 at the 10B-A1B's 1M (256 x 3968); the threshold sits
+between 32k and 131k."""
 
 _PER_ROW_VARIANTS = ("multi_view",)
 _MULTI_HEAD_ROUTERS = ("multi_router", "multi_view")
@@ -58,9 +71,19 @@ class FastPath:
     """TransformerConfig fields this decision sets (DDP fields are prefixed `ddp.`)."""
 
 
+def expert_matrix_elements(section, etp: int = 1) -> int:
+    """I x F of one routed expert of a ModelSection: its input width (the latent size, else
+    the hidden size per MH-MoE head) times its FFN width on one expert-TP rank."""
+    heads = max(1, section.multi_head.num_heads) if section.moe_variant == "mh_moe" else 1
+    width = section.latent_size if section.is_latent else section.hidden_size // heads
+    return width * (section.moe_ffn_hidden_size // max(1, etp))
+
+
 def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
-                      distributed_optimizer: bool = True) -> List[FastPath]:
-    """Every fast-path decision for one model variant on `target`."""
+                      distributed_optimizer: bool = True,
+                      expert_elements: Optional[int] = None) -> List[FastPath]:
+    """Every fast-path decision for one model variant on `target`; `expert_elements`:
+    `expert_matrix_elements` of the model (None: not known, the CPU grouped path stays on)."""
     gpu = target.cuda
     te = gpu and target.te and not bitnet
     no_te = _no_te_reason(target, bitnet)
@@ -71,7 +94,7 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
               "TEGroupedMLP: one grouped GEMM over all local experts",
               "dense model" if variant == "dense" else no_te + " (SequentialMLP loops over "
               "local experts)", {"moe_grouped_gemm": te and variant != "dense"}),
-        _cpu_grouped_experts(target, variant, bitnet),
+        _cpu_grouped_experts(target, variant, bitnet, expert_elements),
         _path("flash_attention", te, "TEDotProductAttention (flash/fused backend)",
               no_te + " (Megatron's DotProductAttention)"),
         _path("rope_fusion", te, "TE fused RoPE", no_te, {"apply_rope_fusion": te}),
@@ -108,8 +131,10 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
     ]
 
 
-def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool) -> FastPath:
-    """SequentialMLP's experts as two torch._grouped_mm calls (layers/grouped_experts.py)."""
+def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool,
+                         expert_elements: Optional[int] = None) -> FastPath:
+    """SequentialMLP's experts as two torch._grouped_mm calls (layers/grouped_experts.py)
+    where the measured criterion says they are faster."""
     from megatron_mvmoe.layers.grouped_experts import grouped_mm_runs_here
 
     if variant == "dense":
@@ -120,11 +145,17 @@ def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool) -> FastPath
         why_off = "BitNet: the experts are Bit linears (SequentialMLP loops over them)"
     elif not grouped_mm_runs_here():
         why_off = "torch._grouped_mm does not run on this CPU build (SequentialMLP loops)"
+    elif expert_elements is not None and expert_elements > GROUPED_MM_MAX_EXPERT_ELEMENTS:
+        why_off = (f"CPU: one expert is I x F = {expert_elements} > "
+                   f"{GROUPED_MM_MAX_EXPERT_ELEMENTS} elements, where SequentialMLP's loop is "
+                   "faster than stacking every expert weight for torch._grouped_mm (measured)")
     else:
         why_off = ""
+    size = "" if expert_elements is None else f", one expert I x F = {expert_elements} <= " \
+        f"{GROUPED_MM_MAX_EXPERT_ELEMENTS}"
     return _path("cpu_grouped_experts", not why_off,
                  "CPU: all local experts as 2 grouped GEMMs (torch._grouped_mm), "
-                 "SequentialMLP's parameters", why_off, {"cpu_grouped_experts": not why_off})
+                 f"SequentialMLP's parameters{size}", why_off, {"cpu_grouped_experts": not why_off})
 
 
 def _path(name: str, on: bool, why_on: str, why_off: str,

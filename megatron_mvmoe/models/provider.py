@@ -31,7 +31,8 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.mla_config import megatron_config_class
-from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, config_fields
+from megatron_mvmoe.models.fast_paths import (Target, choose_fast_paths, config_fields,
+                                              expert_matrix_elements)
 from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
@@ -89,8 +90,9 @@ def transformer_config(shape: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         bitnet=dataclasses.replace(shape.bitnet),
     )
     kwargs.update(_numerics(use_bf16, on_cpu))
-    kwargs.update(config_fields(choose_fast_paths(target_for(on_cpu), shape.moe_variant,
-                                                  bitnet=shape.bitnet.enabled)))
+    kwargs.update(config_fields(choose_fast_paths(
+        target_for(on_cpu), shape.moe_variant, bitnet=shape.bitnet.enabled,
+        expert_elements=expert_matrix_elements(shape, etp))))
     kwargs.update(_routing(shape))
     kwargs.update(shape.extra)
     config_class = megatron_config_class(kwargs)  # MLA's config with multi_latent_attention

@@ -26,7 +26,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_mvmoe import platform
 from megatron_mvmoe.config import MVMoETransformerConfig
 from megatron_mvmoe.models.build import build_model
-from megatron_mvmoe.models.fast_paths import FastPath, choose_fast_paths, ddp_fields
+from megatron_mvmoe.models.fast_paths import (FastPath, choose_fast_paths, ddp_fields,
+                                              expert_matrix_elements)
 from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.provider import target_for
 from megatron_mvmoe.run_config import RunConfig
@@ -58,7 +59,9 @@ def run_fast_paths(run: RunConfig) -> List[FastPath]:
     """The fast-path decisions for this run on this machine (models/fast_paths.py)."""
     return choose_fast_paths(target_for(not platform.is_cuda()), run.model.moe_variant,
                              bitnet=run.model.bitnet.enabled,
-                             distributed_optimizer=run.optimizer.use_distributed_optimizer)
+                             distributed_optimizer=run.optimizer.use_distributed_optimizer,
+                             expert_elements=expert_matrix_elements(run.model,
+                                                                    run.parallel.etp))
 
 
 def _wrap_ddp(config, chunks, run: RunConfig) -> List[DistributedDataParallel]:

@@ -4,7 +4,8 @@
   (SwiGLU, the shared expert, sigmoid routing) and the decoder block's MoE builder; the
   FLOP count follows that config (checked against a count by hand).
 - One tiny point runs end to end: both expert implementations on the same weights, per-round
-  ratio spreads, the fast-path decision printed; bad flags fail with one line.
+  ratio spreads, the fast-path decision printed, CPU-time clock with the peak measured on
+  the same clock every round; bad flags fail with one line.
 - The sweep keeps the preset's width ratios when the hidden size changes, measures a point
   shared by two axes once, and writes the JSON and both plots.
 """
@@ -51,7 +52,8 @@ def test_variant_configs_are_the_trainers_and_flops_follow_them():
 
 @pytest.mark.slow
 def test_tiny_point_times_both_expert_impls_side_by_side():
-    proc = _tool(*TINY, "--tokens", "32", "--warmup", "0", "--repeats", "2", "--json")
+    proc = _tool(*TINY, "--tokens", "32", "--repeats", "3", "--clock", "cpu", "--threads", "1",
+                 "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["cpu_grouped_experts"]["on"] and out["impl"] == "grouped"
@@ -62,7 +64,10 @@ def test_tiny_point_times_both_expert_impls_side_by_side():
     for variant, row in out["variants"].items():
         assert row["experts"] == "GroupedMatmulExperts" and row["memory_bytes"] > 0
         assert row["time_ratio"] == out["pairs"][f"{variant}/grouped"]["time_ratio"]["median"]
-    assert len(out["peak_gflops"]) == 2 and min(out["peak_gflops"]) > 0
+    # the peak is measured with the run's clock before every timed round
+    assert len(out["peak_gflops"]) == 3 and min(out["peak_gflops"]) > 0
+    assert out["clock"] == "cpu" and out["threads"] == 1
+    assert out["cpu_grouped_experts"]["expert_elements"] == 16 * 32
 
 
 def test_bad_flags_fail_with_one_line():
@@ -72,6 +77,8 @@ def test_bad_flags_fail_with_one_line():
     assert proc.returncode != 0 and "--sweep needs --out" in proc.stderr
     proc = _tool("--preset", "nope")
     assert proc.returncode != 0 and "not a preset" in proc.stderr
+    proc = _tool("--threads", "0")
+    assert proc.returncode != 0 and "--threads must be >= 1, got 0" in proc.stderr
 
 
 def test_sweep_scales_the_preset_ratios_and_dedups_the_base_point():
@@ -90,9 +97,15 @@ def test_sweep_scales_the_preset_ratios_and_dedups_the_base_point():
 
     class Args:
         preset, sweep_base_tokens, repeats, warmup, dtype = "mvmoe_10b_a1b", 1024, 1, 0, "fp32"
+        clock = "cpu"
 
-    out = sr.run_sweep(Args, base, None, fake_point, {"on": True, "why": "test"})
-    assert len(out["rows"]) == len(points)
+    partial = []
+    out = sr.run_sweep(Args, base, None, fake_point, {"on": True, "why": "test"},
+                       on_point=lambda o: partial.append(len(o["rows"])))
+    assert len(out["rows"]) == len(points) and partial == list(range(1, len(points) + 1))
+    costs = [sr.point_cost(shape, tokens) for shape, tokens in calls]
+    assert costs == sorted(costs)  # cheapest first: a cut-short sweep keeps the most axes
+    assert [(r["axis"], r["value"]) for r in out["rows"]] == [(p[0], p[1]) for p in points]
     # the base shape at 1024 tokens is on the tokens, experts, top-k and hidden axes
     assert len(calls) == len(points) - 3
     assert "| 4096 | 4096 |" in sr.text(out)

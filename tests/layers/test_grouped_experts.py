@@ -8,7 +8,10 @@
 - Checkpoints: the sharded state dict (keys, global shapes and offsets, at EP = 2 too) is
   SequentialMLP's, so dist-checkpoints of either load into the other.
 - The fast-path rule turns it on on CPU and off with a reason under BitNet, on a GPU and
-  for dense models; the provider's config carries the decision.
+  for dense models; the provider's config carries the decision. Its measured criterion
+  (one expert's I x F at most GROUPED_MM_MAX_EXPERT_ELEMENTS) keeps the tiny presets on the
+  grouped path and puts the real-width 10B-A1B (I x F = 256 x 3968) on SequentialMLP's
+  loop, with the numbers in the reason; the decoder block's MoE spec follows it.
 """
 
 import pytest
@@ -19,7 +22,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_mvmoe.layers.builders import build, parts
 from megatron_mvmoe.layers.grouped_experts import (GroupedMatmulExperts, grouped_experts_spec,
-                                                   grouped_mm_runs_here)
+                                                   grouped_mm_runs_here, with_grouped_experts)
 from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths, is_on
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.spawn import run_distributed
@@ -175,6 +178,36 @@ def test_fast_path_rule_and_provider_config():
     assert config.cpu_grouped_experts is True
     bitnet = model_from_preset("tiny_multi_view", bitnet=dict(enabled=True))
     assert transformer_config(bitnet, on_cpu=True).cpu_grouped_experts is False
+
+
+def test_measured_criterion_picks_the_faster_expert_path():
+    from megatron_mvmoe.models import fast_paths as fp
+    from megatron_mvmoe.models.model_section import model_from_preset
+    from megatron_mvmoe.models.provider import transformer_config
+
+    cpu, limit = Target(cuda=False, te=False), fp.GROUPED_MM_MAX_EXPERT_ELEMENTS
+    for elements, on in ((limit, True), (limit + 1, False), (None, True)):
+        path = next(p for p in choose_fast_paths(cpu, "latent", expert_elements=elements)
+                    if p.name == "cpu_grouped_experts")
+        assert path.on is on and fp.config_fields([path]) == {"cpu_grouped_experts": on}
+    real = model_from_preset("mvmoe_10b_a1b", num_layers=1)
+    assert fp.expert_matrix_elements(real) == 256 * 3968  # latent L x expert FFN F
+    assert fp.expert_matrix_elements(real, etp=2) == 256 * 1984
+    mh = model_from_preset("tiny_mh_moe")
+    assert fp.expert_matrix_elements(mh) == (
+        mh.hidden_size // mh.multi_head.num_heads * mh.moe_ffn_hidden_size)
+    off = next(p for p in choose_fast_paths(cpu, "multi_view",
+                                            expert_elements=fp.expert_matrix_elements(real))
+               if p.name == "cpu_grouped_experts")
+    assert not off.on and f"I x F = {256 * 3968} > {limit}" in off.why
+    tiny = model_from_preset("tiny_multi_view")
+    assert fp.expert_matrix_elements(tiny) <= limit
+    for section, grouped in ((tiny, True), (real, False)):
+        config = transformer_config(section, on_cpu=True)
+        assert config.cpu_grouped_experts is grouped
+        spec = get_moe_module_spec(use_te=False, num_experts=8)
+        built = parts(parts(with_grouped_experts(spec, config)).submodules.experts).module
+        assert built is (GroupedMatmulExperts if grouped else SequentialMLP)
 
 
 @pytest.mark.parametrize("impl", [SequentialMLP, GroupedMatmulExperts])
