@@ -96,11 +96,39 @@ def check_layout(m: ModelSection, target: PlanTarget) -> None:
 
 # ------------------------------------------------------------------------- parameters
 def attention_params(m: ModelSection) -> int:
+    """One layer's attention (standard or MLA) plus its input and pre-MLP RMSNorm weights."""
+    if m.extra.get("multi_latent_attention"):
+        return mla_params(m) + 2 * m.hidden_size
     kv_channels = m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
     qkv = (m.num_attention_heads + 2 * groups) * kv_channels * m.hidden_size
     proj = m.hidden_size * m.num_attention_heads * kv_channels
-    return qkv + proj + 2 * m.hidden_size  # + input and pre-MLP RMSNorm weights
+    qk_norms = 2 * kv_channels if m.extra.get("qk_layernorm") else 0
+    return qkv + proj + qk_norms + 2 * m.hidden_size
+
+
+def mla_params(m: ModelSection) -> int:
+    """Megatron's MLASelfAttention (mla_config.py's defaults for fields not set): query
+    projection (direct, or down to q_lora_rank and up), the kv down projection to the latent
+    plus the RoPE key part, the kv up projection to per-head keys and values, the output
+    projection, and the q/kv latent norms with --qk-layernorm."""
+    from megatron_mvmoe.mla_config import MVMoEMLATransformerConfig
+
+    defaults = MVMoEMLATransformerConfig.__dataclass_fields__
+
+    def field(name):
+        return m.extra.get(name, defaults[name].default)
+
+    D, h = m.hidden_size, m.num_attention_heads
+    qk, pos, v = field("qk_head_dim"), field("qk_pos_emb_head_dim"), field("v_head_dim")
+    q_rank, kv_rank, norms = field("q_lora_rank"), field("kv_lora_rank"), \
+        bool(m.extra.get("qk_layernorm"))
+    if q_rank is None:
+        query = D * h * (qk + pos)
+    else:
+        query = D * q_rank + q_rank * h * (qk + pos) + (q_rank if norms else 0)
+    kv = D * (kv_rank + pos) + kv_rank * h * (qk + v) + (kv_rank if norms else 0)
+    return query + kv + h * v * D
 
 
 def swiglu(d_in: int, width: int) -> int:

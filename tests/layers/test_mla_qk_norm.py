@@ -133,3 +133,29 @@ def test_mla_fields_without_mla_and_local_q_norm_are_refused():
                                          "q_lora_rank.*Fix: set --q-lora-rank"):
         build_decoder_block_spec(config)
     assert isinstance(mla_config("smoe"), MVMoEMLATransformerConfig)
+
+
+def _attention_params_worker(rank, world_size, extra):
+    from megatron_mvmoe.analysis.plan import attention_params
+    from megatron_mvmoe.models.model_section import model_section_from_dict
+    from megatron_mvmoe.models.provider import build_gpt_chunk, transformer_config
+
+    initialize_layout(ParallelLayout())
+    section = model_section_from_dict(dict(preset="tiny_multi_view", extra=dict(extra)))
+    model = build_gpt_chunk(transformer_config(section), section)
+    layer = model.decoder.layers[0]
+    built = sum(p.numel() for part in (layer.self_attention, layer.input_layernorm,
+                                       layer.pre_mlp_layernorm) for p in part.parameters())
+    return built, attention_params(section)
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"qk_layernorm": True}, {"multi_latent_attention": True},
+    {"multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": 24,
+     "kv_lora_rank": 12, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 12}],
+    ids=["standard", "qk_norm", "mla_defaults", "mla_qk_lora"])
+def test_planner_counts_the_built_attention(extra):
+    """analysis/plan.py's attention parameters equal the built layer's (the planner sizes
+    MLA and QK-norm models from the same fields)."""
+    built, planned = run_distributed(_attention_params_worker, 1, args=(extra,))[0]
+    assert built == planned, (built, planned)
