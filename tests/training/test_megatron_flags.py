@@ -34,7 +34,12 @@ def test_megatron_switches_and_transformer_fields_map():
                                "moe_aux_loss_coeff": 0.02,
                                "moe_router_score_function": "sigmoid",
                                "moe_router_enable_expert_bias": True,
-                               "init_method_std": 0.01}
+                               "init_method_std": 0.01,
+                               # Megatron-LM's parser defaults for absent flags on a
+                               # Megatron-LM style line (megatron_lm_rules._PARSER_DEFAULTS)
+                               "attention_dropout": 0.1, "hidden_dropout": 0.1,
+                               "moe_router_dtype": None, "attention_softmax_in_fp32": False,
+                               "moe_token_dispatcher_type": "allgather"}
     assert run.model.rotary_base == 1000000 and run.logging.tensorboard
     assert run.data.path == ["0.3", "A", "0.7", "B"] and run.data.split == "99,1,0"
     assert run.data.megatron_conventions() and run.data.make_vocab_size_divisible_by == 64
