@@ -34,8 +34,9 @@ Design choices:
   device / node-limited routing): Megatron's own `group_limited_topk` on the summed sigmoid
   scores + expert bias (what selection ranks), so each token's k experts lie in at most
   group_topk groups (a group scores the sum of its top-(k / group_topk) members). At R = 1
-  this is TopKRouter's selection. The fused Triton selection has no group mask: group-limited
-  routing always selects on the torch path.
+  this is TopKRouter's selection. Exact ties then follow torch.topk (Megatron's), not the
+  lower-expert-id rule of `select_topk`. The fused Triton selection has no group mask:
+  group-limited routing always selects on the torch path.
 - Capacity and token dropping (`moe_expert_capacity_factor`, `moe_token_drop_policy`,
   `moe_pad_expert_input_to_capacity`): Megatron's own `apply_router_token_dropping` on
   probs_TE, i.e. the Multi-Router gates g (Eq. 3, from the summed scores). Rule: expert i
