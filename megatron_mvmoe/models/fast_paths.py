@@ -36,10 +36,11 @@ from typing import Any, Dict, List, Optional
 
 GROUPED_MM_MAX_EXPERT_ELEMENTS = 1 << 16
 """Largest I x F of one expert for which the grouped path beats SequentialMLP's loop on CPU.
-Measured (examples/results/grouped_experts.md, CPU time of one thread, fwd + bwd of the
-experts, interleaved): grouped / loop time 0.5-0.9 at I x F = 8k and 32k (tiny widths),
-1.3-1.5 at 131k and 262k, 1.3-1.7 at the 10B-A1B's 1M (256 x 3968); the threshold sits
-between 32k and 131k."""
+Measured (examples/results/grouped_experts.md: whole MoE layers, fwd + bwd, CPU time of one
+thread, both paths on the same weights, interleaved): SequentialMLP / grouped time per
+round 1.9-3.3 at I x F = 512 and 0.84-1.53 (median 1.06-1.24) at 32768; 0.54-0.94 at
+131072 (two shapes) and 0.62-0.86 at the 10B-A1B's 1015808 (256 x 3968, 4096 tokens).
+The threshold sits between the last point where grouped wins and the first where it loses."""
 
 _PER_ROW_VARIANTS = ("multi_view",)
 _MULTI_HEAD_ROUTERS = ("multi_router", "multi_view")
