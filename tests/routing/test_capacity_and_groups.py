@@ -186,3 +186,23 @@ def test_too_few_experts_in_the_allowed_groups_is_refused(overrides, field_name)
     topk = overrides.pop("moe_router_topk")
     with pytest.raises(ValueError, match=field_name):
         _router(topk, **overrides)
+
+
+def test_group_limited_routing_selects_on_torch_with_the_triton_backend(monkeypatch):
+    """The fused Triton selection has no group mask: with multi_view.kernels='triton' a
+    group-limited router never calls it and gives the reference path's routing."""
+    mvmoe_kernels = pytest.importorskip("mvmoe_kernels")
+    calls = []
+    monkeypatch.setattr(mvmoe_kernels, "fused_multi_router",
+                        lambda *a, **kw: calls.append(kw) or None)
+    groups = dict(moe_router_num_groups=4, moe_router_group_topk=1)
+    outputs = {}
+    for kernels in ("triton", "reference"):
+        router = _router(**groups)
+        router.config.multi_view.kernels = kernels
+        outputs[kernels] = router.route(_hidden())
+    assert calls == []
+    fused, ref = outputs["triton"], outputs["reference"]
+    assert torch.equal(fused.topk_idx_TS, ref.topk_idx_TS)
+    torch.testing.assert_close(fused.gates_TS, ref.gates_TS)
+    torch.testing.assert_close(fused.mix_TSR, ref.mix_TSR)
