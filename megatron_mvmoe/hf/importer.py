@@ -99,17 +99,24 @@ def _stock_section(cfg: Dict, arch: str, hf_dir: str) -> Dict:
         extra["kv_channels"] = head_dim
     section = dict(num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
                    num_attention_heads=heads,
-                   num_query_groups=cfg.get("num_key_value_heads") or heads,
+                   num_query_groups=_query_groups(cfg.get("num_key_value_heads"), heads),
                    ffn_hidden_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                    seq_length=cfg.get("max_position_embeddings", 2048),
                    rotary_base=int(rope["rope_theta"]), extra=extra)
     if arch == "LlamaForCausalLM":
-        return dict(section, moe_variant="dense")
+        # the dense FFN width as the would-be expert width (what the tiny presets write;
+        # models/fast_paths.py reads it for every variant)
+        return dict(section, moe_variant="dense", moe_ffn_hidden_size=cfg["intermediate_size"])
     section.update(moe_variant="smoe", moe_router_topk=cfg["num_experts_per_tok"])
     if arch == "MixtralForCausalLM":
         return dict(section, num_experts=cfg["num_local_experts"],
                     moe_ffn_hidden_size=cfg["intermediate_size"])
     return dict(section, **_glm4_moe_fields(cfg, where, extra))
+
+
+def _query_groups(kv_heads: Optional[int], heads: int) -> Optional[int]:
+    """Our spelling: None means one group per head (as the presets write it)."""
+    return None if kv_heads in (None, heads) else kv_heads
 
 
 def _glm4_moe_fields(cfg: Dict, where: str, extra: Dict) -> Dict:

@@ -162,3 +162,34 @@ def test_stock_config_field_we_do_not_express_is_refused(data, tmp_path):
     json.dump(config, open(os.path.join(out, "config.json"), "w"))
     line = _refused("import_hf", "--hf", out, "--save", str(tmp_path / "imported"))
     assert "config.json: tie_word_embeddings" in line, line
+
+
+def test_hf_dense_decoder_seeds_an_upcycled_warm_start_or_is_refused(data, tmp_path):
+    """A Llama directory imports as our dense model; --warm-start-from it with
+    --moe-use-upcycling trains an MoE of the same shape, and a shape that differs is refused
+    naming the field."""
+    from harness import train
+    from megatron_mvmoe.models.model_section import model_from_preset
+    from megatron_mvmoe.training.from_checkpoint import checkpoint_run_config
+    from megatron_mvmoe.training.warm_start import check_dense_source
+
+    dense = train_checkpoint(str(tmp_path / "dense"), data, "tiny_dense")
+    out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
+    assert _ok("export_hf", "--load", dense, "--out", out)["hf_class"] == "LlamaForCausalLM"
+    _ok("import_hf", "--hf", out, "--save", imported)
+    run = checkpoint_run_config(imported)
+    target = model_from_preset("tiny_smoe", vocab_size=run.model.vocab_size, seq_length=32)
+    check_dense_source(run.model, target, imported, run.parallel)  # fits
+    wider = model_from_preset("tiny_smoe", vocab_size=run.model.vocab_size, seq_length=32,
+                              hidden_size=96, num_attention_heads=4)
+    with pytest.raises(ValueError, match=r"hidden_size: checkpoint 64 vs this run 96"):
+        check_dense_source(run.model, wider, imported, run.parallel)
+    raw = run.to_dict()
+    raw["model"] = {"preset": "tiny_smoe", "vocab_size": run.model.vocab_size,
+                    "seq_length": 32}
+    raw["training"].update(warm_start_from=imported, moe_use_upcycling=True, save=None,
+                           load=None, train_iters=1, eval_iters=0, global_batch_size=4,
+                           micro_batch_size=2)
+    raw["data"].update(path=[data["tech"]], split="90,10,0")
+    result = train(raw, 1)
+    assert len(result["losses"]) == 1 and 3.0 < result["losses"][0] < 8.0, result
