@@ -94,15 +94,18 @@ def _threads() -> int:
 
 
 def _row(point: Dict) -> Dict:
-    variants = point["variants"]
+    """One sweep row: per variant the spreads of the impl that was built (`pairs`), its
+    memory and experts class (`variants`)."""
+    def variant_row(v: str, r: Dict) -> Dict:
+        pair = point["pairs"][f"{v}/{point['impl']}"]
+        return {"seconds": pair["seconds"], "gflops": pair["gflops"],
+                "peak_fraction": pair["peak_fraction"], "time_ratio": pair["time_ratio"],
+                "flop_ratio": pair["flop_ratio"], "memory_bytes": r["memory_bytes"],
+                "memory_ratio": r["memory_ratio"], "experts": r["experts"]}
+
     return {"tokens": point["tokens"], "shape": point["shape"], "impl": point["impl"],
             "wall_s": point.get("wall_s"), "peak_gflops": point["peak_gflops"],
-            "variants": {v: {"seconds": r["seconds"], "gflops": r["gflops"],
-                             "peak_fraction": r["peak_fraction"],
-                             "time_ratio": r["time_ratio"], "flop_ratio": r["flop_ratio"],
-                             "memory_bytes": r["memory_bytes"],
-                             "memory_ratio": r["memory_ratio"], "experts": r["experts"]}
-                         for v, r in variants.items()}}
+            "variants": {v: variant_row(v, r) for v, r in point["variants"].items()}}
 
 
 def _fmt_spread(s: Dict[str, float], digits: int = 3) -> str:

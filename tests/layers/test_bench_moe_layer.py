@@ -122,9 +122,11 @@ def test_sweep_writes_json_and_plots(tmp_path):
 
 
 def _fake_point(shape, tokens):
+    """run_point's structure: spreads per "variant/impl" in pairs, medians in variants."""
     s = {"median": 1.0, "min": 0.9, "max": 1.2}
-    variant = {"seconds": s, "gflops": s, "peak_fraction": s, "time_ratio": s,
-               "flop_ratio": 1.05, "memory_bytes": 10, "memory_ratio": 1.0,
-               "experts": "GroupedMatmulExperts"}
-    return {"tokens": tokens, "shape": lb.dataclasses.asdict(shape), "impl": "grouped",
-            "peak_gflops": [100.0, 110.0], "variants": {v: dict(variant) for v in lb.VARIANTS}}
+    pair = {"seconds": s, "gflops": s, "peak_fraction": s, "time_ratio": s, "flop_ratio": 1.05}
+    variant = dict(pair, time_ratio=1.0, median_s=1.0, memory_bytes=10, memory_ratio=1.0,
+                   experts="SequentialMLP")
+    return {"tokens": tokens, "shape": lb.dataclasses.asdict(shape), "impl": "built",
+            "peak_gflops": [100.0, 110.0], "variants": {v: dict(variant) for v in lb.VARIANTS},
+            "pairs": {f"{v}/built": dict(pair) for v in lb.VARIANTS}}
