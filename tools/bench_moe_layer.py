@@ -78,6 +78,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="the scaling sweep (see above)")
     p.add_argument("--sweep-base-tokens", type=int, default=1024,
                    help="tokens per rank while another field is swept")
+    p.add_argument("--sweep-max-gib", type=float,
+                   help="skip sweep points whose three layers' weights + grads exceed this "
+                        "(listed in the output), e.g. 3 to run without the big-memory lock")
     p.add_argument("--sweep-tokens", type=int, nargs="+",
                    help="the tokens axis of the sweep (default: 256 1024 4096 8192)")
     p.add_argument("--out", default=None, help="--sweep: JSON path (page and plots beside)")
@@ -183,8 +186,10 @@ def main(argv: List[str]) -> int:
         if args.sweep:
             from megatron_mvmoe.analysis import scaling_report
 
+            out_command = "python tools/bench_moe_layer.py " + " ".join(argv)
             out = scaling_report.run_sweep(args, shape, pgs, run_point, fast_path_line(shape),
-                                           lambda partial: scaling_report.write(partial, args.out))
+                                           lambda part: scaling_report.write(
+                                               dict(part, command=out_command), args.out))
             emit(out, args.json, scaling_report.text(out))
             return 0
         out = run_point(args, shape, args.tokens, pgs, args.experts_impl)

@@ -57,6 +57,16 @@ def sweep_points(base, base_tokens: int, tokens_axis: Optional[List[int]] = None
     return points
 
 
+def point_gib(shape) -> float:
+    """Rough resident GiB of one point: three layers' weights and gradients in fp32 (the
+    experts, shared expert, down/up projections, two router heads)."""
+    D, L, E, F = (shape.hidden_size, shape.latent_size, shape.num_experts,
+                  shape.moe_ffn_hidden_size)
+    params = E * 3 * L * F + 3 * D * (shape.moe_shared_expert_intermediate_size or 0)
+    params += 2 * D * L + 2 * D * E
+    return 3 * 2 * 4 * params / 2 ** 30
+
+
 def point_cost(shape, tokens: int) -> float:
     """Relative work of a point (tokens x top-k x D^2), to measure the cheap ones first."""
     return tokens * shape.moe_router_topk * shape.hidden_size ** 2
@@ -74,7 +84,12 @@ def run_sweep(args, base, pgs, run_point: Callable, fast_path: Dict,
            "base_tokens": args.sweep_base_tokens, "repeats": args.repeats,
            "warmup": args.warmup, "dtype": args.dtype, "cpu_grouped_experts": fast_path,
            "clock": args.clock, "threads": _threads(), "rows": []}
+    max_gib = getattr(args, "sweep_max_gib", None)
+    out["skipped"] = []
     for field, value, shape, tokens in sorted(points, key=lambda p: point_cost(p[2], p[3])):
+        if max_gib is not None and point_gib(shape) > max_gib:
+            out["skipped"].append({"axis": field, "value": value, "gib": point_gib(shape)})
+            continue
         key = (dataclasses.astuple(shape), tokens)
         if key not in done:
             start = time.perf_counter()
@@ -138,13 +153,39 @@ def text(out: Dict) -> str:
     return "\n".join(lines)
 
 
+def page(out: Dict, stem: str) -> str:
+    """The results page: how it was measured, the command, one table per axis, the plots."""
+    name = os.path.basename(stem)
+    measured = sorted({(r["axis"], r["value"]) for r in out["rows"]})
+    return "\n".join([
+        "# One MoE layer as the work grows (issue 21 item 3)", "",
+        f"Preset {out.get('preset')} (base shape {out.get('base_shape')}), one field swept "
+        f"at a time, {out.get('base_tokens')} tokens per rank while another is swept; "
+        f"{out.get('dtype')}, clock `{out.get('clock')}` with {out.get('threads')} thread(s), "
+        f"{out.get('repeats')} timed rounds after the memory pass (the warm-up), every round "
+        "running latent, Multi-Router and Multi-View in turn. Each cell is the median "
+        "[min, max] of per-round values; ratios are per round against latent. Experts: "
+        "whatever the fast-path rule builds (cpu_grouped_experts: "
+        f"{out.get('cpu_grouped_experts', {}).get('why', '?')}).", "",
+        f"Points measured: {len(measured)}. Skipped (weights + grads of the three layers "
+        f"above --sweep-max-gib): "
+        + (", ".join(f"{s['axis']}={s['value']} ({s['gib']:.1f} GiB)"
+                     for s in out.get("skipped", [])) or "none") + ".", "",
+        "```", out.get("command", "python tools/bench_moe_layer.py --sweep ..."), "```", "",
+        text(out), "",
+        f"![Multi-View / latent time vs FLOP ratio]({name}_mv_ratio.png)", "",
+        f"![achieved GFLOP/s vs measured peak]({name}_gflops.png)", ""])
+
+
 def write(out: Dict, json_path: str) -> List[str]:
-    """JSON at `json_path`, the two plots beside it; returns the paths written."""
+    """JSON at `json_path`, the page and the two plots beside it; returns the paths."""
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     with open(json_path, "w") as fh:
         json.dump(out, fh, indent=1)
     stem = os.path.splitext(json_path)[0]
-    return [json_path, plot_ratio(out, stem + "_mv_ratio.png"),
+    with open(stem + ".md", "w") as fh:
+        fh.write(page(out, stem))
+    return [json_path, stem + ".md", plot_ratio(out, stem + "_mv_ratio.png"),
             plot_throughput(out, stem + "_gflops.png")]
 
 

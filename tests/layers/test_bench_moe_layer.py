@@ -109,6 +109,16 @@ def test_sweep_scales_the_preset_ratios_and_dedups_the_base_point():
     # the base shape at 1024 tokens is on the tokens, experts, top-k and hidden axes
     assert len(calls) == len(points) - 3
     assert "| 4096 | 4096 |" in sr.text(out)
+    # real width: 3 layers x (weights + grads) x 4 B of 128 x 3 x 256 x 3968 expert params
+    assert sr.point_gib(base) == pytest.approx(24 * (128 * 3 * 256 * 3968 + 3 * 2048 * 1024
+                                                     + 2 * 2048 * 256 + 2 * 2048 * 128) / 2 ** 30)
+    Args.sweep_max_gib = 3.0
+    calls.clear()
+    small = sr.run_sweep(Args, base, None, fake_point, {"on": True, "why": "test"})
+    assert all(sr.point_gib(shape) <= 3.0 for shape, _ in calls) and calls
+    assert len(small["rows"]) + len(small["skipped"]) == len(points)
+    assert {"axis": "tokens", "value": 256} in [dict(axis=s["axis"], value=s["value"])
+                                               for s in small["skipped"]]
 
 
 def test_sweep_writes_json_and_plots(tmp_path):
@@ -118,7 +128,9 @@ def test_sweep_writes_json_and_plots(tmp_path):
     out = {"rows": rows}
     paths = sr.write(out, str(tmp_path / "scaling.json"))
     assert json.loads(open(paths[0]).read())["rows"][0]["axis"] == "tokens"
-    assert all(os.path.getsize(p) > 1000 for p in paths[1:])
+    page = open(paths[1]).read()
+    assert "| 256 | 256 |" in page and "scaling_mv_ratio.png" in page
+    assert all(os.path.getsize(p) > 1000 for p in paths[2:])
 
 
 def _fake_point(shape, tokens):
