@@ -37,8 +37,8 @@ def _run(cmd: List[str], log_path: str, timeout_s: float, what: str) -> None:
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         for line in proc.stdout:  # the stages print progress lines; a stage that hangs
             log.write(line)       # without output is caught by the wait below
-            if not _is_noise(line):
-                print(f"  {line}", end="", file=sys.stderr, flush=True)
+            # Every line shows: noise is filtered where it is emitted (megatron_mvmoe/log_noise.py)
+            print(f"  {line}", end="", file=sys.stderr, flush=True)
             if time.monotonic() > deadline:
                 proc.kill()
                 raise JobError(f"{what} did not finish within {timeout_s:.0f} s; see {log_path}")
@@ -46,10 +46,6 @@ def _run(cmd: List[str], log_path: str, timeout_s: float, what: str) -> None:
     if returncode != 0:
         raise JobError(f"{what} failed (exit {returncode}); last lines of {log_path}:\n"
                        + _tail(log_path))
-
-
-def _is_noise(line: str) -> bool:
-    return "warnings.warn(" in line or "Warning:" in line
 
 
 def _tail(path: str, lines: int = 25) -> str:
