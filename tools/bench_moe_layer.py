@@ -190,6 +190,7 @@ def main(argv: List[str]) -> int:
             out = scaling_report.run_sweep(args, shape, pgs, run_point, fast_path_line(shape),
                                            lambda part: scaling_report.write(
                                                dict(part, command=out_command), args.out))
+            scaling_report.write(dict(out, command=out_command), args.out)  # skips at the end
             emit(out, args.json, scaling_report.text(out))
             return 0
         out = run_point(args, shape, args.tokens, pgs, args.experts_impl)

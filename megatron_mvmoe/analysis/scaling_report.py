@@ -135,14 +135,16 @@ def text(out: Dict) -> str:
         if not rows:
             continue
         lines += [f"### {axis}", "",
-                  f"| {axis} | tokens | latent s | latent GFLOP/s (% peak) | MR/latent time | "
-                  "MR FLOP x | MV/latent time | MV FLOP x | MV/FLOP | MV mem x | peak GFLOP/s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| {axis} | tokens | experts | latent s | latent GFLOP/s (% peak) | "
+                  "MR/latent time | MR FLOP x | MV/latent time | MV FLOP x | MV/FLOP | MV mem x | "
+                  "peak GFLOP/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             v = r["variants"]
             lat, mr, mv = v["latent"], v["multi_router"], v["multi_view"]
             lines.append(
-                f"| {r['value']} | {r['tokens']} | {_fmt_spread(lat['seconds'])} | "
+                f"| {r['value']} | {r['tokens']} | {lat['experts']} | "
+                f"{_fmt_spread(lat['seconds'])} | "
                 f"{lat['gflops']['median']:.1f} ({100 * lat['peak_fraction']['median']:.0f}%) | "
                 f"{_fmt_spread(mr['time_ratio'])} | {mr['flop_ratio']:.3f} | "
                 f"{_fmt_spread(mv['time_ratio'])} | {mv['flop_ratio']:.3f} | "
