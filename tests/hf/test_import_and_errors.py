@@ -66,8 +66,10 @@ def test_export_import_is_bit_identical(data, multi_view, tmp_path, flags):
     root = multi_view if not flags else train_checkpoint(str(tmp_path / "ck"), data,
                                                          "tiny_smoe", flags)
     out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
-    exported = _ok("export_hf", "--load", root, "--out", out)
+    exported = _ok("export_hf", "--load", root, "--out", out, "--max-shard-size", "500KB")
     assert exported["hf_class"] == ("MVMoEForCausalLM" if not flags else "Glm4MoeForCausalLM")
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 1  # sharded, read back through the index
     summary = _ok("import_hf", "--hf", out, "--save", imported,
                   "--expert-model-parallel-size", "2")
     assert summary["source_step"] == 3
