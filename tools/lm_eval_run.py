@@ -22,13 +22,11 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_mvmoe.analysis.tool_common import existing_path, tool_parser  # noqa: E402
 
-warnings.filterwarnings("ignore")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task data is local; never the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
