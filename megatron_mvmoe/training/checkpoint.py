@@ -378,6 +378,18 @@ def _loadable_optimizer_format(trainer: Trainer, meta: Dict, load_optimizer: boo
     saved = meta.get("optimizer_format")
     if saved is None:  # saved before the first step: weights only
         return None
+    saved_ep = (meta.get("layout") or {}).get("ep", 1) or 1
+    if (saved_ep > 1) != (trainer.run.parallel.ep > 1):
+        # Checked first, for both formats: with EP > 1 Megatron keeps expert parameters in a
+        # second (chained) optimizer whose sharded keys carry a `chained_<i>.` prefix; with
+        # EP = 1 one optimizer holds them all without it, so neither format's keys match.
+        if dist.get_rank() == 0:
+            print(f"warning: optimizer states saved with ep={saved_ep} cannot load at "
+                  f"ep={trainer.run.parallel.ep} (expert parameters move between Megatron's "
+                  "dense and expert optimizers when EP switches between 1 and > 1, in "
+                  "either optimizer format): restoring weights, step, scheduler and data "
+                  "position; Adam moments restart from zero", flush=True)
+        return None
     if saved == "dp_reshardable" and meta.get("layout") != _layout(trainer):
         if dist.get_rank() == 0:
             print(f"warning: checkpoint optimizer states are dp_reshardable (saved at layout "
@@ -385,17 +397,6 @@ def _loadable_optimizer_format(trainer: Trainer, meta: Dict, load_optimizer: boo
                   "scheduler and data position; Adam moments restart from zero. Save with "
                   "ckpt_optimizer_format=fully_reshardable to carry them across layouts",
                   flush=True)
-        return None
-    saved_ep = (meta.get("layout") or {}).get("ep", 1) or 1
-    if saved == "fully_reshardable" and (saved_ep > 1) != (trainer.run.parallel.ep > 1):
-        # With EP > 1 Megatron keeps expert parameters in a second (chained) optimizer;
-        # with EP = 1 they share the dense one, so the saved state has another structure.
-        if dist.get_rank() == 0:
-            print(f"warning: optimizer states saved with ep={saved_ep} cannot load at "
-                  f"ep={trainer.run.parallel.ep} (expert parameters move between Megatron's "
-                  "dense and expert optimizers when EP switches between 1 and > 1): "
-                  "restoring weights, step, scheduler and data position; Adam moments "
-                  "restart from zero", flush=True)
         return None
     return saved
 
