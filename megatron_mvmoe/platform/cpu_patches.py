@@ -670,6 +670,31 @@ def _global_aux_loss_breaks() -> bool:
             and "/ self.ga_steps" in inspect.getsource(fn))
 
 
+_RANDOM = "megatron.core.tensor_parallel.random"
+
+
+def _checkpoint_without_output_fp8_flag() -> None:
+    """`CheckpointWithoutOutput.__init__(fp8=False)` sets `self.fp8 = fp8 is not None`, True
+    for its own default, so every recompute of a norm, an MoE activation or MLA's up
+    projection takes the fp8 branch and calls TransformerEngine's FP8GlobalStateManager
+    (never imported without TE: NameError). The argument means "a quantization recipe
+    is set" (callers pass config.fp8, a string or None): False and None both mean none."""
+    cls = importlib.import_module(_RANDOM).CheckpointWithoutOutput
+    original_init = cls.__init__
+
+    def __init__(self, fp8=False):
+        original_init(self, fp8)
+        self.fp8 = fp8 not in (None, False)
+
+    __init__._mvmoe_wrapped = True
+    cls.__init__ = __init__
+
+
+def _checkpoint_without_output_fp8_breaks() -> bool:
+    cls = importlib.import_module(_RANDOM).CheckpointWithoutOutput
+    return cls().fp8 and not hasattr(importlib.import_module(_RANDOM), "FP8GlobalStateManager")
+
+
 PATCHES: List[Patch] = [
     Patch("torch.cuda stand-ins",
           "Megatron calls torch.cuda.current_device/Stream/current_stream/synchronize/"
@@ -703,6 +728,11 @@ PATCHES: List[Patch] = [
           "fusions.fused_indices_converter (imported by the flex dispatcher and by callers "
           "of the fusion) allocates on device='cuda' and launches a Triton kernel.",
           _cpu_indices_to_multihot, _indices_to_multihot_breaks),
+    Patch("CheckpointWithoutOutput fp8 flag",
+          "CheckpointWithoutOutput() (norm, moe_act and MLA up-projection recompute) sets "
+          "fp8=True for its default fp8=False and then needs TransformerEngine's "
+          "FP8GlobalStateManager: NameError without TE.",
+          _checkpoint_without_output_fp8_flag, _checkpoint_without_output_fp8_breaks),
     Patch("alltoall split sizes",
           "maybe_move_tensor_to_cpu returns numpy only for CUDA tensors; gloo "
           "all_to_all_single rejects CPU tensors as split sizes.",

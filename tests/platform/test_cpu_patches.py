@@ -206,3 +206,28 @@ def test_layout_errors_name_the_sizes():
     ParallelLayout(tp=2, etp=1).validate(2, num_experts=4, training=False)
     with pytest.raises(ValueError, match="num_layers 3"):
         ParallelLayout(pp=2).validate(4, num_layers=3)
+
+
+def apply_cpu_patches_in_this_process():
+    from megatron_mvmoe.platform.cpu_patches import apply_cpu_patches
+
+    apply_cpu_patches()
+
+
+def test_layernorm_recompute_runs_without_transformer_engine():
+    """CheckpointWithoutOutput with its default fp8=False (Megatron's norm recompute) runs a
+    forward and backward on CPU, equal to the plain computation."""
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    apply_cpu_patches_in_this_process()
+    x_TD = torch.randn(4, 3, requires_grad=True)
+    ref_TD = x_TD.detach().clone().requires_grad_(True)
+    ckpt = CheckpointWithoutOutput()
+    assert ckpt.fp8 is False and CheckpointWithoutOutput(fp8=None).fp8 is False
+    assert CheckpointWithoutOutput(fp8="e4m3").fp8 is True
+    y_TD = ckpt.checkpoint(torch.tanh, x_TD)
+    out = (y_TD * 2.0).sum()
+    ckpt.discard_output_and_register_recompute(out)
+    out.backward()
+    (torch.tanh(ref_TD) * 2.0).sum().backward()
+    assert torch.equal(x_TD.grad, ref_TD.grad)

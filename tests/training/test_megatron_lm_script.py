@@ -151,9 +151,8 @@ def deepseek_v3_line(ck, tokenizer, data, cache):
     top-8 -> 2, groups 8 / top 4 -> 4 / 2, MLA ranks and head dims 1536/512/128/64/128 ->
     32/16/16/8/16, samples 585937500 / 584765624 / 1536000 -> 8 / 8 / 4, vocab multiple
     3232 -> 128, eval iters 32 -> 1, eval / save interval 100 -> 2).
-    One value changed beyond sizes: --recompute-modules drops `layernorm`: Megatron-Core
-    0.19.2's CheckpointWithoutOutput(fp8=False) sets `self.fp8 = fp8 is not None` (True) and
-    then calls TransformerEngine's FP8GlobalStateManager, a NameError without TE."""
+    Its `--recompute-modules ... layernorm` runs through the platform patch
+    "CheckpointWithoutOutput fp8 flag" (0.19.2 takes the TE fp8 branch for fp8=False)."""
     return ["--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1",
             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
             "--context-parallel-size", "1", "--use-distributed-optimizer",
@@ -162,7 +161,7 @@ def deepseek_v3_line(ck, tokenizer, data, cache):
             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-samples", "8",
             "--exit-duration-in-mins", "220", "--no-check-for-nan-in-loss-and-grad",
             "--manual-gc", "--manual-gc-interval", "10", "--recompute-granularity",
-            "selective", "--recompute-modules", "mlp", "moe", "mla_up_proj",
+            "selective", "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm",
             "--transformer-impl", "transformer_engine", "--seq-length", "64",
             "--data-cache-path", cache, "--tokenizer-type", "HuggingFaceTokenizer",
             "--tokenizer-model", tokenizer, "--data-path", data, "--split", "99,1,0",
