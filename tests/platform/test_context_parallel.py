@@ -1,0 +1,81 @@
+"""Context parallelism on CPU/gloo (issue 22): the local CP core attention
+(layers/cp_attention.py, "all_gather" type) at CP=2 and CP=4 equals full-sequence causal
+attention on one rank, rows taken at the positions Megatron's get_batch_on_this_cp_rank
+gives each rank (forward and the gradients of queries, keys and values, 1e-6)."""
+
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+from megatron_mvmoe.platform import seed_all
+from megatron_mvmoe.layers.cp_attention import CPDotProductAttention, local_positions
+from megatron_mvmoe.testing.spawn import run_distributed
+
+SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 8, 2, 4, 2, 3
+
+
+def _global_qkv():
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
+    k = torch.randn(SEQ, BATCH, GROUPS, HEAD_DIM, generator=gen, dtype=torch.float64)
+    v = torch.randn(SEQ, BATCH, GROUPS, HEAD_DIM, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+def _naive_attention(q, k, v):
+    """Full-sequence causal GQA attention, written out: [s, b, np, hn] -> [s, b, np*hn]."""
+    repeat = HEADS // GROUPS
+    k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    scores_b_n_q_k = torch.einsum("qbnh,kbnh->bnqk", q, k) / HEAD_DIM ** 0.5
+    later = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
+    probs = scores_b_n_q_k.masked_fill(later, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bnqk,kbnh->qbnh", probs, v).reshape(SEQ, BATCH, HEADS * HEAD_DIM)
+
+
+def _output_weights():
+    return torch.randn(SEQ, BATCH, HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(3),
+                       dtype=torch.float64)
+
+
+def _cp_attention_rank(rank, world_size):
+    parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+    seed_all(0)  # Megatron's RNG tracker (attention dropout forks it; dropout is 0 here)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM,
+                               num_attention_heads=HEADS, num_query_groups=GROUPS,
+                               kv_channels=HEAD_DIM, context_parallel_size=world_size,
+                               attention_softmax_in_fp32=False, masked_softmax_fusion=False,
+                               attention_dropout=0.0)
+    attention = CPDotProductAttention(config, 1, AttnMaskType.causal, "self",
+                                      cp_comm_type="all_gather", pg_collection=pgs)
+    # This rank's token positions as Megatron's own load-balanced split gives them.
+    split = get_batch_on_this_cp_rank({"positions": torch.arange(SEQ)[None], "cu_seqlens": None},
+                                      is_hybrid_cp=False, cp_group=pgs.cp)
+    positions = split["positions"][0]
+    assert positions.tolist() == local_positions(SEQ, world_size, pgs.cp.rank()).tolist()
+    q, k, v = (t[positions].clone().requires_grad_(True) for t in _global_qkv())
+    out = attention(q, k, v, None)
+    (out * _output_weights()[positions]).sum().backward()
+    return {"positions": positions, "out": out.detach(), "q": q.grad, "k": k.grad,
+            "v": v.grad}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_attention_matches_full_sequence(cp):
+    q, k, v = (t.clone().requires_grad_(True) for t in _global_qkv())
+    out = _naive_attention(q, k, v)
+    (out * _output_weights()).sum().backward()
+    results = run_distributed(_cp_attention_rank, cp)
+    assert sorted(torch.cat([r["positions"] for r in results]).tolist()) == list(range(SEQ))
+    k_grad, v_grad = torch.zeros_like(k), torch.zeros_like(v)
+    for r in results:
+        rows = r["positions"]
+        torch.testing.assert_close(r["out"], out.detach()[rows], atol=1e-6, rtol=0)
+        torch.testing.assert_close(r["q"], q.grad[rows], atol=1e-6, rtol=0)
+        k_grad[rows], v_grad[rows] = r["k"], r["v"]
+    torch.testing.assert_close(k_grad, k.grad, atol=1e-6, rtol=0)
+    torch.testing.assert_close(v_grad, v.grad, atol=1e-6, rtol=0)
