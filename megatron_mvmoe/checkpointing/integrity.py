@@ -204,11 +204,17 @@ def first_nonfinite_parameter(chunks) -> Optional[Tuple[int, str]]:
     return next(((r, n) for r, n in enumerate(gathered) if n is not None), None)
 
 
+def _one_line(err: BaseException) -> str:
+    """`Type: first line of the message`, at most 300 characters; the type alone when the
+    message is empty (`OSError()`, `KeyError('')` print nothing)."""
+    lines = str(err).splitlines()
+    return (f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__)[:300]
+
+
 def first_failure(err: Optional[BaseException], root: str) -> Optional[Tuple[bool, str]]:
     """Collective: (disk full?, message) of the first rank whose save failed, or None.
     Every rank gets the same answer, so all raise together."""
-    mine = None if err is None else (is_disk_full(err, root),
-                                     f"{type(err).__name__}: {str(err).splitlines()[0]}"[:300])
+    mine = None if err is None else (is_disk_full(err, root), _one_line(err))
     gathered: List[Optional[Tuple[bool, str]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return next((g for g in gathered if g is not None), None)

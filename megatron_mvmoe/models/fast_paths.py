@@ -72,9 +72,12 @@ class FastPath:
     """TransformerConfig fields this decision sets (DDP fields are prefixed `ddp.`)."""
 
 
-def expert_matrix_elements(section, etp: int = 1) -> int:
+def expert_matrix_elements(section, etp: int = 1) -> Optional[int]:
     """I x F of one routed expert of a ModelSection: its input width (the latent size, else
-    the hidden size per MH-MoE head) times its FFN width on one expert-TP rank."""
+    the hidden size per MH-MoE head) times its FFN width on one expert-TP rank; None for a
+    model without routed experts (a dense model may leave moe_ffn_hidden_size unset)."""
+    if section.moe_variant == "dense" or section.moe_ffn_hidden_size is None:
+        return None
     heads = max(1, section.multi_head.num_heads) if section.moe_variant == "mh_moe" else 1
     width = section.latent_size if section.is_latent else section.hidden_size // heads
     return width * (section.moe_ffn_hidden_size // max(1, etp))
