@@ -38,8 +38,9 @@ setup(
         # Researcher tools: the lm-eval harness (tools/lm_eval_task.py), sentencepiece
         # (Megatron-LM's Llama2Tokenizer), wandb (offline logging).
         "eval": ["lm-eval==0.4.13", "sentencepiece==0.2.3", "wandb==0.31.0"],
-        # Hugging Face export / import (tools/export_hf.py, tools/import_hf.py).
-        "hf": ["transformers==5.23.0", "safetensors==0.8.0"],
+        # Hugging Face export / import (tools/export_hf.py, tools/import_hf.py); accelerate:
+        # lm-eval's `hf` model type imports it (examples/results/hf_export.md).
+        "hf": ["transformers==5.23.0", "safetensors==0.8.0", "accelerate==1.16.0"],
         # DALI runs its CPU pipelines here, so the test suite exercises the real loader.
         "dev": ["pytest", "pytest-timeout", "triton", "mpi4py", "nvidia-dali-cuda120",
                 "lm-eval==0.4.13", "sentencepiece==0.2.3", "wandb==0.31.0",
