@@ -1,4 +1,4 @@
-"""Parallel layout (TP, PP, EP, expert-TP) on top of Megatron-Core's parallel state.
+"""Parallel layout (TP, PP, CP, EP, expert-TP) on top of Megatron-Core's parallel state.
 
 Design choices:
 - A `ParallelLayout` is validated against the world size and the model *before* any
@@ -41,29 +41,42 @@ class ParallelLayout:
     """Expert tensor-parallel size (1 keeps each expert whole; gloo needs 1 with TP > 1)."""
     vpp: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved schedule), or None."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split over this many ranks (load-balanced
+    chunks, layers/cp_attention.py); the sequence length must divide by 2*cp."""
 
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.tp * self.pp)
+        return world_size // (self.tp * self.pp * self.cp)
 
     def expert_data_parallel_size(self, world_size: int) -> int:
         """Ranks holding the same expert shard (the expert optimizer state is split over)."""
         return world_size // (self.ep * self.etp * self.pp)
 
     def smallest_world_size(self) -> int:
-        """The fewest ranks the layout divides: a multiple of both tp*pp and ep*etp*pp."""
-        return math.lcm(self.tp * self.pp, self.ep * self.etp * self.pp)
+        """The fewest ranks the layout divides: a multiple of both tp*pp*cp and ep*etp*pp."""
+        return math.lcm(self.tp * self.pp * self.cp, self.ep * self.etp * self.pp)
 
     def validate(self, world_size: int, num_layers: Optional[int] = None,
-                 num_experts: Optional[int] = None, training: bool = True) -> None:
+                 num_experts: Optional[int] = None, training: bool = True,
+                 seq_length: Optional[int] = None) -> None:
         """Raise ValueError naming the sizes when the layout does not divide (or, with
         `training` and experts, when Megatron would leave expert gradients unreduced)."""
-        for name in ("tp", "pp", "ep", "etp"):
+        for name in ("tp", "pp", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout.{name} must be >= 1, got {getattr(self, name)}")
-        if world_size % (self.tp * self.pp) != 0:
+        model_ranks = self.tp * self.pp * self.cp
+        if world_size % model_ranks != 0:
+            # CP is named only when it is used (the message of a CP=1 layout stays tp*pp).
+            names, sizes = ("tp*pp*cp", f"{self.tp}*{self.pp}*{self.cp}") if self.cp > 1 \
+                else ("tp*pp", f"{self.tp}*{self.pp}")
             raise ValueError(
-                f"layout: tp*pp = {self.tp}*{self.pp} = {self.tp * self.pp} does not divide "
-                f"world size {world_size}. Fix: choose tp*pp among {_divisors(world_size)}.")
+                f"layout: {names} = {sizes} = {model_ranks} does not divide world size "
+                f"{world_size}. Fix: choose {names} among {_divisors(world_size)}.")
+        if seq_length is not None and seq_length % (2 * self.cp) != 0:
+            raise ValueError(
+                f"layout.cp: seq_length {seq_length} is not divisible by 2*cp = {2 * self.cp} "
+                f"(each CP rank takes two load-balanced chunks). Fix: pick cp with 2*cp among "
+                f"{_divisors(seq_length)}.")
         if world_size % (self.etp * self.ep * self.pp) != 0:
             raise ValueError(
                 f"layout: etp*ep*pp = {self.etp}*{self.ep}*{self.pp} does not divide world "
@@ -93,7 +106,8 @@ DEFAULT_TIMEOUT_S = 600.0
 
 def initialize_layout(layout: ParallelLayout, num_layers: Optional[int] = None,
                       num_experts: Optional[int] = None, training: bool = True,
-                      timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroupCollection:
+                      timeout_s: float = DEFAULT_TIMEOUT_S,
+                      seq_length: Optional[int] = None) -> ProcessGroupCollection:
     """Build Megatron's parallel state for `layout` on the initialised default group; every
     subgroup (TP, PP, DP, EP, their gloo twins) gets the collective timeout `timeout_s`.
 
@@ -102,10 +116,12 @@ def initialize_layout(layout: ParallelLayout, num_layers: Optional[int] = None,
     if not dist.is_initialized():
         raise RuntimeError("initialize_layout needs torch.distributed initialised first "
                            "(megatron_mvmoe.launch.init_distributed or the test spawner).")
-    layout.validate(dist.get_world_size(), num_layers, num_experts, training=training)
+    layout.validate(dist.get_world_size(), num_layers, num_experts, training=training,
+                    seq_length=seq_length)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,

@@ -49,6 +49,9 @@ class ParallelSection:
     """Expert tensor-parallel size (gloo needs 1 when tp > 1)."""
     vpp: Optional[int] = None
     """Virtual pipeline chunks per rank (interleaved 1F1B), or None."""
+    cp: int = 1
+    """Context-parallel size: each sequence split over this many ranks (seq_length % 2*cp
+    == 0; local all-gather CP attention, layers/cp_attention.py)."""
     distributed_timeout_seconds: float = 120.0
     """Collective timeout: a dead rank makes the others fail after at most this long."""
     world_size: Optional[int] = None
@@ -56,7 +59,8 @@ class ParallelSection:
     size is refused. None = any world size the layout divides."""
 
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp,
+                              cp=self.cp)
 
 
 @dataclass
@@ -316,7 +320,7 @@ class RunConfig:
                  f"the config is written for {planned} ranks but {world_size} were launched",
                  f"launch {planned} ranks or change parallel.world_size")
         layout = self.parallel.layout()
-        layout.validate(world_size, num_layers, num_experts)
+        layout.validate(world_size, num_layers, num_experts, seq_length=self.model.seq_length)
         dp = layout.data_parallel_size(world_size)
         t = self.training
         _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,

@@ -12,11 +12,11 @@ global sequence order, and the local queries attend causally at their global pos
 The rest (scaling, softmax, dropout, GQA) is Megatron's `DotProductAttention.forward`,
 called with the causal mask at global positions.
 
-Not wired yet: the trainer still refuses --context-parallel-size > 1 (the batch split, the
-CP loss reduction and the layer-spec slot are issue 22's remaining steps); the intended seam
-is models/specs.py putting it in `core_attention` where CP > 1 and TE is absent.
+Wired: models/specs.py puts it in the `core_attention` slot where CP > 1 and TE is absent;
+training/step.py splits batches per CP rank and reduces the loss over CP.
 tests/platform/test_context_parallel.py checks it against full-sequence attention on one
-rank (forward and gradients).
+rank (forward and gradients); tests/training/test_context_parallel_training.py checks CP=2
+training against CP=1.
 """
 
 from __future__ import annotations

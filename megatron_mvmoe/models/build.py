@@ -40,7 +40,7 @@ def model_config(run: "RunConfig") -> MVMoETransformerConfig:
     translation of the resolved model section)."""
     p = run.parallel
     return transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                              use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+                              cp=p.cp, use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
 
 
 def build_model(run: "RunConfig", pg_collection) -> List[GPTModel]:

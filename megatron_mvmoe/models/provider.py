@@ -71,7 +71,7 @@ def _routing(shape: ModelSection) -> Dict[str, Any]:
 
 def transformer_config(shape: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
                        etp: int = 1, vpp: Optional[int] = None, use_bf16: bool = False,
-                       on_cpu: bool = True) -> MVMoETransformerConfig:
+                       on_cpu: bool = True, cp: int = 1) -> MVMoETransformerConfig:
     """The full Megatron config of the model `shape` for one layout, with the fast paths
     the target machine (the CPU, or this process's GPU) takes."""
     kwargs: Dict[str, Any] = dict(
@@ -83,6 +83,7 @@ def transformer_config(shape: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
+        context_parallel_size=cp,
         moe_variant=shape.moe_variant, latent_size=shape.latent_size,
         # copies: a Megatron config must not share mutable parts with the run config
         multi_view=dataclasses.replace(shape.multi_view),

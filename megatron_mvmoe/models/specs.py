@@ -44,6 +44,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
+from megatron_mvmoe.layers.cp_attention import CPDotProductAttention
 from megatron_mvmoe.layers.builders import build, module_of, parts, rebuilt
 from megatron_mvmoe.layers.grouped_experts import with_grouped_experts
 from megatron_mvmoe.config import MVMoETransformerConfig
@@ -78,7 +79,15 @@ def build_decoder_block_spec(config, vp_stage: Optional[int] = None,
         block = _sequence_parallel_norms(block)
     if getattr(config, "multi_latent_attention", False) and not use_te:
         block = _local_mla(block)
+    if config.context_parallel_size > 1 and not use_te:
+        block = _swap_attention_slots(block, ("core_attention",), _context_parallel_core)
     return maybe_bitnet_spec(block, config)
+
+
+def _context_parallel_core(core):
+    """The local backend's core attention at CP > 1: Megatron's local DotProductAttention
+    asserts CP == 1, so it becomes the all-gather CP attention (layers/cp_attention.py)."""
+    return CPDotProductAttention if core is DotProductAttention else core
 
 
 def _choose_te(config, use_te: Optional[bool]) -> bool:
@@ -97,6 +106,9 @@ def _check_attention(config, use_te: bool) -> None:
     would come from deep inside MLASelfAttention)."""
     if not getattr(config, "multi_latent_attention", False):
         return
+    require(use_te or config.context_parallel_size == 1, "context_parallel_size",
+            "the local CP attention (layers/cp_attention.py) covers standard attention, not "
+            "MLA's MLADotProductAttention", "use --context-parallel-size 1 with MLA")
     require(use_te or not config.qk_layernorm or config.q_lora_rank is not None,
             "q_lora_rank", "--qk-layernorm with MLA and no q_lora_rank puts the query norm "
             "inside linear_q_proj, which only TransformerEngine's fused norm+linear does",

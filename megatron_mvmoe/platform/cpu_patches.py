@@ -522,6 +522,56 @@ def _indices_to_multihot_breaks() -> bool:
     return False
 
 
+# ---------------------------------------------------- RoPE table slice per CP rank
+_ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
+_ROPE_UTILS_USERS = ("megatron.core.models.common.embeddings.rotary_pos_embedding",
+                     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+
+
+def _cp_rope_slice_on_cpu() -> None:
+    """`get_pos_emb_on_this_cp_rank` builds its chunk index with pin_memory=True and
+    .cuda(): on a CPU table the index stays on the table's device (same chunks)."""
+    original = importlib.import_module(_ROPE_UTILS).get_pos_emb_on_this_cp_rank
+
+    @functools.wraps(original)
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if pos_emb.is_cuda or cp_group is None:
+            return original(pos_emb, seq_dim, cp_group)
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1,
+                               *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    pos_emb_on_this_cp_rank._mvmoe_wrapped = True
+    _rebind(_ROPE_UTILS, "get_pos_emb_on_this_cp_rank", pos_emb_on_this_cp_rank,
+            _ROPE_UTILS_USERS)
+
+
+class _TwoRankGroupStandIn:
+    """size()/rank() of rank 0 of a 2-rank group: all the slice reads of its group."""
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+def _cp_rope_slice_breaks() -> bool:
+    """Calls the slice as its source module and each importer see it."""
+    for module_name in (_ROPE_UTILS, *_ROPE_UTILS_USERS):
+        slice_for_rank = importlib.import_module(module_name).get_pos_emb_on_this_cp_rank
+        try:
+            out = slice_for_rank(torch.arange(8.0)[:, None], 0, _TwoRankGroupStandIn())
+        except Exception:  # noqa: BLE001 - pin_memory / CUDA init errors all mean "breaks"
+            return True
+        if out.reshape(-1).tolist() != [0.0, 1.0, 6.0, 7.0]:
+            return True
+    return False
+
+
 # ------------------------------------------- MoE aux-loss bookkeeping fixed after 0.19.2
 # Not CPU-specific: upstream fixes of 0.19.2 bugs the stock TopKRouter has on every
 # platform. Our MultiRouter carries the same fixes in its own code (routing/router.py).
@@ -737,6 +787,10 @@ PATCHES: List[Patch] = [
           "maybe_move_tensor_to_cpu returns numpy only for CUDA tensors; gloo "
           "all_to_all_single rejects CPU tensors as split sizes.",
           _numpy_split_sizes, _split_sizes_break),
+    Patch("RoPE slice per CP rank",
+          "rope_utils.get_pos_emb_on_this_cp_rank (RotaryEmbedding at CP > 1) builds its "
+          "chunk index with pin_memory=True and .cuda().",
+          _cp_rope_slice_on_cpu, _cp_rope_slice_breaks),
 ]
 
 # Upstream fixes of 0.19.2 bugs, applied on every platform (GPU runs included).

@@ -88,6 +88,8 @@ FLAGS: List[Flag] = [
          "expert tensor-parallel size (gloo needs 1 with TP > 1)"),
     Flag("--virtual-pipeline-model-parallel-size", "parallel", "vpp", int,
          "virtual pipeline chunks per rank (interleaved 1F1B)"),
+    Flag("--context-parallel-size", "parallel", "cp", int,
+         "context-parallel size (each sequence split over CP ranks; seq length divisible by 2*CP)"),
     Flag("--distributed-timeout-seconds", "parallel", "distributed_timeout_seconds", float,
          "collective timeout (a dead rank fails the job after this)"),
     # --- model shape (None keeps the preset's value)

@@ -75,15 +75,6 @@ ACCEPTED: Dict[str, Accepted] = {
     "--timing-log-level": Accepted("no timers beyond the progress line", any_value=True),
     "--max-position-embeddings": Accepted("checked to be >= --seq-length; RoPE needs no "
                                           "table", any_value=True),
-    "--context-parallel-size": Accepted(
-        "context parallel size 1 only (CP is not wired): without TransformerEngine, as in "
-        "this build, attention is Megatron-Core "
-        "0.19.2's local DotProductAttention, which asserts context_parallel_size == 1 "
-        "('Context parallelism is only supported by TEDotProductAttention!', "
-        "megatron/core/transformer/dot_product_attention.py:57-59); Megatron-Core's CP "
-        "attention (p2p/a2a/allgather cp_comm_type) is TEDotProductAttention's "
-        "(extensions/transformer_engine.py), and no local backend in megatron.core offers it",
-        ("1",)),
 }
 
 UNSUPPORTED: Dict[str, Tuple[str, str]] = {

@@ -168,7 +168,8 @@ def banner(run, shape, counts: Dict[str, int], world_size: int, peak: Dict,
         f"parameters: total {counts['total'] / 1e6:.2f} M, active {counts['active'] / 1e6:.2f} M"
         f" per token" + (f", {shape.num_experts} experts top-{shape.moe_router_topk}"
                          if shape.is_moe else ""),
-        f"layout: world {world_size} = TP {p.tp} x PP {p.pp} x DP {dp}; EP {p.ep}, ETP {p.etp}"
+        f"layout: world {world_size} = TP {p.tp} x PP {p.pp}"
+        + (f" x CP {p.cp}" if p.cp > 1 else "") + f" x DP {dp}; EP {p.ep}, ETP {p.etp}"
         + (f", VPP {p.vpp}" if p.vpp else ""),
         f"batch: global {t.global_batch_size} x {shape.seq_length} tokens, micro "
         f"{t.micro_batch_size}, {t.train_iters} steps, precision {t.precision}",

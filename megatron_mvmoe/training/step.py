@@ -7,6 +7,11 @@ Design choices:
 - The loss function returns (mean token loss, {"lm loss": loss}); the schedule divides by
   the number of microbatches, DDP averages over data-parallel ranks, so the loss (and the
   gradients) are the global-batch mean whatever the layout: the basis of layout parity.
+- Context parallelism: each microbatch is split per CP rank by Megatron's
+  `get_batch_on_this_cp_rank` (load-balanced chunks; RoPE slices its own table). A CP rank's
+  loss is its token-loss sum over the token count all-reduced over the CP group; Megatron's
+  schedule multiplies it by CP and DDP averages the gradients over DP x CP, so they are
+  those of the whole sequence's mean.
 - The reported loss lives on the last pipeline stage; it is averaged over the DP ranks and
   broadcast over the pipeline group, so every rank sees the same number.
 - Before the optimizer step, one all-reduce over the world ORs "loss or grad norm is
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_mvmoe import platform
 from megatron_mvmoe.data.run_data import to_device
@@ -31,15 +37,37 @@ from megatron_mvmoe.training.build import Trainer
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """output_tensor: per-token losses [B, S] from GPTModel given labels."""
+    """output_tensor: per-token losses [B, S/CP] from GPTModel given labels."""
     losses = output_tensor.float()
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses.reshape(-1) * mask) / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach().clone()}
+    loss_sum = torch.sum(losses.reshape(-1) * mask)
+    cp_group = parallel_state.get_context_parallel_group()
+    if cp_group.size() == 1:
+        loss = loss_sum / mask.sum().clamp(min=1)
+        return loss, {"lm loss": loss.detach().clone()}
+    # Sum and count over the whole sequence (no autograd through the all-reduce: each rank
+    # differentiates its own tokens' share of the sequence mean).
+    sum_and_count = torch.stack([loss_sum.detach(), mask.sum()])
+    dist.all_reduce(sum_and_count, group=cp_group)
+    count = sum_and_count[1].clamp(min=1)
+    loss = loss_sum / count  # the schedule scales it by CP (schedules.forward_step)
+    return loss, {"lm loss": (sum_and_count[0] / count).clone()}
+
+
+def _this_cp_rank_part(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """This CP rank's load-balanced sequence chunks of a [B, S] microbatch (Megatron's split;
+    attention is causal, so no mask travels)."""
+    cp_group = parallel_state.get_context_parallel_group()
+    if cp_group.size() == 1:
+        return batch
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    split = get_batch_on_this_cp_rank({**{key: batch[key] for key in keys}, "cu_seqlens": None},
+                                      is_hybrid_cp=False, cp_group=cp_group)
+    return {key: split[key] for key in keys}
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
-    batch = to_device(next(data_iterator), platform.device())
+    batch = _this_cp_rank_part(to_device(next(data_iterator), platform.device()))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
