@@ -121,13 +121,32 @@ def _ptxas_usage(kernel, arch: int) -> dict:
             capture_output=True, text=True, check=True)
         with open(cubin, "rb") as f:
             same = f.read() == kernel.asm["cubin"]
+        triton_regs = _cubin_registers(kernel.asm["cubin"], tmp)
     log = done.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if regs is None or spills is None:
         raise RuntimeError(f"ptxas -v: no register/spill lines in its log:\n{log}")
     return dict(registers=int(regs.group(1)), spill_store_bytes=int(spills.group(1)),
-                spill_load_bytes=int(spills.group(2)), ptxas_cubin_identical=same)
+                spill_load_bytes=int(spills.group(2)), ptxas_cubin_identical=same,
+                triton_cubin_registers=triton_regs)
+
+
+def _cubin_registers(cubin: bytes, tmp: str) -> int:
+    """Registers of Triton's own cubin, read with the cuobjdump Triton ships: the check that
+    the ptxas rerun's figures describe the binary Triton built (the rerun's cubin need not be
+    byte-identical: ptxas embeds build details that vary between runs and versions)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    path = os.path.join(tmp, "triton.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    done = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True)
+    regs = re.search(r"REG:(\d+)", done.stdout)
+    if regs is None:
+        raise RuntimeError(f"cuobjdump -res-usage: no REG field in its output:\n{done.stdout}")
+    return int(regs.group(1))
 
 
 def compile_all(shapes: Dict[str, KernelShapes], targets: List[str]) -> List[dict]:

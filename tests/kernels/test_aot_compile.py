@@ -31,7 +31,8 @@ def test_every_kernel_compiles_for_both_targets_and_shapes():
     for r in rows:
         assert r["registers"] > 0 and r["cubin_bytes"] > 0 and r["ptx_bytes"] > 0
         assert r["spill_store_bytes"] >= 0 and r["spill_load_bytes"] >= 0
-        assert r["ptxas_cubin_identical"], r  # the figures describe Triton's own binary
+        # the figures describe Triton's own binary: its registers (cuobjdump) are the rerun's
+        assert r["triton_cubin_registers"] == r["registers"], r
     # the 10B shapes use the launchers' GPU block sizes (4k-element fp32 tiles, E = 128)
     fwd = next(r for r in rows if r["kernel"] == "multi_router_fwd" and r["shapes"] == "10b")
     assert fwd["constexprs"] == dict(NUM_HEADS=2, NUM_SLOTS=8, BLOCK_T=32, BLOCK_E=128)
