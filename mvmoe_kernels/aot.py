@@ -12,8 +12,8 @@ Design choices:
   that set TRITON_INTERPRET=1 (the CPU test session) cannot compile, so `compile_isolated`
   runs the compile in a child process without that variable.
 - Sources of each figure: registers and spills from `ptxas -v` rerun on the kernel's ptx with
-  Triton's own ptxas and flags (its cubin is checked byte-identical to Triton's, so the
-  figures describe that binary); shared memory is Triton's launch request
+  Triton's own ptxas and flags (its register count is checked against Triton's own cubin
+  with cuobjdump, so the figures describe that binary); shared memory is Triton's launch request
   (metadata.shared); num_warps / num_stages from the compile options.
 """
 

@@ -5,7 +5,7 @@ for real GPU targets (no GPU needed), per kernel x target x shape set.
 
 Shape sets come from the presets: tiny = tiny_multi_view, 10b = mvmoe_10b_a1b (tokens = one
 sequence per micro-batch). Sources: registers/spills from ptxas -v on the kernel's ptx
-(cubin byte-identical to Triton's), shared memory from Triton's metadata (see mvmoe_kernels/aot.py).
+(registers checked against Triton's cubin with cuobjdump), shared memory from Triton's metadata (see mvmoe_kernels/aot.py).
 """
 from __future__ import annotations
 
