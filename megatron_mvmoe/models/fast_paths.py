@@ -80,6 +80,8 @@ def expert_matrix_elements(section, etp: int = 1) -> Optional[int]:
         return None
     heads = max(1, section.multi_head.num_heads) if section.moe_variant == "mh_moe" else 1
     width = section.latent_size if section.is_latent else section.hidden_size // heads
+    if not width:  # an unset latent size: validation names the field, not this rule
+        return None
     return width * (section.moe_ffn_hidden_size // max(1, etp))
 
 
