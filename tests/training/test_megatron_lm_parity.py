@@ -41,7 +41,7 @@ DIFFERENCES = {
     "deterministic_mode": (True, False, "--deterministic-mode is noted (NCCL/cuBLAS only)"),
     "deallocate_pipeline_outputs": (True, False,
                                     "Megatron-LM's memory saving for PP outputs; not wired"),
-    "cp_comm_type": ("p2p", None, "context parallel size 1 only"),
+    "cp_comm_type": ("p2p", None, "our CP attention all-gathers K/V; p2p is TE-only"),
     "tensor_parallel_num_weight_shards": (2, None, "TE userbuffer sharding; not used"),
     "expert_tensor_parallel_num_weight_shards": (2, None, "TE userbuffer sharding; not used"),
     "inference_sampling_seed": (1234, 42, "inference only (tools/generate.py has --seed)"),
