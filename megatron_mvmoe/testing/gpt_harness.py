@@ -3,7 +3,8 @@ step through Megatron's own forward-backward schedule (PP=1 or 1F1B with PP>1), 
 wrapper and `finalize_model_grads`, for layout-parity tests.
 
 Data parallel ranks each take their slice of one fixed global batch, so every layout sees
-the same tokens; the returned loss is the global-batch mean on every rank.
+the same tokens; the returned loss is the global-batch mean on every rank. Context-parallel
+ranks of one DP rank split its microbatches as the trainer does (training/step.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mvmoe.platform import seed_all
 from megatron_mvmoe.testing.deterministic_init import deterministic_init, local_grads
+# The trainer's own CP split and loss function (testing may import training: it is the
+# trainer's path the harness checks).
+from megatron_mvmoe.training.step import _loss_func as token_mean_loss
+from megatron_mvmoe.training.step import _this_cp_rank_part as this_cp_rank_part
 
 
 def build_gpt(config, block_spec, vocab_size: int, seq_len: int, pg_collection,
@@ -62,17 +67,12 @@ def _microbatches(tokens_BS1: torch.Tensor, micro_batch: int) -> List[Dict[str, 
     return batches
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1)
-    loss = (losses * mask).sum() / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}  # the schedule scales loss in place
-
-
 def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    # The trainer's own CP split and CP loss reduction (training/step.py), so a CP layout
+    # here is the one the trainer runs.
+    batch = this_cp_rank_part(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
+    return output, partial(token_mean_loss, batch["loss_mask"])
 
 
 def train_step_losses_and_grads(model: DistributedDataParallel, config, tokens_BS1: torch.Tensor,

@@ -1,11 +1,13 @@
 """MultiRouter against Megatron-Core 0.19.2's own TopKRouter (sigmoid + expert bias) at
 R = K = 1: probs, routing map, every aux/z loss logged through MoEMetricsTracker and every
-gradient, with calculate_per_token_loss off and on, at TP = 1 and TP = 2 (SP), with a
+gradient, with calculate_per_token_loss off and on, at TP = 1, TP = 2 (SP), CP = 2 and
+TP = 2 x CP = 2 (token counts over TP x CP, issue 22), with a
 non-zero balancing bias; and the finalize_model_grads expert-bias update finding and moving
 our bias like Megatron's.
 
 Megatron runs in forked gloo ranks (megatron_mvmoe.testing.spawn) with the CPU patches.
 """
+import pytest
 import torch
 
 from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
@@ -59,13 +61,14 @@ def _run_and_grads(router, hidden_SBD, upstream_TE):
     return probs_TE.detach(), map_TE, router.weight.grad.clone(), hidden_SBD.grad, logged
 
 
-def _parity_rank(rank, world_size, topk, bias_scale, overrides, tp=1):
+def _parity_rank(rank, world_size, topk, bias_scale, overrides, layout=None):
     from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
     destroy_layout()
-    pg = initialize_layout(ParallelLayout(tp=tp))
+    pg = initialize_layout(ParallelLayout(**(layout or {})))
     config = _config(topk=topk, **overrides)
     ref, ours = _pair(config, pg, bias_scale)
-    hidden_SBD = _randn(SEQ, BATCH, HIDDEN, seed=1 + rank)  # SP: each TP rank has its tokens
+    # SP / CP: each TP and each CP rank has its own tokens
+    hidden_SBD = _randn(SEQ, BATCH, HIDDEN, seed=1 + rank)
     upstream_TE = _randn(SEQ * BATCH, EXPERTS, seed=2)
     r_probs, r_map, r_wgrad, r_hgrad, r_log = _run_and_grads(ref, hidden_SBD, upstream_TE)
     o_probs, o_map, o_wgrad, o_hgrad, o_log = _run_and_grads(ours, hidden_SBD, upstream_TE)
@@ -105,9 +108,34 @@ def test_r1_matches_megatron_topk_router_with_bias_and_losses():
 def test_r1_losses_match_megatron_with_counts_reduced_over_tp():
     tp2 = dict(ALL_LOSSES, tensor_model_parallel_size=2, sequence_parallel=True,
                expert_tensor_parallel_size=1)
-    cases = [(2, 0.5, tp2, 2), (2, 0.5, dict(tp2, calculate_per_token_loss=True), 2)]
+    cases = [(2, 0.5, tp2, {"tp": 2}),
+             (2, 0.5, dict(tp2, calculate_per_token_loss=True), {"tp": 2})]
     logged = run_distributed(_parity_cases_rank, 2, timeout_s=150, args=(cases,))
     assert logged[0] == [LOGGED, LOGGED]
+
+
+def _groups_rank(rank, world_size, layout):
+    """Sizes of the groups both routers reduce token counts over (aux / global aux)."""
+    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+    destroy_layout()
+    pg = initialize_layout(ParallelLayout(**layout))
+    return pg.tp_cp.size(), pg.tp_dp_cp.size()
+
+
+@pytest.mark.parametrize("layout,world", [({"cp": 2}, 2), ({"tp": 2, "cp": 2}, 4)],
+                         ids=["cp2", "tp2_sp_cp2"])
+def test_r1_losses_match_megatron_with_counts_reduced_over_tp_cp(layout, world):
+    """Under CP the sequence's tokens are split over the CP ranks: the aux losses' token
+    counts (and the z-loss and per-token scaling) are taken over TP x CP, as Megatron's
+    TopKRouter does, and equal it at R = 1 loss by loss, gradient by gradient."""
+    parallel = dict(ALL_LOSSES, context_parallel_size=2,
+                    tensor_model_parallel_size=layout.get("tp", 1),
+                    sequence_parallel="tp" in layout, expert_tensor_parallel_size=1)
+    cases = [(2, 0.5, parallel, layout),
+             (2, 0.5, dict(parallel, calculate_per_token_loss=True), layout)]
+    logged = run_distributed(_parity_cases_rank, world, timeout_s=150, args=(cases,))
+    assert logged == [[LOGGED, LOGGED]] * world
+    assert run_distributed(_groups_rank, world, args=(layout,)) == [(world, world)] * world
 
 
 def _per_token_scaling_rank(rank, world_size):

@@ -1,8 +1,10 @@
 """Context parallelism through the trainer (issue 22): CP=2 on 2 gloo ranks, fp32, trains
 the same losses as CP=1 on one rank over the first steps, from the same saved initial
-weights, for every MoE variant. Every part is the real one: the layout (parallel.py),
-the CP core attention in the spec (models/specs.py), Megatron's batch split and RoPE slice,
-the CP loss reduction (training/step.py) and Megatron's DDP over data x context parallel."""
+weights, for every MoE variant; and at world 4 beside TP=2 (SP) x EP=2 and beside EP=2 x
+DP=2. Every part is the real one: the layout (parallel.py), the CP core attention in the
+spec (models/specs.py), Megatron's batch split and RoPE slice, the CP loss reduction
+(training/step.py) and Megatron's DDP over data x context parallel. Gradients of the same
+layouts: tests/layers/test_context_parallel_layouts.py."""
 
 import pytest
 
@@ -19,17 +21,44 @@ def data_dir(tmp_path_factory):
     return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
 
 
+@pytest.fixture(scope="module")
+def one_rank(data_dir, tmp_path_factory):
+    """preset -> (run settings from its saved initial weights, CP=1 one-rank losses)."""
+    cache = {}
+
+    def get(preset):
+        if preset not in cache:
+            init = str(tmp_path_factory.mktemp(f"init_{preset}"))
+            train(tiny_run(data_dir, preset=preset, train_iters=0, eval_iters=0, save=init), 1)
+            from_init = dict(preset=preset, train_iters=STEPS, eval_iters=0, load=init,
+                             load_optimizer=False)
+            cache[preset] = from_init, train(tiny_run(data_dir, **from_init), 1)["losses"]
+        return cache[preset]
+    return get
+
+
+def _assert_same_losses(reference, other):
+    assert len(other) == STEPS and reference[-1] < reference[0], reference
+    assert max(abs(a - b) for a, b in zip(reference, other)) < 1e-4, (reference, other)
+
+
 @pytest.mark.parametrize("preset", ["tiny_smoe", "tiny_latent", "tiny_multi_router",
                                     "tiny_multi_view", "tiny_mh_moe"])
-def test_cp2_losses_equal_cp1(data_dir, tmp_path, preset):
-    init = str(tmp_path / "init")
-    train(tiny_run(data_dir, preset=preset, train_iters=0, eval_iters=0, save=init), 1)
-    from_init = dict(preset=preset, train_iters=STEPS, eval_iters=0, load=init,
-                     load_optimizer=False)
-    reference = train(tiny_run(data_dir, **from_init), 1)["losses"]
-    cp2 = train(tiny_run(data_dir, parallel={"cp": 2}, **from_init), 2)["losses"]
-    assert len(cp2) == STEPS and reference[-1] < reference[0], reference
-    assert max(abs(a - b) for a, b in zip(reference, cp2)) < 1e-4, (reference, cp2)
+def test_cp2_losses_equal_cp1(data_dir, one_rank, preset):
+    from_init, reference = one_rank(preset)
+    _assert_same_losses(reference, train(tiny_run(data_dir, parallel={"cp": 2}, **from_init),
+                                         2)["losses"])
+
+
+@pytest.mark.parametrize("preset,parallel", [
+    ("tiny_mh_moe", {"cp": 2, "tp": 2, "ep": 2}), ("tiny_smoe", {"cp": 2, "tp": 2, "ep": 2}),
+    ("tiny_multi_view", {"cp": 2, "tp": 2, "ep": 2}), ("tiny_multi_view", {"cp": 2, "ep": 2})],
+    ids=["mh_moe-cp2_tp2_ep2", "smoe-cp2_tp2_ep2", "multi_view-cp2_tp2_ep2",
+         "multi_view-cp2_ep2_dp2"])
+def test_cp2_with_tp_ep_dp_losses_equal_one_rank(data_dir, one_rank, preset, parallel):
+    from_init, reference = one_rank(preset)
+    _assert_same_losses(reference, train(tiny_run(data_dir, parallel=parallel, **from_init),
+                                         4)["losses"])
 
 
 def test_cp_seq_length_not_divisible_is_refused():
