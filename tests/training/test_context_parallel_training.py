@@ -4,7 +4,8 @@ weights, for every MoE variant; and at world 4 beside TP=2 (SP) x EP=2 and besid
 DP=2. Every part is the real one: the layout (parallel.py), the CP core attention in the
 spec (models/specs.py), Megatron's batch split and RoPE slice, the CP loss reduction
 (training/step.py) and Megatron's DDP over data x context parallel. Gradients of the same
-layouts: tests/layers/test_context_parallel_layouts.py."""
+layouts: tests/layers/test_context_parallel_layouts.py. Checkpoints reshard between CP
+sizes (save at CP=2, continue at CP=1, and back)."""
 
 import pytest
 
@@ -68,3 +69,26 @@ def test_cp_seq_length_not_divisible_is_refused():
         ParallelLayout(cp=2).validate(2, seq_length=30)
     with pytest.raises(ValueError, match=r"tp\*pp\*cp = 1\*1\*2 = 2 does not divide"):
         ParallelLayout(cp=2).validate(3)
+
+
+RESHARD = dict(train_iters=8, eval_iters=0, ckpt_optimizer_format="fully_reshardable")
+
+
+@pytest.mark.parametrize("saved_cp,resumed_cp", [(2, 1), (1, 2)], ids=["cp2_to_cp1", "cp1_to_cp2"])
+def test_checkpoint_reshards_between_cp_sizes(data_dir, tmp_path, saved_cp, resumed_cp):
+    """A step-4 checkpoint saved at one CP size continues at the other: steps 5..8 give the
+    uninterrupted run's losses within 1e-4. The weights are whole on every CP rank, but
+    Megatron's distributed optimizer shards the Adam moments over DP x CP, so they are
+    resharded 2 -> 1 and 1 -> 2 (the fully_reshardable format)."""
+    import os
+
+    root = str(tmp_path / "ck")
+    full = train(tiny_run(data_dir, parallel={"cp": saved_cp}, save=root, save_interval=4,
+                          **RESHARD), saved_cp)
+    with open(os.path.join(root, "latest"), "w") as fh:  # resume from step 4
+        fh.write("iter_0000004\n")
+    resumed = train(tiny_run(data_dir, parallel={"cp": resumed_cp}, load=root, **RESHARD),
+                    resumed_cp)
+    assert resumed["first_step"] == 5
+    diffs = [abs(a - b) for a, b in zip(resumed["losses"], full["losses"][4:])]
+    assert len(diffs) == 4 and max(diffs) < 1e-4, (resumed["losses"], full["losses"][4:])
