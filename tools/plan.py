@@ -122,6 +122,8 @@ def _human(report) -> str:
         for row in stages:
             lines.append(f"  stage {row['stage']}: " + ", ".join(
                 f"{k} {gib(row[k])}" for k in ("params", "grads", "optimizer", "activations",
+                                              "collective_transient",
+                                              "optimizer_step_transient",
                                               "checkpoint_save_transient", "total_with_save"))
                 + f" (activations {gib(row['activations_per_microbatch'])} per microbatch x "
                   f"{row['microbatches_in_flight']:.0f} in flight)")

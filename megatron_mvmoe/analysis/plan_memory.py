@@ -37,6 +37,18 @@ What Megatron allocates (read from megatron/core 0.19.2):
   dropped. One layer's dropped tensors are rebuilt at a time in the backward: that layer's
   worth is added back as `recompute_transient`. Other modules and full granularity are not
   modelled (counted as kept: an over-estimate).
+- collectives on gloo (CPU): the distributed optimizer reduce-scatters each gradient
+  buffer at the end of the backward and all-gathers each parameter buffer after the
+  optimizer step. gloo's `reduce_scatter_tensor` and `all_gather_into_tensor` stage the
+  whole buffer (input, resp. output) in a temporary of its size, at any group size, one
+  collective at a time (measured: `tools/gloo_collective_memory.py`); NCCL works in place.
+  Without overlap DDP keeps one bucket per buffer, so the transient is the larger of this
+  rank's dense and expert buffers (`collective_transient`). The backward's happens after
+  the last microbatch's backward, when its activations are freed: the step's peak is
+  max(activations, collective), not the sum.
+- optimizer step (torch's single-tensor AdamW on CPU: foreach is off for CPU tensors):
+  one temporary the size of the largest parameter shard (the denominator), then the
+  parameter all-gather above (`optimizer_step_transient`); GPU fused Adam adds nothing.
 - checkpoint save (torch_dist, `filesystem_async.prepare_write_data`): before writing,
   every CPU tensor of this rank's share that is a view of a larger storage is cloned, all
   at once (`_clone_or_dequantize_if_needed`). With the distributed optimizer that is every
@@ -45,7 +57,8 @@ What Megatron allocates (read from megatron/core 0.19.2):
   parameter shards of the dp_reshardable optimizer state (views of the same buffer); Adam's
   moments are tensors of their own and are written in place. GPU tensors are copied to
   host memory later, so on a GPU the save adds nothing to device memory. The save runs
-  after the step's backward, so its peak is max(activations, save), not the sum.
+  after the step's backward and optimizer step, so the step's peak is
+  max(activations, collective, optimizer step, save), not the sum.
 """
 
 from __future__ import annotations
@@ -283,6 +296,28 @@ def save_transient(m: ModelSection, target: PlanTarget, stage: int, precision: s
     return float(n.param * written + 4 * main_shards)
 
 
+def collective_transient(m: ModelSection, target: PlanTarget, stage: int, precision: str,
+                         distributed_optimizer: bool = True) -> float:
+    """Bytes gloo stages for the largest buffer's reduce-scatter / all-gather (see the
+    module docstring); 0 on GPU (NCCL, in place) and without the distributed optimizer
+    (an all-reduce, in place)."""
+    if precision != "cpu_fp32" or not distributed_optimizer:
+        return 0.0
+    p = stage_parameters(m, target, stage)
+    return float(4 * max(p["dense"], p["experts"]))  # fp32 grads; fp32 params on CPU
+
+
+def optimizer_step_transient(m: ModelSection, target: PlanTarget, stage: int, precision: str,
+                             distributed_optimizer: bool = True) -> float:
+    """The optimizer step's peak over the resident set after the backward: Adam's
+    denominator of the largest parameter (sharded by the distributed optimizer's range at
+    worst whole), then the parameter all-gather; 0 on GPU (fused Adam, NCCL)."""
+    if precision != "cpu_fp32":
+        return 0.0
+    adam = 4.0 * stage_parameters(m, target, stage)["largest"]
+    return max(adam, collective_transient(m, target, stage, precision, distributed_optimizer))
+
+
 # --------------------------------------------------------------------------- per rank
 def rank_memory(m: ModelSection, target: PlanTarget, stage: int, precision: str = "cpu_fp32",
                 distributed_optimizer: bool = True, runtime: float = 0.0,
@@ -299,11 +334,17 @@ def rank_memory(m: ModelSection, target: PlanTarget, stage: int, precision: str 
                recompute_transient=act["recompute_transient"],
                checkpoint_save_transient=save_transient(m, target, stage, precision,
                                                         distributed_optimizer, *writes),
+               collective_transient=collective_transient(m, target, stage, precision,
+                                                         distributed_optimizer),
+               optimizer_step_transient=optimizer_step_transient(
+                   m, target, stage, precision, distributed_optimizer),
                runtime=float(runtime), stacked_expert_weights=float(stacked))
-    out["total"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
-                    + runtime)
-    out["total_with_save"] = (out["total"] - out["activations"]
-                              + max(out["activations"], out["checkpoint_save_transient"]))
+    # forward/backward: the activations, or the grad reduce-scatter at its end
+    out["forward_backward"] = max(out["activations"], out["collective_transient"])
+    static = out["params"] + out["grads"] + out["optimizer"] + runtime
+    step = max(out["forward_backward"], out["optimizer_step_transient"])
+    out["total"] = static + step
+    out["total_with_save"] = static + max(step, out["checkpoint_save_transient"])
     return out
 
 
@@ -357,7 +398,8 @@ def fit_error(run, world: int, local_ranks: int, available: float,
     return (f"memory: the planner estimates {row['total_with_save'] / gib:.1f} GiB per rank "
             f"({precision}: params {row['params'] / gib:.1f}, grads {row['grads'] / gib:.1f}, "
             f"optimizer {row['optimizer'] / gib:.1f}, activations "
-            f"{row['activations'] / gib:.1f}, runtime {runtime / gib:.1f}, save "
+            f"{row['activations'] / gib:.1f}, optimizer step "
+            f"{row['optimizer_step_transient'] / gib:.1f}, runtime {runtime / gib:.1f}, save "
             f"{row['checkpoint_save_transient'] / gib:.1f}) x {local_ranks} ranks on this "
             f"node = {need / gib:.1f} GiB, but {available / gib:.1f} GiB is available. Fix: "
             f"reduce {_what_to_reduce(m, target, row)} (tools/plan.py --config <yaml> shows "

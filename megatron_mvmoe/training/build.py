@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import List
+from typing import Callable, List, Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -45,6 +45,9 @@ class Trainer:
     """One DDP-wrapped GPTModel per virtual pipeline stage."""
     optimizer: object
     scheduler: OptimizerParamScheduler
+    phase_hook: Optional[Callable[[str], None]] = None
+    """Called by the step at the end of each phase ("backward", "optimizer"), e.g. by the
+    memory census to split a step's resident peak by phase; None: nothing is called."""
 
     @property
     def shape(self) -> ModelSection:

@@ -13,7 +13,12 @@ Categories measured (bytes of the tensors actually allocated, each storage count
 - per step: the resident-set high-water mark of that step (VmHWM, reset after each step
   through /proc/self/clear_refs) and the resident set when it began, so that
   activations = peak - resident at the start of a plain training step, and a save step's
-  extra over a plain step is the checkpoint transient.
+  extra over a plain step is the checkpoint transient;
+- per step and phase (the step's `phase_hook`): the high-water mark of the forward/backward
+  ("backward"), of the gradient norm + optimizer step + parameter all-gather ("optimizer")
+  and of the rest (scheduler, save), each with the resident set at the phase's end, so
+  the optimizer step's transient (its peak over the resident set after the backward) is
+  measured apart from the activations.
 
 Design choices:
 - One call from pretrain (`memory_hook`), which wraps its `on_step`: the hook is called before
@@ -28,55 +33,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
 from megatron_mvmoe.analysis.plan_validate import MEMORY_DIR  # the reader owns the layout
+from megatron_mvmoe.platform.resident_memory import (available_bytes, peak_rss_bytes,
+                                                     reset_peak_rss, rss_bytes)
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
 
 SKIP_CHECK_ENV = "MVMOE_MEMORY_CHECK"
 """Set to "off" to skip the start-up fit check (e.g. when the memory of other jobs on the
 node is about to be freed)."""
-
-
-# ------------------------------------------------------------------------ resident set
-def _status_kib(key: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as fh:
-            match = re.search(rf"^{key}:\s+(\d+) kB", fh.read(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
-def rss_bytes() -> int:
-    kib = _status_kib("VmRSS")
-    return 0 if kib is None else kib * 1024
-
-
-def peak_rss_bytes() -> int:
-    kib = _status_kib("VmHWM")
-    return 0 if kib is None else kib * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current resident set (Linux >= 4.0); False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def available_bytes() -> int:
-    """MemAvailable of /proc/meminfo (what the kernel can hand out without swapping)."""
-    with open("/proc/meminfo") as fh:
-        match = re.search(r"^MemAvailable:\s+(\d+) kB", fh.read(), re.MULTILINE)
-    return int(match.group(1)) * 1024
 
 
 # --------------------------------------------------------------------- tensor census
@@ -132,7 +101,14 @@ class MemoryRecorder:
         self.record: Dict = {"rank": rank, **layout_ranks, "runtime_rss": rss_bytes(),
                              "peak_reset_supported": reset_peak_rss(), "steps": []}
         self.step_start_rss: Optional[int] = None
+        self.phases: Dict[str, Dict[str, int]] = {}
         self.created = self.step_started = time.perf_counter()
+
+    def end_phase(self, phase: str) -> None:
+        """The step's phase hook: this phase's peak and the resident set at its end; the
+        next phase's peak starts from here."""
+        self.phases[phase] = {"peak_rss": peak_rss_bytes(), "end_rss": rss_bytes()}
+        reset_peak_rss()
 
     def __call__(self, step: int, trainer) -> None:
         if "after_build_rss" not in self.record:  # the first step of this call (a resume's > 1)
@@ -145,16 +121,21 @@ class MemoryRecorder:
             self.record["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
             self.record["census_after_build"] = tensor_census(trainer.unwrapped(),
                                                               trainer.optimizer)
+            trainer.phase_hook = self.end_phase
         else:
             self._finish_step(step - 1, trainer)
         reset_peak_rss()
         self.step_start_rss = rss_bytes()
+        self.phases = {}
         self.step_started = time.perf_counter()
 
     def _finish_step(self, step: int, trainer) -> None:
         t = self.run.training
+        rest = peak_rss_bytes()  # since the last phase's end (or the step's start)
         self.record["steps"].append({
-            "step": step, "start_rss": self.step_start_rss, "peak_rss": peak_rss_bytes(),
+            "step": step, "start_rss": self.step_start_rss,
+            "peak_rss": max([rest] + [p["peak_rss"] for p in self.phases.values()]),
+            "phases": dict(self.phases, rest={"peak_rss": rest, "end_rss": rss_bytes()}),
             "seconds": time.perf_counter() - self.step_started,  # a save step includes it
             "saved": t.save is not None and t.save_interval > 0 and step % t.save_interval == 0,
             "evaluated": t.eval_interval > 0 and step % t.eval_interval == 0})

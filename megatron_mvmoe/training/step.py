@@ -121,6 +121,11 @@ def _assert_no_grad_scaler(optimizer) -> None:
         assert getattr(inner, "grad_scaler", None) is None, "fp16 loss scaling unsupported"
 
 
+def _end_phase(trainer: Trainer, phase: str) -> None:
+    if trainer.phase_hook is not None:
+        trainer.phase_hook(phase)
+
+
 def train_step(trainer: Trainer, iterators, num_microbatches: int,
                stop_flags: Sequence[float] = ()) -> Dict:
     """Forward/backward over the global batch; then, only when the loss and the gradient
@@ -133,6 +138,7 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     losses = _run_schedule(trainer, iterators, num_microbatches, forward_only=False)
+    _end_phase(trainer, "backward")
     loss = _mean_loss(trainer, losses)
     _assert_no_grad_scaler(trainer.optimizer)
     trainer.optimizer.prepare_grads()
@@ -143,6 +149,7 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
     if nonfinite:
         return metrics
     updated, _, _ = trainer.optimizer.step()
+    _end_phase(trainer, "optimizer")  # grad norm, optimizer step and param all-gather
     trainer.scheduler.step(increment=1)
     metrics["updated"] = bool(updated)
     return metrics

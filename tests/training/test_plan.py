@@ -156,7 +156,7 @@ def test_validate_tiny_run_static_categories_match(tmp_path):
         rows = rank["rows"]
         for name in ("params", "grads", "optimizer"):
             assert rows[name]["within"], (name, rows[name])
-        assert rows["activations"]["measured"] is not None and rows["total"]["measured"] > 0
+        assert rows["forward_backward"]["measured"] is not None and rows["total"]["measured"] > 0
         assert rows["checkpoint_save_transient"]["measured"] is not None  # step 3 saved
     human = _plan_tool("--validate", str(tmp_path / "run"))
     assert "planner vs measured" in human.stdout and "optimizer" in human.stdout
