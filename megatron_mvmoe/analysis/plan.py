@@ -19,6 +19,9 @@ Design choices:
   flight on the first stage), stated as such.
 - All-to-all bytes use `analysis.a2a_analytic` (alltoall dispatcher): the bytes one rank
   hands to the dispatch and combine collectives per optimizer step, forward and backward.
+- Context parallelism (`plan_context_parallel`): tokens per rank S b / (cp tp), the
+  gathered K/V the CP attention keeps, its K/V all-gather traffic and per-rank attention
+  FLOPs; dense optimizer state over DP x CP.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Dict, Optional
 
 from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
+from megatron_mvmoe.analysis.plan_context_parallel import (context_parallel_report,
+                                                           gathered_kv_extra_elements,
+                                                           local_tokens)
 from megatron_mvmoe.models.model_section import ModelSection
 
 
@@ -56,10 +62,15 @@ class PlanTarget:
     def expert_dp(self) -> int:
         return self.layout.expert_data_parallel_size(self.world())
 
+    def dense_optimizer_ranks(self) -> int:
+        """Ranks the distributed optimizer splits dense state over: data x context
+        parallel (Megatron's DDP buffers span both)."""
+        return self.dp() * self.layout.cp
+
     def as_dict(self) -> Dict[str, int]:
         """The report's "layout" entry (the keys tools/plan.py --json has always printed)."""
         lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp,
+        return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "cp": lay.cp,
                 "world_size": self.world(), "micro_batch_size": self.micro_batch_size,
                 "global_batch_size": self.global_batch_size, "dp": self.dp(),
                 "expert_dp": self.expert_dp()}
@@ -85,7 +96,8 @@ def planned_world_size(config_path: Optional[str], field: Optional[int],
 def check_layout(m: ModelSection, target: PlanTarget) -> None:
     """Refuse a layout the trainer would refuse (same checks: ParallelLayout.validate and
     the batch divisibility of RunConfig)."""
-    target.layout.validate(target.world(), m.num_layers, m.num_experts)
+    target.layout.validate(target.world(), m.num_layers, m.num_experts,
+                           seq_length=m.seq_length)
     step = target.micro_batch_size * target.dp()
     if target.global_batch_size % step:
         raise ValueError(f"training.global_batch_size: {target.global_batch_size} is not "
@@ -227,8 +239,9 @@ def _per_rank_params(m: ModelSection, lay: ParallelLayout) -> Dict[str, float]:
 
 def _activation_bytes(m: ModelSection, target: PlanTarget) -> float:
     lay = target.layout
-    s, b, D = m.seq_length, target.micro_batch_size, m.hidden_size
+    s, b, D = m.seq_length // lay.cp, target.micro_batch_size, m.hidden_size  # CP: S/cp each
     attention = 11 * s * b * D * 2 / lay.tp  # norms, qkv, attn out, proj in/out (bf16)
+    attention += gathered_kv_extra_elements(m, b, lay) * 2  # CP: the other ranks' K/V
     if m.is_moe:
         width = m.latent_size if m.is_latent else D // max(1, m.multi_head.num_heads)
         slots = m.moe_router_topk * max(1, m.multi_head.num_heads)
@@ -244,7 +257,8 @@ def memory_per_gpu(m: ModelSection, target: PlanTarget,
                    weight_bytes: int = 2) -> Dict[str, float]:
     p = _per_rank_params(m, target.layout)
     params = p["dense"] + p["experts"]
-    optimizer = 12 * (p["dense"] / target.dp() + p["experts"] / target.expert_dp())
+    optimizer = 12 * (p["dense"] / target.dense_optimizer_ranks()
+                      + p["experts"] / target.expert_dp())
     out = {"weights": params * weight_bytes, "grads": params * 4, "optimizer": optimizer,
            "activations_estimate": _activation_bytes(m, target)}
     out["total"] = sum(out.values())
@@ -257,7 +271,7 @@ def a2a_bytes_per_step(m: ModelSection, target: PlanTarget,
     lay = target.layout
     if not m.is_moe or lay.ep == 1:
         return {"per_layer_dispatch": 0.0, "per_rank_per_step": 0.0}
-    tokens = m.seq_length * target.micro_batch_size // lay.tp  # sequence-parallel slice
+    tokens = local_tokens(m, target.micro_batch_size, lay)  # the CP and sequence-parallel slice
     variant = "smoe" if m.moe_variant == "dense" else m.moe_variant
     shape = CommShape(tokens=tokens, hidden=m.hidden_size, topk=m.moe_router_topk,
                       latent=m.latent_size, heads=m.multi_head.num_heads, dtype_bytes=dtype_bytes,
@@ -271,10 +285,13 @@ def a2a_bytes_per_step(m: ModelSection, target: PlanTarget,
 
 
 def plan(m: ModelSection, target: PlanTarget) -> Dict:
+    microbatches = target.global_batch_size // (target.micro_batch_size * target.dp())
     return {"model": asdict(m), "layout": target.as_dict(),
             "parameters": parameter_counts(m), "flops_per_token": flops_per_token(m),
             "memory_bytes_per_gpu": memory_per_gpu(m, target),
-            "a2a_bytes": a2a_bytes_per_step(m, target)}
+            "a2a_bytes": a2a_bytes_per_step(m, target),
+            "context_parallel": context_parallel_report(m, target.layout,
+                                                        target.micro_batch_size, microbatches)}
 
 
 # --------------------------------------------------------------------------- dry run
@@ -303,10 +320,11 @@ def dry_run_build(m: ModelSection, target: PlanTarget) -> Dict[str, int]:
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+            context_parallel_size=lay.cp,
             expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp,
             create_gloo_process_groups=False)
         config = transformer_config(m, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp,
-                                    use_bf16=True, on_cpu=True)
+                                    cp=lay.cp, use_bf16=True, on_cpu=True)
         config.perform_initialization = False
         with torch.device("meta"):
             chunks = build_model_chunks(config, m, ProcessGroupCollection.use_mpu_process_groups())
