@@ -22,23 +22,9 @@ def _counted_attention_rank(rank, world_size):
     """One forward + backward of CPDotProductAttention with every all_gather /
     all_reduce it issues counted: bytes received (all-gather) and ring bytes sent
     (all-reduce, 2 (c-1)/c of the tensor)."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron_mvmoe.testing.cp_attention import cp_attention_on_this_rank
 
-    from megatron_mvmoe.layers.cp_attention import CPDotProductAttention
-    from megatron_mvmoe.platform import seed_all
-
-    parallel_state.initialize_model_parallel(context_parallel_size=world_size)
-    seed_all(0)
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM,
-                               num_attention_heads=HEADS, num_query_groups=GROUPS,
-                               kv_channels=HEAD_DIM, context_parallel_size=world_size,
-                               attention_softmax_in_fp32=False, masked_softmax_fusion=False,
-                               attention_dropout=0.0)
-    attention = CPDotProductAttention(config, 1, AttnMaskType.causal, "self",
-                                      pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    attention, _ = cp_attention_on_this_rank(world_size, HEADS, GROUPS, HEAD_DIM)
     counted = {"all_gather": 0.0, "all_reduce": 0.0}
     real_gather, real_reduce = dist.all_gather, dist.all_reduce
     c = world_size

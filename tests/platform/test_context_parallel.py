@@ -5,14 +5,10 @@ gives each rank (forward and the gradients of queries, keys and values, 1e-6).""
 
 import pytest
 import torch
-from megatron.core import parallel_state
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_mvmoe.platform import seed_all
-from megatron_mvmoe.layers.cp_attention import CPDotProductAttention, local_positions
+from megatron_mvmoe.layers.cp_attention import local_positions
+from megatron_mvmoe.testing.cp_attention import cp_attention_on_this_rank
 from megatron_mvmoe.testing.spawn import run_distributed
 
 SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 8, 2, 4, 2, 3
@@ -42,16 +38,7 @@ def _output_weights():
 
 
 def _cp_attention_rank(rank, world_size):
-    parallel_state.initialize_model_parallel(context_parallel_size=world_size)
-    seed_all(0)  # Megatron's RNG tracker (attention dropout forks it; dropout is 0 here)
-    pgs = ProcessGroupCollection.use_mpu_process_groups()
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM,
-                               num_attention_heads=HEADS, num_query_groups=GROUPS,
-                               kv_channels=HEAD_DIM, context_parallel_size=world_size,
-                               attention_softmax_in_fp32=False, masked_softmax_fusion=False,
-                               attention_dropout=0.0)
-    attention = CPDotProductAttention(config, 1, AttnMaskType.causal, "self",
-                                      cp_comm_type="all_gather", pg_collection=pgs)
+    attention, pgs = cp_attention_on_this_rank(world_size, HEADS, GROUPS, HEAD_DIM)
     # This rank's token positions as Megatron's own load-balanced split gives them.
     split = get_batch_on_this_cp_rank({"positions": torch.arange(SEQ)[None], "cu_seqlens": None},
                                       is_hybrid_cp=False, cp_group=pgs.cp)
