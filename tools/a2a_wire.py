@@ -14,9 +14,9 @@ Time (--time): the recorded collectives of each layer and direction replayed at 
 with every node link shaped to each --rates-mbit; the model fitted on --fit-rates-mbit must
 predict the other rates within 10 %.
 
-The cluster (tools/slurm_local.py --instance I) is started here and always stopped, its
-namespaces and tc rules removed, also when the run fails or is killed (a reaper process
-stops it once this process is gone, SIGKILL included).
+The cluster (megatron_mvmoe.dev_cluster.Cluster; tools/slurm_local.py --instance I) is
+started here and always stopped, its namespaces and tc rules removed, also when the run
+fails or is killed (a reaper process stops it once this process is gone, SIGKILL included).
 
 Examples:
   python tools/a2a_wire.py --json > wire.json                     # every layout and case
@@ -39,11 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
+from megatron_mvmoe.analysis import tool_common
 
-from megatron_mvmoe.analysis import tool_common  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("latent", "multi_router", "multi_view", "smoe")
 SEMANTICS = ("row", "rank", "node")
@@ -193,7 +191,7 @@ def detect_netem(c) -> dict:
 
 def run_job(c, state, nodes: int, ranks: int, spec: dict, out_dir: Path, name: str,
             timeout: float) -> dict:
-    import slurm_netns as ns
+    from megatron_mvmoe.dev_cluster import netns as ns
 
     spec = {**spec, "out": str(out_dir / f"worker_{name}.json"),
             "links": {n: c.veth(n) for n in c.names}, "bridge_ns": c.bridge_ns,
@@ -216,14 +214,13 @@ def run_job(c, state, nodes: int, ranks: int, spec: dict, out_dir: Path, name: s
 
 
 def run_on_cluster(args, out_dir: Path) -> dict:
-    import slurm_local
-    import slurm_netns as ns
+    from megatron_mvmoe.dev_cluster import Cluster
 
     layouts = [] if args.skip_bytes and args.time else [parse_layout(x) for x in args.layouts]
     nodes = max([n for n, _ in layouts] + ([parse_layout(args.time_layout)[0]]
                                            if args.time else []))
-    c = ns.Cluster(nodes, args.instance)
-    state = ns.default_state_dir(args.instance)
+    cluster = Cluster(nodes, args.instance)
+    c, state = cluster.layout, cluster.state
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     reaper = None
@@ -232,8 +229,8 @@ def run_on_cluster(args, out_dir: Path) -> dict:
                "layouts": [], "timing": None}
     try:
         started = time.time()
-        slurm_local.start_n(c, state)
-        reaper = slurm_local.spawn_reaper(c, state, os.getpid())
+        cluster.start()
+        reaper = cluster.spawn_reaper(os.getpid())
         payload["cluster"]["start_s"] = round(time.time() - started, 1)
         payload["netem"] = detect_netem(c)
         base = {"batch_size": args.batch_size, "seq_length": args.seq_length,
@@ -260,7 +257,7 @@ def run_on_cluster(args, out_dir: Path) -> dict:
     finally:
         if reaper:
             _end(reaper)
-        down = slurm_local.stop_n(c, state)
+        down = cluster.stop()
         payload["cluster"]["left_after_stop"] = {
             "namespaces": [k for k, v in down["netns"].items() if v],
             "daemons": [k for k, v in down["alive"].items() if v]}

@@ -17,8 +17,8 @@ def test_no_tool_cuts_its_description():
 
 
 def test_every_tool_has_json_output():
+    # a tool that is a front door to a package CLI: its parser lives there
+    front_doors = {"slurm_local.py": TOOLS.parent / "megatron_mvmoe" / "dev_cluster" / "cli.py"}
     missing = [p.name for p in sorted(TOOLS.glob("*.py"))
-               if "--json" not in p.read_text()
-               # slurm_local.py prints cluster state for shells; slurm_netns.py is its module
-               and p.name not in ("slurm_local.py", "slurm_netns.py")]
+               if "--json" not in front_doors.get(p.name, p).read_text()]
     assert missing == [], missing

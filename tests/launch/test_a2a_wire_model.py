@@ -10,12 +10,8 @@ import torch
 from megatron_mvmoe.analysis.link_time import WireLink, collective_wire_time_s, fit_wire_link
 from megatron_mvmoe.analysis.wire import (HEADER_BYTES, WireRecord, measured_payload,
                                           minimal_replay_sizes, node_link_bytes, rank_matrix)
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from slurm_netns import Cluster, parse_proc_net_dev  # noqa: E402
+from megatron_mvmoe.dev_cluster import Cluster
+from megatron_mvmoe.dev_cluster.netns import Layout, parse_proc_net_dev
 
 
 def _naive_link_bytes(records_by_rank, node_of):
@@ -72,11 +68,17 @@ def test_proc_net_dev_parsing_and_cluster_names():
             "  mvw71: 100 2 0 0 0 0 0 0 300 4 0 0 0 0 0 0\n")
     assert parse_proc_net_dev(text)["mvw71"] == {"rx_bytes": 100, "rx_packets": 2,
                                                   "tx_bytes": 300, "tx_packets": 4}
-    a, b = Cluster(4, 7), Cluster(2, 8)
+    a, b = Cluster(4, 7).layout, Cluster(2, 8).layout
     assert not set(a.all_netns()) & set(b.all_netns()) and a.subnet != b.subnet
-    assert a.ctld_port != b.ctld_port and Cluster(2, 0).netns("n2") == "mvmoe_n2"
+    assert a.ctld_port != b.ctld_port and Cluster(2, 0).layout.netns("n2") == "mvmoe_n2"
+    assert Cluster(2, 3).state != Cluster(2, 0).state != Cluster(1).state
+    for bad, field in (((5, 1), "--nodes"), ((0, 0), "--nodes"), ((1, 2), "--instance")):
+        with pytest.raises(ValueError, match=field):
+            Cluster(*bad)
     with pytest.raises(ValueError, match="--nodes"):
-        Cluster(5, 1)
+        Layout(1, 0)
+    with pytest.raises(ValueError, match="one-node cluster has no namespaces"):
+        Cluster(1).layout
 
 
 def test_time_model_and_fit_recover_known_parameters():

@@ -1,8 +1,8 @@
 """A real N-node Slurm cluster on one machine (N = 2..4): one network namespace per node, all
 joined through a bridge that lives in a namespace of its own.
 
-Used by `tools/slurm_local.py start --nodes N [--instance I]` (and `stop`, `status`); see
-docs/ENVIRONMENT.md, "A real 2-node Slurm cluster on one machine".
+Brought up by `Cluster(nodes=N, instance=I)` (dev_cluster/__init__.py, the CLI
+`tools/slurm_local.py start --nodes N [--instance I]`); examples/slurm/README.md shows it in use.
 
     instance 0 (default):  node nJ in netns mvmoe_nJ, veth mvmoeJ = 10.77.12.J/24;
                            bridge netns mvmoe_br (bridge br0, ports bJ); ports 6917/6918
@@ -22,11 +22,11 @@ Design choices:
   (gloo binds to the address its hostname resolves to), so other nodes' names do not
   resolve inside a job: the rendezvous takes rank 0's address from Slurm (NodeAddr).
 - Its own munged, socket and key copy in the state dir (AuthInfo=socket=...).
-- Traffic stays inside the namespaces this tool creates; clients (sbatch, srun, scontrol)
+- Traffic stays inside the namespaces this module creates; clients (sbatch, srun, scontrol)
   run in n1's namespace: `slurm_local.py exec -- sbatch ...` or the printed prefix.
 - Stop: cancel the jobs, kill the recorded daemons, SIGKILL whatever still runs inside
   this cluster's namespaces (only processes of this cluster can be there), delete the
-  namespaces (veths and tc rules go with them), unmount /run/netns if this tool mounted it.
+  namespaces (veths and tc rules go with them), unmount /run/netns if this module mounted it.
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from megatron_mvmoe.dev_cluster import processes
+from megatron_mvmoe.dev_cluster.processes import wait_for
 
 MAX_NODES = 4
 MAX_INSTANCE = 200
@@ -47,7 +49,7 @@ COUNTERS = ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets")
 
 
 @dataclass(frozen=True)
-class Cluster:
+class Layout:
     """Names, addresses and ports of one cluster instance."""
 
     nodes: int = 2
@@ -122,7 +124,7 @@ def _sh(cmd: List[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 # ---------------------------------------------------------------- network
-def namespaces_exist(c: Cluster) -> Dict[str, bool]:
+def namespaces_exist(c: Layout) -> Dict[str, bool]:
     return {ns: Path(f"/run/netns/{ns}").exists() for ns in c.all_netns()}
 
 
@@ -133,7 +135,7 @@ def is_mount_point(path: str) -> bool:
         return any(line.split()[4] == path for line in fh)
 
 
-def create_network(c: Cluster) -> bool:
+def create_network(c: Layout) -> bool:
     """Node namespaces, a bridge namespace, one veth per node into the bridge. Returns
     whether /run/netns was already a mount point (so stop knows whether to unmount it)."""
     was_mounted = is_mount_point("/run/netns")
@@ -154,7 +156,7 @@ def create_network(c: Cluster) -> bool:
     return was_mounted
 
 
-def pids_in_namespaces(c: Cluster) -> List[int]:
+def pids_in_namespaces(c: Layout) -> List[int]:
     pids: List[int] = []
     for ns, exists in namespaces_exist(c).items():
         if exists:
@@ -163,7 +165,7 @@ def pids_in_namespaces(c: Cluster) -> List[int]:
     return sorted(set(pids) - {os.getpid()})
 
 
-def kill_namespace_processes(c: Cluster, grace_s: float = 5.0) -> List[int]:
+def kill_namespace_processes(c: Layout, grace_s: float = 5.0) -> List[int]:
     """SIGTERM, then SIGKILL, every process still inside this cluster's namespaces (jobs
     whose slurmd is gone): a namespace outlives `ip netns del` while a process holds it."""
     found = pids_in_namespaces(c)
@@ -179,7 +181,7 @@ def kill_namespace_processes(c: Cluster, grace_s: float = 5.0) -> List[int]:
     return found
 
 
-def delete_network(c: Cluster, was_mounted: bool) -> None:
+def delete_network(c: Layout, was_mounted: bool) -> None:
     for ns in c.all_netns():
         if Path(f"/run/netns/{ns}").exists():
             _sh(["ip", "netns", "del", ns], check=False)
@@ -189,7 +191,7 @@ def delete_network(c: Cluster, was_mounted: bool) -> None:
             break
 
 
-def read_counters(c: Cluster) -> Dict[str, Dict[str, int]]:
+def read_counters(c: Layout) -> Dict[str, Dict[str, int]]:
     """rx/tx bytes and packets of each node's link, node side, keyed by veth name: read
     from /proc/net/dev inside the node's namespace (a sysfs mount shows the host's)."""
     counters = {}
@@ -223,7 +225,7 @@ def paths(state_dir: Path) -> Dict[str, Path]:
             "logs": state_dir / "logs", "munge": state_dir / "munge"}
 
 
-def write_files(c: Cluster, state_dir: Path, resources: Dict[str, str]) -> None:
+def write_files(c: Layout, state_dir: Path, resources: Dict[str, str]) -> None:
     p = paths(state_dir)
     for d in (p["ctld"], p["logs"], p["munge"], *(p["spool"] / n for n in c.names)):
         d.mkdir(parents=True, exist_ok=True)
@@ -238,7 +240,7 @@ def write_files(c: Cluster, state_dir: Path, resources: Dict[str, str]) -> None:
     p["conf"].write_text(slurm_conf(c, state_dir, resources))
 
 
-def slurm_conf(c: Cluster, state_dir: Path, res: Dict[str, str]) -> str:
+def slurm_conf(c: Layout, state_dir: Path, res: Dict[str, str]) -> str:
     p, host = paths(state_dir), socket.gethostname()
     nodes = [f"NodeName={n} NodeAddr={c.address(n)} CPUs={res['CPUs']} "
              f"RealMemory={res['RealMemory']} State=UNKNOWN" for n in c.names]
@@ -274,11 +276,11 @@ def munged_cmd(state_dir: Path) -> List[str]:
             f"--seed-file={m / 'munged.seed'}", f"--log-file={m / 'munged.log'}"]
 
 
-def slurmctld_cmd(c: Cluster, state_dir: Path) -> List[str]:
+def slurmctld_cmd(c: Layout, state_dir: Path) -> List[str]:
     return [*c.client_prefix(), "slurmctld", "-D", "-c", "-f", str(paths(state_dir)["conf"])]
 
 
-def slurmd_cmd(c: Cluster, state_dir: Path, node: str) -> List[str]:
+def slurmd_cmd(c: Layout, state_dir: Path, node: str) -> List[str]:
     """nsenter (net) -> unshare (mount, UTS) -> sh (bind hosts, set hostname) -> exec slurmd:
     each step execs the next, so the PID recorded ends up being slurmd's own."""
     hosts, conf = state_dir / f"hosts.{node}", paths(state_dir)["conf"]
@@ -298,10 +300,10 @@ def munge_answers(state_dir: Path) -> bool:
 
 
 def client_env(state_dir: Path) -> Dict[str, str]:
-    return {**os.environ, "SLURM_CONF": str(paths(state_dir)["conf"])}
+    return processes.client_env(paths(state_dir)["conf"])
 
 
-def node_states(c: Cluster, state_dir: Path) -> Optional[Dict[str, str]]:
+def node_states(c: Layout, state_dir: Path) -> Optional[Dict[str, str]]:
     """{node: state} from sinfo run in n1's namespace, or None when slurmctld is unreachable."""
     try:
         out = subprocess.run([*c.client_prefix(), "sinfo", "-h", "-N", "-o", "%N %T"],
@@ -314,19 +316,10 @@ def node_states(c: Cluster, state_dir: Path) -> Optional[Dict[str, str]]:
     return dict(line.split()[:2] for line in out.stdout.splitlines() if line.strip())
 
 
-def cancel_jobs(c: Cluster, state_dir: Path) -> None:
+def cancel_jobs(c: Layout, state_dir: Path) -> None:
     """scancel every job of this cluster's partition (best effort, bounded)."""
     try:
         subprocess.run([*c.client_prefix(), "scancel", "--partition", c.partition],
                        capture_output=True, timeout=15, env=client_env(state_dir))
     except subprocess.TimeoutExpired:
         pass
-
-
-def wait_for(ready, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if ready():
-            return True
-        time.sleep(0.25)
-    return False
