@@ -1,6 +1,8 @@
 """Plan a model on a layout: parameters (total/active), parameter overhead of every variant
 of its family against the baseline (with the paper's figures), FLOPs per token, per-GPU
-memory, all-to-all bytes per step; --dry-run builds rank 0 on the meta device.
+memory, all-to-all bytes per step, the context-parallel term (--cp: tokens per rank, the
+CP attention's K/V all-gather bytes, attention FLOPs per rank; analysis/
+plan_context_parallel.py); --dry-run builds rank 0 on the meta device.
 
 The world size is --world-size, else the YAML's parallel.world_size, else the "<N>gpu" in
 the YAML's file name, else the smallest world the layout needs. A layout the trainer would
@@ -9,6 +11,7 @@ divisible by ep, batch not divisible) is refused here too, with exit code 2.
 
   python tools/plan.py --config examples/configs/mvmoe_10b_a1b_64gpu.yaml --json
   python tools/plan.py --config mvmoe_10b_a1b --tp 1 --pp 1 --ep 8 --world-size 8
+  python tools/plan.py --config mvmoe_10b_a1b --tp 2 --ep 8 --cp 2 --world-size 16
   python tools/plan.py --config examples/tiny_cpu.yaml --dry-run
   python tools/plan.py --config examples/configs/mvmoe_10b_a1b_64gpu.yaml --fast-paths --json
   python tools/plan.py --config examples/configs/mvmoe_10b_a1b_slice_cpu.yaml --precision cpu_fp32
@@ -67,7 +70,8 @@ def _target(args, run) -> PlanTarget:
                                           (getattr(par, field) if par else default))
     train = run.training if run is not None else None
     layout = ParallelLayout(tp=pick(args.tp, "tp", 1), pp=pick(args.pp, "pp", 1),
-                            ep=pick(args.ep, "ep", 1), etp=pick(args.etp, "etp", 1))
+                            ep=pick(args.ep, "ep", 1), etp=pick(args.etp, "etp", 1),
+                            cp=pick(args.cp, "cp", 1))
     return PlanTarget(
         layout, world_size=world,
         micro_batch_size=args.micro_batch_size or (train.micro_batch_size if train else 1),
@@ -104,11 +108,24 @@ def _human_fast_paths(report) -> list:
     return lines
 
 
+def _human_context_parallel(cp) -> list:
+    if cp["cp"] == 1:
+        return []
+    return [f"context parallel: cp={cp['cp']}, {cp['tokens_per_rank_per_microbatch']} tokens "
+            f"per rank per microbatch; K/V all-gather "
+            f"{cp['kv_all_gather_bytes_per_layer'] / 2**20:.1f} MiB per layer (backward "
+            f"all-reduce {cp['kv_grad_all_reduce_bytes_per_layer'] / 2**20:.1f} MiB), "
+            f"{cp['kv_bytes_per_rank_per_step'] / 2**30:.2f} GiB per rank per step; "
+            f"attention {cp['attention_train_flops_per_rank_per_step'] / 1e12:.2f} TFLOP "
+            f"per rank per step"]
+
+
 def _human(report) -> str:
     p, f = report["parameters"], report["flops_per_token"]
     mem, a2a, lay = report["memory_bytes_per_gpu"], report["a2a_bytes"], report["layout"]
     gib = lambda b: f"{b / 2**30:.2f} GiB"
-    lines = [f"layout: tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} etp={lay['etp']} "
+    lines = [f"layout: tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} ep={lay['ep']} "
+             f"etp={lay['etp']} "
              f"world={lay['world_size']} dp={lay['dp']}",
              f"parameters: total {p['total'] / 1e9:.3f} B, active {p['active'] / 1e9:.3f} B "
              f"(without embeddings {p['active_without_embeddings'] / 1e9:.3f} B)",
@@ -116,6 +133,7 @@ def _human(report) -> str:
              "memory/GPU: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()),
              f"all-to-all: {a2a['per_layer_dispatch'] / 2**20:.1f} MiB per layer dispatch, "
              f"{a2a['per_rank_per_step'] / 2**30:.2f} GiB per rank per step",
+             *_human_context_parallel(report["context_parallel"]),
              *overhead_lines(report["parameter_overheads"])]
     for precision, stages in report.get("memory_by_rank", {}).items():
         lines.append(f"memory per rank by category ({precision}; runtime not included):")
@@ -142,6 +160,7 @@ def main(argv=None) -> int:
                                            "--validate)")
     for flag, what in (("--tp", "tensor-parallel size"), ("--pp", "pipeline stages"),
                        ("--ep", "expert-parallel size"), ("--etp", "expert tensor-parallel"),
+                       ("--cp", "context-parallel size (sequence split over CP ranks)"),
                        ("--world-size", "GPUs (default: see above)"),
                        ("--micro-batch-size", "sequences per microbatch"),
                        ("--global-batch-size", "sequences per step")):

@@ -55,6 +55,18 @@ def gathered_kv_extra_elements(m: ModelSection, micro_batch_size: int,
         * _kv_elements_per_sequence_position(m, layout)
 
 
+def cp_attention_correction_elements(m: ModelSection, micro_batch_size: int,
+                                     layout: ParallelLayout, flash: bool) -> float:
+    """What CP changes in one layer's saved attention tensors beyond the S/c tokens
+    (plan_memory.activation_bytes): + the gathered remote K/V; without flash attention the
+    softmax output is [b, h/tp, S/c, S], (c-1)/c of the b (h/tp) S^2 counted at CP = 1 less
+    (with flash its log-sum-exp is per local token, already divided)."""
+    c, S = layout.cp, m.seq_length
+    scores_less = 0.0 if flash else (micro_batch_size * m.num_attention_heads / layout.tp
+                                     * S * S * (c - 1) / c)
+    return gathered_kv_extra_elements(m, micro_batch_size, layout) - scores_less
+
+
 def kv_bytes_per_layer(m: ModelSection, micro_batch_size: int, layout: ParallelLayout,
                        dtype_bytes: int = 2) -> Dict[str, float]:
     """Bytes one rank moves for one layer and microbatch: the forward K/V all-gather

@@ -49,6 +49,10 @@ What Megatron allocates (read from megatron/core 0.19.2):
 - optimizer step (torch's single-tensor AdamW on CPU: foreach is off for CPU tensors):
   one temporary the size of the largest parameter shard (the denominator), then the
   parameter all-gather above (`optimizer_step_transient`); GPU fused Adam adds nothing.
+- context parallelism (analysis/plan_context_parallel.py): every saved tensor is per local
+  token (t = S b / (cp tp)); the CP attention also keeps the other ranks' keys and values,
+  and its softmax output is [b, h/tp, S/cp, S] (`cp_attention_correction_elements`); the
+  distributed optimizer shards dense state over DP x CP (`dense_optimizer_ranks`).
 - checkpoint save (torch_dist, `filesystem_async.prepare_write_data`): before writing,
   every CPU tensor of this rank's share that is a view of a larger storage is cloned, all
   at once (`_clone_or_dequantize_if_needed`). With the distributed optimizer that is every
@@ -68,6 +72,8 @@ from typing import Dict, List, Optional
 
 from megatron_mvmoe.analysis.plan import (PlanTarget, attention_params, moe_params, mtp_num_layers,
                                          mtp_params, swiglu)
+from megatron_mvmoe.analysis.plan_context_parallel import (cp_attention_correction_elements,
+                                                           local_tokens)
 from megatron_mvmoe.models.model_section import ModelSection
 
 PRECISIONS = ("cpu_fp32", "gpu_bf16")
@@ -132,9 +138,9 @@ def static_bytes(m: ModelSection, target: PlanTarget, stage: int, precision: str
     p = stage_parameters(m, target, stage)
     total = p["dense"] + p["experts"]
     params = (total - p["fp32_only"]) * n.param + p["fp32_only"] * 4
-    shard = (p["dense"] / target.dp() + p["experts"] / target.expert_dp()
+    shard = (p["dense"] / target.dense_optimizer_ranks() + p["experts"] / target.expert_dp()
              if distributed_optimizer else float(total))
-    master = (shard - (p["fp32_only"] / target.dp() if distributed_optimizer
+    master = (shard - (p["fp32_only"] / target.dense_optimizer_ranks() if distributed_optimizer
                        else p["fp32_only"])) * n.master
     return {"params": float(params), "grads": float(total * n.grad),
             "optimizer": float(8 * shard + master), "params_numel": float(total),
@@ -252,14 +258,15 @@ def activation_bytes(m: ModelSection, target: PlanTarget, stage: int, precision:
                      stacked: bool = False) -> Dict[str, float]:
     n, lay = Numerics.of(precision), target.layout
     b = target.micro_batch_size
-    t = m.seq_length * b // lay.tp
+    t = local_tokens(m, b, lay)  # S b / (cp tp)
     layers = m.num_layers // lay.pp
     recomputed = recomputed_modules(m)
     attn_dropped = attention_score_elements(m, t, b, lay.tp, n.flash_attention) \
         if "core_attn" in recomputed else 0.0
     moe_dropped = moe_layer_elements(m, t, lay.tp, stacked) if "moe" in recomputed else 0.0
     layer = (attention_elements(m, t, b, lay.tp, n.flash_attention)
-             + moe_elements(m, t, lay.tp, stacked) - attn_dropped - moe_dropped)
+             + moe_elements(m, t, lay.tp, stacked) - attn_dropped - moe_dropped
+             + cp_attention_correction_elements(m, b, lay, n.flash_attention))
     per_mb = layer * layers * n.activation
     if stage == lay.pp - 1:
         per_mb += loss_elements(m, t, lay.tp) * n.activation
@@ -292,7 +299,7 @@ def save_transient(m: ModelSection, target: PlanTarget, stage: int, precision: s
     p = stage_parameters(m, target, stage)
     n = Numerics.of(precision)
     written = p["dense"] * writes_dense + p["experts"] * writes_experts
-    main_shards = p["dense"] / target.dp() + p["experts"] / target.expert_dp()
+    main_shards = p["dense"] / target.dense_optimizer_ranks() + p["experts"] / target.expert_dp()
     return float(n.param * written + 4 * main_shards)
 
 

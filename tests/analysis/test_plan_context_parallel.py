@@ -99,3 +99,43 @@ def test_plan_refuses_a_sequence_cp_does_not_split():
     from megatron_mvmoe.analysis.plan import check_layout
     with pytest.raises(ValueError, match=r"layout.cp: seq_length 30"):
         check_layout(m, PlanTarget(ParallelLayout(cp=2), global_batch_size=8))
+
+
+@pytest.mark.parametrize("precision", ["cpu_fp32", "gpu_bf16"])
+def test_rank_memory_at_cp2_against_cp1_by_hand(precision):
+    """Per rank (plan_memory): every saved activation is per local token, so CP = 2 halves
+    a microbatch's activations; the CP attention adds the remote K/V and (without flash
+    attention) keeps half the S x S softmax; dense Adam state splits over DP x CP."""
+    from megatron_mvmoe.analysis.plan_memory import Numerics, rank_memory
+
+    m = model_from_preset("mvmoe_10b_a1b")
+    one = rank_memory(m, PlanTarget(ParallelLayout(tp=2, ep=8), world_size=16), 0, precision,
+                      stacked=False)
+    two = rank_memory(m, PlanTarget(ParallelLayout(tp=2, ep=8, cp=2), world_size=16), 0,
+                      precision, stacked=False)
+    S, D, h = m.seq_length, m.hidden_size, m.num_attention_heads
+    g, d, e = m.num_query_groups or h, D // h, Numerics.of(precision).activation
+    remote_kv = 2 * (S / 2) * (g / 2) * d  # K and V of the other rank, TP shard, microbatch 1
+    # everything halves with the local tokens, the CPU softmax [b, h/tp, S/2, S] included
+    # (half of the S x S one at CP = 1); plus the remote K/V of every layer
+    expected = one["activations_per_microbatch"] / 2 + m.num_layers * e * remote_kv
+    assert two["activations_per_microbatch"] == pytest.approx(expected)
+    assert two["params"] == one["params"] and two["grads"] == one["grads"]
+    # DP 8 at CP = 1, DP 4 x CP 2 at CP = 2: the same 8 ranks share the dense Adam state
+    assert two["optimizer"] == pytest.approx(one["optimizer"])
+
+
+def test_plan_tool_cp_flag(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plan.py")
+    out = subprocess.run([sys.executable, tool, "--config", "mvmoe_10b_a1b", "--tp", "2",
+                          "--ep", "8", "--cp", "2", "--world-size", "16", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["layout"]["cp"] == 2 and report["layout"]["dp"] == 4
+    assert report["context_parallel"]["kv_bytes_per_rank_per_step"] > 0
