@@ -12,6 +12,9 @@ global sequence order, and the local queries attend causally at their global pos
 The rest (scaling, softmax, dropout, GQA) is Megatron's `DotProductAttention.forward`,
 called with the causal mask at global positions.
 
+MLA: `CPMLADotProductAttention` is the same on MLA's local core attention (queries and keys
+of qk + rope dims, values of v dims; MLA's own RoPE slices its table per CP rank).
+
 Wired: models/specs.py puts it in the `core_attention` slot where CP > 1 and TE is absent;
 training/step.py splits batches per CP rank and reduces the loss over CP.
 tests/platform/test_context_parallel.py checks it against full-sequence attention on one
@@ -29,6 +32,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_mvmoe.layers.local_mla import MLADotProductAttention
 
 
 class _AllGatherSequence(torch.autograd.Function):
@@ -120,3 +125,9 @@ def causal_mask_at_global_positions(seq_len_global: int, cp_size: int, cp_rank: 
     query_positions = local_positions(seq_len_global, cp_size, cp_rank).to(device)
     key_positions = torch.arange(seq_len_global, device=device)
     return (key_positions[None, :] > query_positions[:, None])[None, None]
+
+
+class CPMLADotProductAttention(CPDotProductAttention, MLADotProductAttention):
+    """The CP attention for MLA on the local backend: keys [s/CP, b, np, qk + rope dims] and
+    values [s/CP, b, np, v dims] are gathered as any others (the gather is width-blind);
+    MLADotProductAttention gives the output its v_channels width (layers/local_mla.py)."""

@@ -22,7 +22,9 @@ Design choices:
   (mla_config.py), MLASelfAttention, both chosen by `get_gpt_decoder_block_spec`; on the
   local backend MLA is `LocalMLASelfAttention` with `MLADotProductAttention` (two fixes of
   Megatron's local MLA: its core attention cannot take MLA's head widths, and with TP > 1
-  its RoPE-key gradient is never summed over TP; layers/local_mla.py).
+  its RoPE-key gradient is never summed over TP; layers/local_mla.py). At CP > 1 the local
+  core attention (standard or MLA's) becomes the all-gather CP attention
+  (layers/cp_attention.py), which Megatron's local backend lacks.
 - BitNet (`config.bitnet.enabled`): the finished block goes through `maybe_bitnet_spec`, so
   attention, dense MLPs, experts and shared experts use the Bit linears; our latent, view and
   MH-MoE head/merge projections quantize themselves from the config. Routers, embeddings and
@@ -44,7 +46,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
-from megatron_mvmoe.layers.cp_attention import CPDotProductAttention
+from megatron_mvmoe.layers.cp_attention import CPDotProductAttention, CPMLADotProductAttention
 from megatron_mvmoe.layers.builders import build, module_of, parts, rebuilt
 from megatron_mvmoe.layers.grouped_experts import with_grouped_experts
 from megatron_mvmoe.config import MVMoETransformerConfig
@@ -86,8 +88,10 @@ def build_decoder_block_spec(config, vp_stage: Optional[int] = None,
 
 def _context_parallel_core(core):
     """The local backend's core attention at CP > 1: Megatron's local DotProductAttention
-    asserts CP == 1, so it becomes the all-gather CP attention (layers/cp_attention.py)."""
-    return CPDotProductAttention if core is DotProductAttention else core
+    asserts CP == 1, so it becomes the all-gather CP attention (layers/cp_attention.py), MLA's
+    included."""
+    return {DotProductAttention: CPDotProductAttention,
+            MLADotProductAttention: CPMLADotProductAttention}.get(core, core)
 
 
 def _choose_te(config, use_te: Optional[bool]) -> bool:
@@ -106,9 +110,6 @@ def _check_attention(config, use_te: bool) -> None:
     would come from deep inside MLASelfAttention)."""
     if not getattr(config, "multi_latent_attention", False):
         return
-    require(use_te or config.context_parallel_size == 1, "context_parallel_size",
-            "the local CP attention (layers/cp_attention.py) covers standard attention, not "
-            "MLA's MLADotProductAttention", "use --context-parallel-size 1 with MLA")
     require(use_te or not config.qk_layernorm or config.q_lora_rank is not None,
             "q_lora_rank", "--qk-layernorm with MLA and no q_lora_rank puts the query norm "
             "inside linear_q_proj, which only TransformerEngine's fused norm+linear does",

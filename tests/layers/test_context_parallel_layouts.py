@@ -6,7 +6,8 @@ gradient equal the single-rank step's within the layout-parity tolerance (1e-5),
 Megatron's aux losses and z-loss on for the stock latent router (TopKRouter) and for ours
 (MultiRouter, Multi-View): their token counts over TP x CP make the split sequence's
 losses the whole sequence's (AUX_LOSSES says why DP > 1 leaves out the global one). The same layouts at CP=1 meet that tolerance
-(test_multi_view_layouts.py), so CP=2 equals CP=1 layout by layout."""
+(test_multi_view_layouts.py), so CP=2 equals CP=1 layout by layout. MLA (the CP attention
+on MLA's local core attention) at CP=2 x TP=2 x EP=2 and CP=2 x DP=2 likewise."""
 
 import pytest
 import torch
@@ -75,3 +76,31 @@ def test_cp2_step_matches_single_rank(references, variant, layout, losses):
     tp_cp = LAYOUTS[layout].get("tp", 1) * LAYOUTS[layout]["cp"]
     assert {r["router_tp_cp"] for r in results} == {tp_cp}
     assert_matches_reference(results, _reference(references, variant, losses))
+
+
+def _mla_step(rank, world_size, variant, layout):
+    from test_mla_qk_norm import mla_config
+
+    pgs = initialize_layout(ParallelLayout(**layout), seq_length=SEQ)
+    tp, cp, ep = (layout.get(name, 1) for name in ("tp", "cp", "ep"))
+    config = mla_config(variant, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                        sequence_parallel=tp > 1)
+    model = build_gpt(config, build_decoder_block_spec(config), VOCAB, SEQ, pgs)
+    out = train_step_losses_and_grads(model, config, global_batch(BATCH, SEQ, VOCAB), MICRO,
+                                      pgs)
+    out["core_attention"] = type(model.module.decoder.layers[0].self_attention
+                                 .core_attention).__name__
+    return out
+
+
+@pytest.mark.parametrize("variant,layout", [("multi_view", "cp2_tp2_sp_ep2"),
+                                            ("smoe", "cp2_dp2")])
+def test_mla_at_cp2_matches_single_rank(variant, layout):
+    """MLA (tiny, QK norm on, RoPE through MLA's own rotary embedding) at CP=2: the CP
+    attention on MLA's core attention, loss and every gradient equal one rank's (1e-5)."""
+    reference = run_distributed(_mla_step, 1, args=(variant, {}))[0]
+    results = run_distributed(_mla_step, 4, args=(variant, LAYOUTS[layout]))
+    assert {r["core_attention"] for r in results} == {"CPMLADotProductAttention"}
+    assert reference["core_attention"] == "MLADotProductAttention"
+    assert_matches_reference(results, reference)
