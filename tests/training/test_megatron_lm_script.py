@@ -1,6 +1,7 @@
 """Real Megatron-LM MoE launch scripts run here with only the launcher prefix, the paths and
 the sizes changed (issue 26: three of them, each with the flags it needed removed counted and
-checked by a one-pass refusal test). The second and third are described at
+checked by a one-pass refusal test). DeepSeek-V3's also runs with --context-parallel-size 2
+(issue 22: CP + MTP + group-limited routing + MLA in one real line). The second and third are described at
 DEEPSEEK_V3 and GPT3_TOP2 below; the first:
 
 The script is NVIDIA/Megatron-LM `examples/mixtral/train_mixtral_8x7b_distributed.sh`
@@ -214,8 +215,18 @@ def test_deepseek_v3_refusals_come_in_one_pass():
     assert _refused_flags(line) == sorted(DEEPSEEK_V3_REMOVED)  # 4 flags, named at once
 
 
+def _with_value(line, flag, value):
+    """`line` with the value of `flag` replaced (a size change)."""
+    at = line.index(flag)
+    return line[:at + 1] + [value] + line[at + 2:]
+
+
 @pytest.mark.slow  # ~4 min on 2 busy cores (MLA, MTP, 8 experts, bf16 on CPU)
-def test_deepseek_v3_script_runs_on_cpu(tmp_path):
+@pytest.mark.parametrize("cp", ["1", "2"], ids=["as_written", "cp2"])
+def test_deepseek_v3_script_runs_on_cpu(tmp_path, cp):
+    """As written (CP 1), and with one more size changed, --context-parallel-size 1 -> 2
+    (issue 22: a real launch line with CP, MTP and group-limited routing; on 2 ranks CP 2
+    leaves DP 1 beside EP 2, MLA's core attention becomes the local CP attention)."""
     from textdata import build_megatron_prefixes
 
     from megatron_mvmoe.testing.spawn import free_port
@@ -224,8 +235,9 @@ def test_deepseek_v3_script_runs_on_cpu(tmp_path):
     ck = str(tmp_path / "checkpoints")
     line = _without(deepseek_v3_line(ck, data["tokenizer"], data["tech"],
                                      str(tmp_path / "cache")), DEEPSEEK_V3_REMOVED)
-    out = _torchrun(line, free_port())
+    out = _torchrun(_with_value(line, "--context-parallel-size", cp), free_port())
     assert "step      2/2" in out and "mtp_1_loss" in out, out[-3000:]
+    assert ("CP 2" in out) == (cp == "2"), out[:3000]
     assert "eval step 2: tech_text_document loss" in out, out[-3000:]
     assert os.path.isfile(os.path.join(ck, "latest"))
 
