@@ -1,7 +1,8 @@
 """Context parallelism beside TP, EP and DP (issue 22): a GPTModel built from our
 decoder-block spec, one training step through Megatron's schedule, DDP and
 finalize_model_grads, with the trainer's CP batch split and CP loss (training/step.py), at
-world 4: CP=2 x TP=2 (SP) x EP=2, CP=2 x EP=2 x DP=2 and CP=2 x DP=2. Loss and every
+world 4: CP=2 x TP=2 (SP) x EP=2, CP=2 x EP=2 x DP=2, CP=2 x DP=2 and CP=2 x PP=2 (1F1B)
+x EP=2. Loss and every
 gradient equal the single-rank step's within the layout-parity tolerance (1e-5), also with
 Megatron's aux losses and z-loss on for the stock latent router (TopKRouter) and for ours
 (MultiRouter, Multi-View): their token counts over TP x CP make the split sequence's
@@ -22,7 +23,7 @@ from layer_utils import mv_config
 
 VOCAB, SEQ, BATCH, MICRO = 64, 8, 4, 1
 LAYOUTS = {"cp2_tp2_sp_ep2": dict(cp=2, tp=2, ep=2), "cp2_ep2_dp2": dict(cp=2, ep=2),
-           "cp2_dp2": dict(cp=2)}
+           "cp2_dp2": dict(cp=2), "cp2_pp2_ep2": dict(cp=2, pp=2, ep=2)}
 
 
 AUX_LOSSES = {
@@ -39,9 +40,10 @@ gradient); DP > 1 layouts run the per-microbatch losses."""
 
 def _step(rank, world_size, variant, layout, overrides):
     pgs = initialize_layout(ParallelLayout(**layout), seq_length=SEQ)
-    tp, cp, ep = (layout.get(name, 1) for name in ("tp", "cp", "ep"))
+    tp, cp, ep, pp = (layout.get(name, 1) for name in ("tp", "cp", "ep", "pp"))
     config = mv_config(variant, num_routers=1 if variant == "latent" else 2, num_layers=2,
                        tensor_model_parallel_size=tp, context_parallel_size=cp,
+                       pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
                        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
                        sequence_parallel=tp > 1, moe_layer_freq=[1, 1], **overrides)
     model = build_gpt(config, build_decoder_block_spec(config), VOCAB, SEQ, pgs)
@@ -67,7 +69,8 @@ def _reference(references, variant, losses):
 
 @pytest.mark.parametrize("variant,layout,losses", [
     ("multi_view", "cp2_tp2_sp_ep2", "none"), ("multi_view", "cp2_ep2_dp2", "none"),
-    ("multi_view", "cp2_dp2", "none"), ("latent", "cp2_tp2_sp_ep2", "all"),
+    ("multi_view", "cp2_dp2", "none"), ("multi_view", "cp2_pp2_ep2", "none"),
+    ("latent", "cp2_tp2_sp_ep2", "all"),
     ("multi_router", "cp2_tp2_sp_ep2", "all"), ("multi_view", "cp2_tp2_sp_ep2", "all"),
     ("multi_view", "cp2_ep2_dp2", "per_microbatch")])
 def test_cp2_step_matches_single_rank(references, variant, layout, losses):

@@ -1,7 +1,7 @@
 """Context parallelism through the trainer (issue 22): CP=2 on 2 gloo ranks, fp32, trains
 the same losses as CP=1 on one rank over the first steps, from the same saved initial
-weights, for every MoE variant; and at world 4 beside TP=2 (SP) x EP=2 and beside EP=2 x
-DP=2. Every part is the real one: the layout (parallel.py), the CP core attention in the
+weights, for every MoE variant; and at world 4 beside TP=2 (SP) x EP=2, EP=2 x DP=2 and
+PP=2 x EP=2. Every part is the real one: the layout (parallel.py), the CP core attention in the
 spec (models/specs.py), Megatron's batch split and RoPE slice, the CP loss reduction
 (training/step.py) and Megatron's DDP over data x context parallel. Gradients of the same
 layouts: tests/layers/test_context_parallel_layouts.py. Checkpoints reshard between CP
@@ -53,9 +53,10 @@ def test_cp2_losses_equal_cp1(data_dir, one_rank, preset):
 
 @pytest.mark.parametrize("preset,parallel", [
     ("tiny_mh_moe", {"cp": 2, "tp": 2, "ep": 2}), ("tiny_smoe", {"cp": 2, "tp": 2, "ep": 2}),
-    ("tiny_multi_view", {"cp": 2, "tp": 2, "ep": 2}), ("tiny_multi_view", {"cp": 2, "ep": 2})],
+    ("tiny_multi_view", {"cp": 2, "tp": 2, "ep": 2}), ("tiny_multi_view", {"cp": 2, "ep": 2}),
+    ("tiny_multi_view", {"cp": 2, "pp": 2, "ep": 2})],
     ids=["mh_moe-cp2_tp2_ep2", "smoe-cp2_tp2_ep2", "multi_view-cp2_tp2_ep2",
-         "multi_view-cp2_ep2_dp2"])
+         "multi_view-cp2_ep2_dp2", "multi_view-cp2_pp2_ep2"])
 def test_cp2_with_tp_ep_dp_losses_equal_one_rank(data_dir, one_rank, preset, parallel):
     from_init, reference = one_rank(preset)
     _assert_same_losses(reference, train(tiny_run(data_dir, parallel=parallel, **from_init),
