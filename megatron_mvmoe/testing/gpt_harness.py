@@ -22,10 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mvmoe.platform import seed_all
 from megatron_mvmoe.testing.deterministic_init import deterministic_init, local_grads
-# The trainer's own CP split and loss function (testing may import training: it is the
-# trainer's path the harness checks).
-from megatron_mvmoe.training.step import _loss_func as token_mean_loss
-from megatron_mvmoe.training.step import _this_cp_rank_part as this_cp_rank_part
+from megatron_mvmoe.training.step import this_cp_rank_part, token_mean_loss
 
 
 def build_gpt(config, block_spec, vocab_size: int, seq_len: int, pg_collection,

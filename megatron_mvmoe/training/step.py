@@ -36,8 +36,9 @@ from megatron_mvmoe.data.run_data import to_device
 from megatron_mvmoe.training.build import Trainer
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """output_tensor: per-token losses [B, S/CP] from GPTModel given labels."""
+def token_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's loss-function contract: (mean token loss, {"lm loss": ...}) from the
+    per-token losses [B, S/CP] GPTModel returns given labels (the sequence mean over CP)."""
     losses = output_tensor.float()
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses.reshape(-1) * mask)
@@ -54,7 +55,7 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": (sum_and_count[0] / count).clone()}
 
 
-def _this_cp_rank_part(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def this_cp_rank_part(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """This CP rank's load-balanced sequence chunks of a [B, S] microbatch (Megatron's split;
     attention is causal, so no mask travels)."""
     cp_group = parallel_state.get_context_parallel_group()
@@ -67,10 +68,10 @@ def _this_cp_rank_part(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
-    batch = _this_cp_rank_part(to_device(next(data_iterator), platform.device()))
+    batch = this_cp_rank_part(to_device(next(data_iterator), platform.device()))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
+    return output, partial(token_mean_loss, batch["loss_mask"])
 
 
 def _iterators(trainer: Trainer, make) -> List[Iterator]:
