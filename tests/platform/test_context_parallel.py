@@ -66,3 +66,30 @@ def test_cp_attention_matches_full_sequence(cp):
         k_grad[rows], v_grad[rows] = r["k"], r["v"]
     torch.testing.assert_close(k_grad, k.grad, atol=1e-6, rtol=0)
     torch.testing.assert_close(v_grad, v.grad, atol=1e-6, rtol=0)
+
+
+def _refusals_rank(rank, world_size):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attention, _ = cp_attention_on_this_rank(world_size, HEADS, GROUPS, HEAD_DIM)
+    q, k, v = (t[: SEQ // world_size] for t in _global_qkv())
+    try:
+        attention(q, k, v, None, attn_mask_type=AttnMaskType.no_mask)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_what_the_cp_attention_cannot_do_is_refused_with_the_fix():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_mvmoe.layers.cp_attention import CPDotProductAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM,
+                               num_attention_heads=HEADS, context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"cp_comm_type='p2p': .*set --cp-comm-type all_gather"):
+        CPDotProductAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="p2p")
+    messages = run_distributed(_refusals_rank, 2)
+    assert all("causal only (use --context-parallel-size 1 for other masks)" in m
+               for m in messages), messages
