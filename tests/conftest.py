@@ -1,5 +1,6 @@
 """Shared pytest set-up: one thread per process (the machine has 2 cores shared by
-many processes), and the GPU marker."""
+many processes), the GPU marker, and the tiny real-text token set every training test
+trains on (`text_tokens`, built once per session)."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -16,6 +17,15 @@ if not torch.cuda.is_available():
     # may import Triton before any kernel test module runs, so without a GPU the whole
     # session uses the interpreter (compiled Triton cannot run here anyway).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def text_tokens(tmp_path_factory):
+    """tests/training/textdata.py's two-domain token set (512-token BPE), shared read-only by
+    every test that trains; ~2 s to build."""
+    from textdata import build_token_dir
+
+    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
 
 
 def pytest_addoption(parser):

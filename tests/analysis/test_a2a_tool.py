@@ -1,10 +1,8 @@
 """tools/a2a_volume.py at EP=2 on the full tiny GPT: counted == analytic, Multi-View = latent."""
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def test_a2a_volume_ep2_exact(capsys):

@@ -1,14 +1,10 @@
 """Dense expert evaluation and the alignment run on real Megatron MoE layers (toy LM):
 the dense outputs at the selected slots reproduce the layer's own output, the toggle deltas
 have the right sign and size, and the run produces per-layer and global rho."""
-import os
-import sys
 
 import torch
 
 from megatron_mvmoe.testing.spawn import run_distributed
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _layer_reconstruction(layer, hidden_SBD):

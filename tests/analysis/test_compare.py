@@ -3,7 +3,6 @@ a tiny token corpus (2 variants x 2 seeds x a few steps)."""
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ from megatron_mvmoe.analysis.compare_report import (
     Cell, inside_noise, markdown_table, perplexity_cells)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def test_perplexity_cells_hand_case():

@@ -51,16 +51,7 @@ def _interventions_rank(rank, world_size):
 
 
 def test_identity_exact_and_routing_fixed():
-    sys_path_fix()
     assert run_distributed(_interventions_rank, 1, timeout_s=120) == [True]
-
-
-def sys_path_fix():
-    import os
-    import sys
-    here = os.path.dirname(__file__)
-    if here not in sys.path:
-        sys.path.insert(0, here)
 
 
 def test_refuses_non_multi_view_layer():

@@ -1,12 +1,10 @@
 """The analysis tools end to end on tiny fresh models: argparse, --json output, exit codes."""
 import json
 import os
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def _run(module, argv, capsys):

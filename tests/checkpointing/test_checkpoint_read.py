@@ -15,15 +15,12 @@ import copy
 import glob
 import os
 import shutil
-import sys
 from typing import Dict
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "training"))
-from harness import tiny_run  # noqa: E402
+from harness import tiny_run
 from textdata import build_token_dir  # noqa: E402
 
 from megatron_mvmoe.testing.spawn import run_distributed  # noqa: E402

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "training"))
-from harness import tiny_run, train  # noqa: E402
+from harness import tiny_run, train
 from textdata import build_token_dir  # noqa: E402
 
 from megatron_mvmoe.testing.spawn import DistributedTestError  # noqa: E402

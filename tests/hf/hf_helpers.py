@@ -5,14 +5,10 @@ Held-out text is the Jargon File, never trained on."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Dict, List, Sequence
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "training"))
-
-from harness import train  # noqa: E402
-from textdata import build_megatron_prefixes  # noqa: E402
+from harness import train
+from textdata import build_megatron_prefixes
 
 from megatron_mvmoe.training.flags import config_from_args  # noqa: E402
 

@@ -138,7 +138,6 @@ def test_slurm_local_start_is_idempotent(slurm_cluster):
 def test_sbatch_two_tasks_train_and_checkpoint(slurm_cluster, tmp_path):
     """sbatch examples/slurm/train_cpu_smoke.sbatch: the trainer itself on 2 srun tasks
     (EP=2, rendezvous from SLURM_*) trains 4 steps on real text and checkpoints."""
-    sys.path.insert(0, str(REPO / "tests" / "training"))
     from textdata import build_token_dir
 
     tokens = build_token_dir(str(tmp_path / "tokens"))

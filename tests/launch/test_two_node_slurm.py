@@ -22,8 +22,7 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "training"))
-from textdata import build_token_dir  # noqa: E402
+from textdata import build_token_dir
 
 pytestmark = [pytest.mark.launchers, pytest.mark.slow, pytest.mark.timeout(900)]
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

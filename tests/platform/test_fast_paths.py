@@ -5,7 +5,6 @@ the decided config; `tools/plan.py --fast-paths --json` reports the same."""
 
 import json
 import os
-import sys
 
 import pytest
 
@@ -68,7 +67,6 @@ def test_provider_config_follows_the_decisions():
 
 
 def test_plan_tool_fast_paths_json(capsys):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import plan
 
     code = plan.main(["--config", os.path.join(ROOT, "examples/configs/mvmoe_10b_a1b_64gpu.yaml"),

@@ -12,7 +12,6 @@ import pytest
 from megatron_mvmoe.data.batch_rampup import batch_calculator, ramp_batches, rampup_schedule
 from megatron_mvmoe.training.flags import config_from_args
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 
 def _naive_ramp(start, incr, samples, global_batch, steps):
@@ -62,11 +61,6 @@ def test_ramp_not_divisible_by_microbatches_names_the_fix():
         run.validate(world_size=1)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
-
-
 def _batches(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         rows = [json.loads(line) for line in fh]
@@ -74,10 +68,10 @@ def _batches(run_dir):
     return [(r["step"], r["global_batch_size"], r["consumed_samples"]) for r in train_rows]
 
 
-def test_trainer_ramps_and_resumes_mid_ramp_exactly(data_dir, tmp_path):
+def test_trainer_ramps_and_resumes_mid_ramp_exactly(text_tokens, tmp_path):
     ramp = [2, 2, 16]  # global 8: batches 2 2 2 4 4 6 8 8
     root, logs = str(tmp_path / "ck"), str(tmp_path / "full")
-    full_raw = tiny_run(data_dir, train_iters=8, save=root, save_interval=4,
+    full_raw = tiny_run(text_tokens, train_iters=8, save=root, save_interval=4,
                         rampup_batch_size=ramp, eval_iters=0)
     full_raw["logging"].update(run_dir=logs, log_interval=1)
     full = train(full_raw, 1)
@@ -88,7 +82,7 @@ def test_trainer_ramps_and_resumes_mid_ramp_exactly(data_dir, tmp_path):
     assert [c for _, _, c in steps] == [sum(want[:i + 1]) for i in range(8)]
     with open(os.path.join(root, "latest"), "w") as fh:  # resume at step 4: mid-ramp
         fh.write("iter_0000004\n")
-    resumed_raw = tiny_run(data_dir, train_iters=8, load=root, rampup_batch_size=ramp,
+    resumed_raw = tiny_run(text_tokens, train_iters=8, load=root, rampup_batch_size=ramp,
                            eval_iters=0)
     resumed_raw["logging"].update(run_dir=str(tmp_path / "resumed"), log_interval=1)
     resumed = train(resumed_raw, 1)
@@ -97,11 +91,11 @@ def test_trainer_ramps_and_resumes_mid_ramp_exactly(data_dir, tmp_path):
     assert _batches(str(tmp_path / "resumed")) == steps[4:]
 
 
-def test_ramp_over_two_data_parallel_ranks(data_dir, tmp_path):
+def test_ramp_over_two_data_parallel_ranks(text_tokens, tmp_path):
     """EP=2 on 2 ranks (data-parallel 2): every batch of the ramp is whole microbatches on
     both ranks; the steps take Megatron's batches and the losses stay finite."""
     ramp = [4, 4, 16]  # micro batch 2 x DP 2 = 4 per microbatch round; batches 4 4 4 8 ...
-    raw = tiny_run(data_dir, parallel={"ep": 2}, train_iters=5, rampup_batch_size=ramp,
+    raw = tiny_run(text_tokens, parallel={"ep": 2}, train_iters=5, rampup_batch_size=ramp,
                    eval_iters=0)
     raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=1)
     losses = train(raw, 2)["losses"]

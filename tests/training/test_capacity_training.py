@@ -7,7 +7,6 @@ apply to them unchanged."""
 import pytest
 
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 VARIANTS = ["smoe", "latent", "multi_router", "multi_view", "mh_moe"]
 SETTINGS = {
@@ -18,16 +17,11 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def token_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
-
-
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_variant_trains_with_capacity_and_group_limited_routing(token_dir, variant,
+def test_every_variant_trains_with_capacity_and_group_limited_routing(text_tokens, variant,
                                                                       setting):
-    raw = tiny_run(token_dir, preset=f"tiny_{variant}", train_iters=6)
+    raw = tiny_run(text_tokens, preset=f"tiny_{variant}", train_iters=6)
     raw["model"]["extra"] = dict(SETTINGS[setting])
     losses = train(raw, world_size=1)["losses"]
     assert len(losses) == 6 and all(0 < loss < 10 for loss in losses), losses

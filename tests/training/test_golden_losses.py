@@ -8,19 +8,13 @@ import pytest
 from golden import (CASES, REGENERATE, STEPS, TOLERANCES, golden_path, platform_name,
                     read_golden, write_golden)
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
-
-
-def run_case(case: str, data_dir: str):
+def run_case(case: str, text_tokens: str):
     spec = CASES[case]
-    raw = tiny_run(data_dir, preset=spec.preset, parallel=spec.parallel, train_iters=STEPS,
+    raw = tiny_run(text_tokens, preset=spec.preset, parallel=spec.parallel, train_iters=STEPS,
                    eval_iters=0)
     return train(raw, spec.world)["losses"]
 
@@ -32,10 +26,10 @@ def compare(losses, golden, tol):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_losses_match_golden(case, data_dir, request):
+def test_losses_match_golden(case, text_tokens, request):
     platform = platform_name()
     path = golden_path(platform, case)
-    losses = run_case(case, data_dir)
+    losses = run_case(case, text_tokens)
     if request.config.getoption("--update-golden"):
         write_golden(path, case, platform, losses, request.config.getoption("--golden-reason"))
         return

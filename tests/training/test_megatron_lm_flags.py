@@ -28,7 +28,6 @@ ISSUE_FLAGS = ["--train-samples", "--lr-decay-samples", "--lr-warmup-samples",
 
 
 def _arguments_py():
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import gen_megatron_lm_flags as gen
     try:
         return gen, gen.arguments_file()

@@ -70,7 +70,6 @@ def ours(record):
 
 
 def test_transformer_config_equal_field_by_field(record, ours):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     from gen_megatron_lm_parity import _jsonable
 
     theirs = record["transformer_config"]

@@ -8,15 +8,9 @@ from megatron_mvmoe.mla_config import MVMoEMLATransformerConfig
 from megatron_mvmoe.models.build import model_config
 from megatron_mvmoe.training.flags import config_from_args
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 MLA_EXTRA = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=32,
                  kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
-
-
-@pytest.fixture(scope="module")
-def token_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
 
 
 def test_flags_build_megatron_mla_config_with_megatron_lm_defaults():
@@ -49,8 +43,8 @@ def test_refused_combinations_name_why_and_what_instead(argv, message):
 
 
 @pytest.mark.parametrize("variant", ["smoe", "latent", "multi_router", "multi_view", "mh_moe"])
-def test_every_variant_trains_with_mla_and_qk_norm(token_dir, variant):
-    raw = tiny_run(token_dir, preset=f"tiny_{variant}", train_iters=6)
+def test_every_variant_trains_with_mla_and_qk_norm(text_tokens, variant):
+    raw = tiny_run(text_tokens, preset=f"tiny_{variant}", train_iters=6)
     raw["model"]["extra"] = dict(MLA_EXTRA)
     losses = train(raw, world_size=1)["losses"]
     assert len(losses) == 6 and all(0 < loss < 10 for loss in losses), losses

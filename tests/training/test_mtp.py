@@ -14,7 +14,6 @@ from megatron_mvmoe.models.model_section import model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,11 +22,6 @@ TINY = ["tiny_dense", "tiny_smoe", "tiny_latent", "tiny_multi_router", "tiny_mul
 MOE_CLASS = {"tiny_smoe": "MoELayer", "tiny_latent": "LatentMoELayer",
              "tiny_multi_router": "LatentMoELayer", "tiny_multi_view": "MultiViewMoELayer",
              "tiny_mh_moe": "MultiHeadMoELayer", "tiny_dense": "MLP"}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
 
 
 def _built(rank, world_size, cases):
@@ -103,9 +97,9 @@ def _records(run_dir):
 
 @pytest.mark.parametrize("preset", ["tiny_smoe", "tiny_latent", "tiny_multi_router",
                                     "tiny_multi_view", "tiny_mh_moe"])
-def test_tiny_variant_trains_with_mtp_loss_logged(data_dir, tmp_path, preset):
+def test_tiny_variant_trains_with_mtp_loss_logged(text_tokens, tmp_path, preset):
     steps = 8
-    raw = tiny_run(data_dir, preset=preset, train_iters=steps, eval_iters=1)
+    raw = tiny_run(text_tokens, preset=preset, train_iters=steps, eval_iters=1)
     raw["model"]["extra"] = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}
     raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=4)
     out = train(raw, 1)
@@ -127,10 +121,10 @@ def test_tiny_variant_trains_with_mtp_loss_logged(data_dir, tmp_path, preset):
         assert sum(entry["tokens_per_expert"]) == per_layer, routing
 
 
-def test_smoe_aux_loss_of_the_mtp_layer_counted_once(data_dir, tmp_path):
+def test_smoe_aux_loss_of_the_mtp_layer_counted_once(text_tokens, tmp_path):
     """Megatron's switch aux loss / coeff is ~1 for an untrained router (balanced: exactly
     1); an MTP layer logged into a decoder layer's slot would make that slot ~2."""
-    raw = tiny_run(data_dir, preset="tiny_smoe", train_iters=3, eval_iters=0)
+    raw = tiny_run(text_tokens, preset="tiny_smoe", train_iters=3, eval_iters=0)
     raw["model"]["extra"] = {"mtp_num_layers": 1}
     raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=3)
     train(raw, 1)
@@ -140,10 +134,10 @@ def test_smoe_aux_loss_of_the_mtp_layer_counted_once(data_dir, tmp_path):
     assert all(0.9 < value < 1.5 for value in aux.values()), aux
 
 
-def test_mtp_at_tp2_sp_ep2(data_dir, tmp_path):
+def test_mtp_at_tp2_sp_ep2(text_tokens, tmp_path):
     """Sequence-parallel MTP norms (SequenceParallelTorchNorm), EP dispatch inside the MTP
     layer: 4 ranks train, the MTP loss is the same on every rank's log (rank 0 writes)."""
-    raw = tiny_run(data_dir, preset="tiny_multi_view", parallel={"tp": 2, "ep": 2},
+    raw = tiny_run(text_tokens, preset="tiny_multi_view", parallel={"tp": 2, "ep": 2},
                    train_iters=4, eval_iters=0)
     raw["model"]["extra"] = {"mtp_num_layers": 1}
     raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=4)
@@ -153,11 +147,11 @@ def test_mtp_at_tp2_sp_ep2(data_dir, tmp_path):
     assert abs(record["mtp_1_loss"] - math.log(512)) < 0.5, record
 
 
-def test_mtp_resume_is_bit_identical(data_dir, tmp_path):
+def test_mtp_resume_is_bit_identical(text_tokens, tmp_path):
     """The MTP layers (with the variant's MoE layer) go through dist-checkpointing: resuming
     at step 2 gives steps 3-4 of the uninterrupted run bit for bit."""
     def raw(**training):
-        r = tiny_run(data_dir, preset="tiny_multi_view", train_iters=4, eval_iters=0,
+        r = tiny_run(text_tokens, preset="tiny_multi_view", train_iters=4, eval_iters=0,
                      **training)
         r["model"]["extra"] = {"mtp_num_layers": 1}
         return r
@@ -167,10 +161,10 @@ def test_mtp_resume_is_bit_identical(data_dir, tmp_path):
     assert resumed["first_step"] == 3 and resumed["losses"] == full[2:], (full, resumed)
 
 
-def test_mtp_with_pipeline_parallelism_on_cpu_is_refused(data_dir):
+def test_mtp_with_pipeline_parallelism_on_cpu_is_refused(text_tokens):
     from megatron_mvmoe.testing.spawn import DistributedTestError
 
-    raw = tiny_run(data_dir, preset="tiny_smoe", parallel={"pp": 2}, train_iters=3,
+    raw = tiny_run(text_tokens, preset="tiny_smoe", parallel={"pp": 2}, train_iters=3,
                    eval_iters=0)
     raw["model"]["extra"] = {"mtp_num_layers": 1}
     with pytest.raises(DistributedTestError, match=r"mtp_num_layers: with pipeline "
@@ -178,12 +172,12 @@ def test_mtp_with_pipeline_parallelism_on_cpu_is_refused(data_dir):
         train(raw, 2)
 
 
-def test_mtp_checkpoint_reshards_between_ep_sizes(data_dir, tmp_path):
+def test_mtp_checkpoint_reshards_between_ep_sizes(text_tokens, tmp_path):
     """Saved at EP=1, continued at EP=1 and at EP=2: the MTP layer's experts reshard through
     dist-checkpointing, and the step after (whose loss feels the MTP gradients of the step
     before, through the shared embedding and decoder) agrees across layouts."""
     def raw(parallel=None, **training):
-        r = tiny_run(data_dir, preset="tiny_multi_view", parallel=parallel, eval_iters=0,
+        r = tiny_run(text_tokens, preset="tiny_multi_view", parallel=parallel, eval_iters=0,
                      **training)
         r["model"]["extra"] = {"mtp_num_layers": 1}
         return r

@@ -132,9 +132,6 @@ def test_dry_run_10b_rank0_matches_plan():
 
 
 # ------------------------------------------------------------ memory: measured vs planned
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
 def test_validate_tiny_run_static_categories_match(tmp_path):
     """A 2-rank EP=2 tiny run records memory/rank<R>.json; plan.py --validate sets the
     planner's per-rank categories against it: params/grads/optimizer within 2 % (without

@@ -11,41 +11,35 @@ import os
 import pytest
 
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
 
 
 COMMON = dict(train_iters=8, eval_iters=0, ckpt_optimizer_format="fully_reshardable")
 
 
-def _save_then_rewind(data_dir, root, parallel, world):
-    full = train(tiny_run(data_dir, parallel=parallel, save=root, save_interval=4, **COMMON),
+def _save_then_rewind(text_tokens, root, parallel, world):
+    full = train(tiny_run(text_tokens, parallel=parallel, save=root, save_interval=4, **COMMON),
                  world)
     with open(os.path.join(root, "latest"), "w") as fh:  # resume from step 4
         fh.write("iter_0000004\n")
     return full
 
 
-def test_pp2_checkpoint_continues_on_one_rank(data_dir, tmp_path):
+def test_pp2_checkpoint_continues_on_one_rank(text_tokens, tmp_path):
     root = str(tmp_path / "ck")
-    full = _save_then_rewind(data_dir, root, {"pp": 2}, 2)
-    _assert_continues(data_dir, root, full, {}, 1)
+    full = _save_then_rewind(text_tokens, root, {"pp": 2}, 2)
+    _assert_continues(text_tokens, root, full, {}, 1)
 
 
-def test_ep2_checkpoint_continues_at_ep2_pp2(data_dir, tmp_path):
+def test_ep2_checkpoint_continues_at_ep2_pp2(text_tokens, tmp_path):
     root = str(tmp_path / "ck")
-    full = _save_then_rewind(data_dir, root, {"ep": 2}, 2)
-    _assert_continues(data_dir, root, full, {"ep": 2, "pp": 2}, 4)
+    full = _save_then_rewind(text_tokens, root, {"ep": 2}, 2)
+    _assert_continues(text_tokens, root, full, {"ep": 2, "pp": 2}, 4)
 
 
-def _assert_continues(data_dir, root, full, parallel, world):
-    resumed = train(tiny_run(data_dir, parallel=parallel, load=root, **COMMON), world)
+def _assert_continues(text_tokens, root, full, parallel, world):
+    resumed = train(tiny_run(text_tokens, parallel=parallel, load=root, **COMMON), world)
     assert resumed["first_step"] == 5
     diffs = [abs(a - b) for a, b in zip(resumed["losses"], full["losses"][4:])]
     assert len(diffs) == 4 and max(diffs) < 1e-4, (parallel, resumed["losses"],

@@ -11,7 +11,6 @@ import math
 import pytest
 
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,11 +23,6 @@ RULES = {"override": dict(override_opt_param_scheduler=True),
          "checkpoint": dict(use_checkpoint_opt_param_scheduler=True), "neither": {}}
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
-
-
 def naive_lr(o, step):
     """Linear warmup from 0, then cosine to min_lr (Megatron's OptimizerParamScheduler)."""
     if o["warmup_iters"] > 0 and step <= o["warmup_iters"]:
@@ -39,8 +33,8 @@ def naive_lr(o, step):
     return o["min_lr"] + 0.5 * (math.cos(math.pi * ratio) + 1) * (o["lr"] - o["min_lr"])
 
 
-def _raw(data_dir, parallel, optimizer, **training):
-    raw = tiny_run(data_dir, preset="tiny_latent", parallel=parallel, eval_iters=0, **training)
+def _raw(text_tokens, parallel, optimizer, **training):
+    raw = tiny_run(text_tokens, preset="tiny_latent", parallel=parallel, eval_iters=0, **training)
     raw["optimizer"].update(optimizer)
     return raw
 
@@ -87,14 +81,14 @@ def _check(seen, name, expected):
             expected["weight_decay"] * group["wd_mult"]), (name, group)
 
 
-def _matrix(data_dir, tmp_path, parallel, world, distributed_optimizer, fmt):
+def _matrix(text_tokens, tmp_path, parallel, world, distributed_optimizer, fmt):
     from megatron_mvmoe.testing.spawn import run_distributed
 
     root = str(tmp_path / "ck")
     opt = dict(BASE, use_distributed_optimizer=distributed_optimizer)
     training = dict(ckpt_optimizer_format=fmt)
-    first = _raw(data_dir, parallel, opt, train_iters=SAVED_AT, save=root, **training)
-    variants = {f"{c}/{r}": _raw(data_dir, parallel, dict(opt, **change), train_iters=8,
+    first = _raw(text_tokens, parallel, opt, train_iters=SAVED_AT, save=root, **training)
+    variants = {f"{c}/{r}": _raw(text_tokens, parallel, dict(opt, **change), train_iters=8,
                                  load=root, **training, **rule)
                 for c, change in CHANGES.items() for r, rule in RULES.items()}
     seen = run_distributed(_resume_all, world, timeout_s=400, args=(first, variants),
@@ -104,8 +98,8 @@ def _matrix(data_dir, tmp_path, parallel, world, distributed_optimizer, fmt):
         _check(seen[name], name, dict(raw["optimizer"]) if override else BASE)
 
 
-def test_changed_schedule_resumes_ep1_distributed(data_dir, tmp_path):
-    _matrix(data_dir, tmp_path, {}, 1, True, "dp_reshardable")
+def test_changed_schedule_resumes_ep1_distributed(text_tokens, tmp_path):
+    _matrix(text_tokens, tmp_path, {}, 1, True, "dp_reshardable")
 
 
 @pytest.mark.slow
@@ -116,35 +110,35 @@ def test_changed_schedule_resumes_ep1_distributed(data_dir, tmp_path):
     ({"ep": 2}, 2, True, "fully_reshardable"),
     ({}, 1, True, "fully_reshardable")],
     ids=["ep1-plain", "ep2-distributed", "ep2-plain", "ep2-fully", "ep1-fully"])
-def test_changed_schedule_resumes(data_dir, tmp_path, parallel, world, distributed_optimizer,
+def test_changed_schedule_resumes(text_tokens, tmp_path, parallel, world, distributed_optimizer,
                                   fmt):
-    _matrix(data_dir, tmp_path, parallel, world, distributed_optimizer, fmt)
+    _matrix(text_tokens, tmp_path, parallel, world, distributed_optimizer, fmt)
 
 
-def test_issue_command_resumes_and_trains(data_dir, tmp_path):
+def test_issue_command_resumes_and_trains(text_tokens, tmp_path):
     """The issue's case end to end: --lr changed on resume, each rule; losses continue."""
     root = str(tmp_path / "ck")
-    train(_raw(data_dir, {}, BASE, train_iters=SAVED_AT, save=root), 1)
+    train(_raw(text_tokens, {}, BASE, train_iters=SAVED_AT, save=root), 1)
     for rule in RULES.values():
-        out = train(_raw(data_dir, {}, dict(BASE, lr=1e-3), train_iters=5, load=root,
+        out = train(_raw(text_tokens, {}, dict(BASE, lr=1e-3), train_iters=5, load=root,
                          **rule), 1)
         assert out["first_step"] == SAVED_AT + 1 and len(out["losses"]) == 2, out
         assert all(math.isfinite(v) for v in out["losses"])
 
 
-def test_no_load_optim_keeps_step_and_data_finetune_does_not(data_dir, tmp_path):
+def test_no_load_optim_keeps_step_and_data_finetune_does_not(text_tokens, tmp_path):
     """Megatron-LM's --no-load-optim: iteration and data position from the checkpoint
     (fresh optimizer, schedule from its step 0); --finetune: weights only, step 0."""
     root = str(tmp_path / "ck")
-    full = train(_raw(data_dir, {}, BASE, train_iters=5, save=root, save_interval=SAVED_AT),
+    full = train(_raw(text_tokens, {}, BASE, train_iters=5, save=root, save_interval=SAVED_AT),
                  1)
     with open(f"{root}/latest", "w") as fh:
         fh.write(f"iter_{SAVED_AT:07d}\n")
-    resumed = train(_raw(data_dir, {}, BASE, train_iters=5, load=root, load_optimizer=False),
+    resumed = train(_raw(text_tokens, {}, BASE, train_iters=5, load=root, load_optimizer=False),
                     1)
     assert resumed["first_step"] == SAVED_AT + 1 and len(resumed["losses"]) == 2
     # Same weights, same batch (data position kept): step 4's loss is the forward pass on
     # identical inputs, so it equals the uninterrupted run's step 4 loss.
     assert resumed["losses"][0] == pytest.approx(full["losses"][SAVED_AT], abs=1e-5)
-    tuned = train(_raw(data_dir, {}, BASE, train_iters=2, load=root, finetune=True), 1)
+    tuned = train(_raw(text_tokens, {}, BASE, train_iters=2, load=root, finetune=True), 1)
     assert tuned["first_step"] == 1 and len(tuned["losses"]) == 2

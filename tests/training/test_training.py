@@ -7,35 +7,29 @@ import pytest
 
 from megatron_mvmoe.testing.spawn import DistributedTestError
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
-
-
-@pytest.fixture(scope="module")
-def init_ckpt(data_dir, tmp_path_factory):
+def init_ckpt(text_tokens, tmp_path_factory):
     """An untrained tiny Multi-View model saved at EP=1 (train_iters=0): shared weights."""
     root = str(tmp_path_factory.mktemp("init"))
-    train(tiny_run(data_dir, train_iters=0, eval_iters=0, save=root), 1)
+    train(tiny_run(text_tokens, train_iters=0, eval_iters=0, save=root), 1)
     return root
 
 
-def test_loss_falls_at_ep2(data_dir):
-    out = train(tiny_run(data_dir, parallel={"ep": 2}, train_iters=20), 2)
+def test_loss_falls_at_ep2(text_tokens):
+    out = train(tiny_run(text_tokens, parallel={"ep": 2}, train_iters=20), 2)
     losses = out["losses"]
     assert len(losses) == 20
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
     assert set(out["eval"]) == {"tech", "reference"}
 
 
-def test_loss_falls_at_tp2_pp2(data_dir):
+def test_loss_falls_at_tp2_pp2(text_tokens):
     # EP=2 rides along: with TP > 1, experts need ep > 1 or etp = tp (parallel.py guard).
-    out = train(tiny_run(data_dir, parallel={"tp": 2, "pp": 2, "ep": 2}, train_iters=12,
+    out = train(tiny_run(text_tokens, parallel={"tp": 2, "pp": 2, "ep": 2}, train_iters=12,
                          eval_iters=1), 4)
     assert sum(out["losses"][-3:]) / 3 < out["losses"][0] - 0.3, out["losses"]
 
@@ -45,9 +39,9 @@ def _from_init(init_ckpt, steps):
 
 
 @pytest.fixture(scope="module")
-def one_rank_losses(data_dir, init_ckpt):
+def one_rank_losses(text_tokens, init_ckpt):
     """10 steps on one rank from the shared initial weights (the parity reference)."""
-    return train(tiny_run(data_dir, **_from_init(init_ckpt, 10)), 1)["losses"]
+    return train(tiny_run(text_tokens, **_from_init(init_ckpt, 10)), 1)["losses"]
 
 
 @pytest.mark.parametrize("parallel,world,steps", [
@@ -55,57 +49,57 @@ def one_rank_losses(data_dir, init_ckpt):
     # TP=2 turns sequence parallelism on; the experts then need EP=2 (ETP=1) beside it
     # (parallel.py guard): 4 ranks, so only the first steps (each needs the previous ones).
     ({"tp": 2, "ep": 2, "etp": 1}, 4, 3)], ids=["ep2", "pp2", "tp2_sp_ep2"])
-def test_layout_parity_first_steps(data_dir, init_ckpt, one_rank_losses, parallel, world,
+def test_layout_parity_first_steps(text_tokens, init_ckpt, one_rank_losses, parallel, world,
                                    steps):
-    other = train(tiny_run(data_dir, parallel=parallel, **_from_init(init_ckpt, steps)),
+    other = train(tiny_run(text_tokens, parallel=parallel, **_from_init(init_ckpt, steps)),
                   world)["losses"]
     reference = one_rank_losses[:steps]
     assert len(other) == steps and reference[-1] < reference[0]
     assert max(abs(a - b) for a, b in zip(reference, other)) < 1e-4, (reference, other)
 
 
-def test_resume_is_bit_identical_and_reshards(data_dir, tmp_path):
+def test_resume_is_bit_identical_and_reshards(text_tokens, tmp_path):
     root = str(tmp_path / "ck")
-    full = train(tiny_run(data_dir, parallel={"ep": 2}, train_iters=9, save=root,
+    full = train(tiny_run(text_tokens, parallel={"ep": 2}, train_iters=9, save=root,
                           save_interval=4), 2)
     with open(os.path.join(root, "latest"), "w") as fh:  # resume from step 4, not 9
         fh.write("iter_0000004\n")
-    resumed = train(tiny_run(data_dir, parallel={"ep": 2}, train_iters=9, load=root), 2)
+    resumed = train(tiny_run(text_tokens, parallel={"ep": 2}, train_iters=9, load=root), 2)
     assert resumed["first_step"] == 5
     assert resumed["losses"] == full["losses"][4:]  # steps 5..9, bit for bit
     # Another layout: evaluate the step-4 weights at PP=2 and at EP=1 (no more steps).
-    at_save = train(tiny_run(data_dir, parallel={"ep": 2}, train_iters=4, load=root), 2)
+    at_save = train(tiny_run(text_tokens, parallel={"ep": 2}, train_iters=4, load=root), 2)
     for parallel, world in (({"pp": 2}, 2), ({}, 1)):
-        other = train(tiny_run(data_dir, parallel=parallel, train_iters=4, load=root), world)
+        other = train(tiny_run(text_tokens, parallel=parallel, train_iters=4, load=root), world)
         for domain, loss in at_save["eval"].items():
             assert abs(other["eval"][domain] - loss) < 1e-4, (parallel, domain)
 
 
-def test_nonfinite_loss_names_step_and_layer(data_dir):
+def test_nonfinite_loss_names_step_and_layer(text_tokens):
     with pytest.raises(DistributedTestError, match=r"at step 3; first non-finite output: "
                                                    r"decoder\.layers\.1 \(layer 2\)"):
-        train(tiny_run(data_dir, train_iters=5, eval_iters=0), 1, corrupt_at_step=3)
+        train(tiny_run(text_tokens, train_iters=5, eval_iters=0), 1, corrupt_at_step=3)
 
 
-def test_incompatible_checkpoint_names_fields(data_dir, init_ckpt):
-    raw = tiny_run(data_dir, train_iters=3, eval_iters=0, load=init_ckpt)
+def test_incompatible_checkpoint_names_fields(text_tokens, init_ckpt):
+    raw = tiny_run(text_tokens, train_iters=3, eval_iters=0, load=init_ckpt)
     raw["model"]["hidden_size"] = 32
     with pytest.raises(DistributedTestError, match=r"incompatible model; differing fields: "
                                                    r"hidden_size: checkpoint 64 vs this run 32"):
         train(raw, 1)
 
 
-def test_missing_checkpoint_is_clear(data_dir, tmp_path):
+def test_missing_checkpoint_is_clear(text_tokens, tmp_path):
     with pytest.raises(DistributedTestError, match="no checkpoint here"):
-        train(tiny_run(data_dir, train_iters=3, load=str(tmp_path)), 1)
+        train(tiny_run(text_tokens, train_iters=3, load=str(tmp_path)), 1)
 
 
-def test_routing_metrics_logged_per_layer(data_dir, tmp_path):
+def test_routing_metrics_logged_per_layer(text_tokens, tmp_path):
     """metrics.jsonl carries per-layer load (max/mean, CV) and, for the two-head Multi-View
     router, the inter-head rank correlation and the mixing entropy, every log interval."""
     import json
 
-    raw = tiny_run(data_dir, train_iters=5, eval_iters=0)
+    raw = tiny_run(text_tokens, train_iters=5, eval_iters=0)
     raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=5)
     train(raw, 1)
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -117,13 +111,13 @@ def test_routing_metrics_logged_per_layer(data_dir, tmp_path):
         assert 0.0 < layer["mixing_entropy"] <= 1.0
 
 
-def test_router_trace_and_tracker_losses_for_multi_router(data_dir, tmp_path):
+def test_router_trace_and_tracker_losses_for_multi_router(text_tokens, tmp_path):
     """--moe-routing-trace-path writes Megatron's JSONL router trace for MultiRouter layers
     (one record per traced micro-batch and MoE layer, the dispatched top-k), and the z-loss the
     router records into Megatron's MoEMetricsTracker reaches metrics.jsonl per layer."""
     import json
 
-    raw = tiny_run(data_dir, train_iters=4, eval_iters=0)
+    raw = tiny_run(text_tokens, train_iters=4, eval_iters=0)
     raw["model"]["extra"] = {"moe_z_loss_coeff": 1e-3}
     raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=4,
                           moe_routing_trace_path=str(tmp_path / "trace"),

@@ -13,7 +13,6 @@ from megatron_mvmoe.models.model_section import model_from_preset
 from megatron_mvmoe.models.upcycling import upcycle_problems
 from megatron_mvmoe.testing.spawn import DistributedTestError, run_distributed
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -131,56 +130,51 @@ def test_refusals_name_the_field():
 
 
 # ------------------------------------------------------------------ through the trainer
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
-
-
-def _run(data_dir, preset, model=None, **training):
-    raw = tiny_run(data_dir, preset=preset, eval_iters=0, **training)
+def _run(text_tokens, preset, model=None, **training):
+    raw = tiny_run(text_tokens, preset=preset, eval_iters=0, **training)
     raw["optimizer"]["warmup_iters"] = 0
     raw["model"].update(model or {})
     return raw
 
 
 @pytest.fixture(scope="module")
-def dense_ckpt(data_dir, tmp_path_factory):
+def dense_ckpt(text_tokens, tmp_path_factory):
     """A tiny dense model (FFN 64) trained 3 steps and saved."""
     root = str(tmp_path_factory.mktemp("dense"))
-    train(_run(data_dir, "tiny_dense", DENSE, train_iters=3, save=root), 1)
+    train(_run(text_tokens, "tiny_dense", DENSE, train_iters=3, save=root), 1)
     return root
 
 
 @pytest.fixture(scope="module")
-def dense_loss(data_dir, dense_ckpt):
+def dense_loss(text_tokens, dense_ckpt):
     """The dense model's own loss on batch 1 at its saved weights (weights only)."""
-    return train(_run(data_dir, "tiny_dense", DENSE, train_iters=1, load=dense_ckpt,
+    return train(_run(text_tokens, "tiny_dense", DENSE, train_iters=1, load=dense_ckpt,
                       finetune=True), 1)["losses"][0]
 
 
 @pytest.mark.parametrize("preset,world,parallel", [
     ("tiny_smoe", 1, {}), ("tiny_multi_view", 1, {}), ("tiny_smoe", 2, {"ep": 2})],
     ids=["smoe", "multi_view", "smoe_ep2"])
-def test_upcycled_first_step_loss_is_the_dense_loss(data_dir, dense_ckpt, dense_loss,
+def test_upcycled_first_step_loss_is_the_dense_loss(text_tokens, dense_ckpt, dense_loss,
                                                     tmp_path, preset, world, parallel):
     command = dict(warm_start_from=dense_ckpt, moe_use_upcycling=True,
                    save=str(tmp_path / "moe"), load=str(tmp_path / "moe"))
-    raw = _run(data_dir, preset, TARGETS[preset], train_iters=2, parallel=parallel, **command)
+    raw = _run(text_tokens, preset, TARGETS[preset], train_iters=2, parallel=parallel, **command)
     out = train(raw, world)
     assert out["first_step"] == 1 and all(math.isfinite(x) for x in out["losses"])
     assert abs(out["losses"][0] - dense_loss) < 1e-5, (out["losses"], dense_loss)
-    relaunch = train(_run(data_dir, preset, TARGETS[preset], train_iters=3,
+    relaunch = train(_run(text_tokens, preset, TARGETS[preset], train_iters=3,
                           parallel=parallel, **command), world)
     assert relaunch["first_step"] == 3  # the same line resumes the MoE run
 
 
-def test_upcycling_refusals_through_the_trainer(data_dir, dense_ckpt):
-    raw = _run(data_dir, "tiny_multi_view", train_iters=1, warm_start_from=dense_ckpt,
+def test_upcycling_refusals_through_the_trainer(text_tokens, dense_ckpt):
+    raw = _run(text_tokens, "tiny_multi_view", train_iters=1, warm_start_from=dense_ckpt,
                moe_use_upcycling=True)
     with pytest.raises(DistributedTestError, match=r"cannot be upcycled into this model; "
                                                    r"latent_size: 32 < hidden_size 64"):
         train(raw, 1)
-    raw = _run(data_dir, "tiny_mh_moe", train_iters=1, warm_start_from=dense_ckpt,
+    raw = _run(text_tokens, "tiny_mh_moe", train_iters=1, warm_start_from=dense_ckpt,
                moe_use_upcycling=True)
     with pytest.raises(DistributedTestError, match=r"moe_variant is 'mh_moe'"):
         train(raw, 1)
