@@ -1,8 +1,11 @@
 """The package's dependency rules, read from every module's imports (function-level imports
 included), so the layering cannot erode silently:
 
-- functional (the papers' math), variants and errors import neither Megatron nor any other
-  part of megatron_mvmoe: they are pure and testable without the engine;
+- functional (the papers' math), config.variants and errors import neither Megatron nor any
+  other part of megatron_mvmoe: they are pure and testable without the engine;
+- config (run config, model section, presets, variants, flag tables) sits at the bottom:
+  from megatron_mvmoe it imports only errors, functional, parallel and platform, never
+  models, training, analysis or data (so nothing it needs can import it back);
 - platform imports no other part of megatron_mvmoe (everything else builds on it);
 - mvmoe_kernels uses only functional from megatron_mvmoe (its references ARE the math);
 - analysis never imports training; models, layers, checkpointing (reading a checkpoint
@@ -25,7 +28,7 @@ PACKAGES = ("megatron_mvmoe", "mvmoe_kernels")
 
 KNOWN_VIOLATIONS: Set[Tuple[str, str]] = set()
 # Empty since the renovation: analysis opens models through models.build + checkpointing
-# and reads run configs from megatron_mvmoe.run_config.
+# and reads run configs from megatron_mvmoe.config.run_config.
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -59,12 +62,16 @@ def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-PURE = ("megatron_mvmoe.functional", "megatron_mvmoe.variants", "megatron_mvmoe.errors")
+PURE = ("megatron_mvmoe.functional", "megatron_mvmoe.config.variants", "megatron_mvmoe.errors")
+CONFIG_MAY_IMPORT = ("megatron_mvmoe.config", "megatron_mvmoe.errors",
+                     "megatron_mvmoe.functional", "megatron_mvmoe.parallel",
+                     "megatron_mvmoe.platform")
 # (modules the rule applies to, forbidden import prefix, prefixes still allowed under it)
 RULES = [
     *[(pure, "megatron", ()) for pure in PURE],
     *[(pure, "megatron_mvmoe", PURE) for pure in PURE],
     ("megatron_mvmoe.platform", "megatron_mvmoe", ("megatron_mvmoe.platform",)),
+    ("megatron_mvmoe.config", "megatron_mvmoe", CONFIG_MAY_IMPORT),
     ("mvmoe_kernels", "megatron_mvmoe", ("megatron_mvmoe.functional",)),
     ("megatron_mvmoe.analysis", "megatron_mvmoe.training", ()),
     ("megatron_mvmoe.models", "megatron_mvmoe.analysis", ()),
@@ -115,9 +122,12 @@ def test_a_forbidden_import_is_caught():
         "megatron_mvmoe.dev_cluster.netns"}
     edges["megatron_mvmoe.dev_cluster.cli"] = edges["megatron_mvmoe.dev_cluster.cli"] | {
         "megatron_mvmoe.launch.hostlist"}
+    edges["megatron_mvmoe.config.run_config"] = edges["megatron_mvmoe.config.run_config"] | {
+        "megatron_mvmoe.models.build"}
     found = violations(edges)
     assert ("megatron_mvmoe.launch.mpi", "megatron_mvmoe.dev_cluster") in found
     assert ("megatron_mvmoe.dev_cluster.cli", "megatron_mvmoe") in found
+    assert ("megatron_mvmoe.config.run_config", "megatron_mvmoe") in found
     assert ("megatron_mvmoe.functional.routing", "megatron") in found
     assert ("megatron_mvmoe.analysis.stats", "megatron_mvmoe.training") in found
     assert ("megatron_mvmoe.layers.latent_moe", "megatron_mvmoe.testing") in found

@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per spawned run")
     p.add_argument("--scale", action="store_true", help="the 10B-A1B cluster-scale table")
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256],
-                   help="scale: cluster sizes (layouts from models.presets.LAYOUTS_10B)")
+                   help="scale: cluster sizes (layouts from config.presets.LAYOUTS_10B)")
     p.add_argument("--routing", nargs="+", default=None, choices=ROUTING,
                    help="scale: routing models (default skewed; checkpoint needs "
                         "--checkpoint)")
@@ -118,7 +118,7 @@ def _scale_flag_problem(args):
 
 def _counted_problem(args):
     """EP sizes the tiny models cannot use, or a selection that measures nothing."""
-    from megatron_mvmoe.models.presets import PRESETS as MODEL_PRESETS
+    from megatron_mvmoe.config.presets import PRESETS as MODEL_PRESETS
 
     experts = {MODEL_PRESETS[PRESETS[v]]["num_experts"] for v in args.variants}
     bad = sorted({ep for ep in args.ep for e in experts if ep < 1 or e % ep})

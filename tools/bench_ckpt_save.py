@@ -64,8 +64,8 @@ def _raw(args, tokens: str) -> Dict:
 
 def _timed_run(rank, world_size, raw):
     """Train; returns the loop's wall time (first step start to return) on rank 0."""
+    from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.parallel import initialize_layout
-    from megatron_mvmoe.run_config import config_from_dict
     from megatron_mvmoe.training.pretrain import pretrain
 
     run = config_from_dict(copy.deepcopy(raw))

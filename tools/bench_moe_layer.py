@@ -86,7 +86,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="--sweep: JSON path (page and plots beside)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    from megatron_mvmoe.models.presets import PRESETS
+    from megatron_mvmoe.config.presets import PRESETS
 
     if args.preset not in PRESETS:
         p.error(f"--preset {args.preset!r}: not a preset (choose from {sorted(PRESETS)})")
@@ -103,7 +103,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def base_shape(args) -> lb.LayerShape:
     """The preset's layer with the explicit flags applied."""
-    from megatron_mvmoe.models.model_section import model_from_preset
+    from megatron_mvmoe.config.model_section import model_from_preset
 
     shape = lb.LayerShape.of(model_from_preset(args.preset))
     given = {field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items()

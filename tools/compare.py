@@ -117,7 +117,7 @@ def data_identity(path: str) -> str:
 
 
 def run_config(variant, seed: int, args):
-    from megatron_mvmoe.run_config import config_from_dict
+    from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.training.warm_start import has_checkpoint
 
     save = None if args.save_dir is None else os.path.join(args.save_dir,
@@ -236,8 +236,8 @@ def _render_only(args, chosen) -> int:
 
 def prepare_data(args):
     """Check (tokens) or build if missing (indexed) the data; fixes args.eval_iters = 0."""
-    from megatron_mvmoe.analysis.compare_data import (
-        DataBuild, DataRecipe, ensure_dataset, full_eval_iters)
+    from megatron_mvmoe.analysis.compare_data import (DataBuild, DataRecipe, ensure_dataset,
+                                                      full_eval_iters)
 
     if args.data_kind == "tokens":
         if not os.path.isdir(args.data_path):

@@ -38,8 +38,8 @@ def megatron_fields(config) -> Dict[str, str]:
 
 def entry(raw: Dict[str, Any]) -> Dict[str, Any]:
     """A run config mapping, loaded and translated as a launch would (or the error)."""
+    from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.models.build import model_config
-    from megatron_mvmoe.run_config import config_from_dict
 
     try:
         run = config_from_dict(raw)
@@ -50,8 +50,8 @@ def entry(raw: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def preset_entries() -> Dict[str, Any]:
-    from megatron_mvmoe.models import seed2_presets
-    from megatron_mvmoe.models.presets import preset_names
+    from megatron_mvmoe.config import seed2_presets
+    from megatron_mvmoe.config.presets import preset_names
 
     out = {f"preset/{name}": entry({"model": {"preset": name}}) for name in preset_names()}
     for size in seed2_presets.SIZES:
@@ -62,7 +62,7 @@ def preset_entries() -> Dict[str, Any]:
 
 
 def yaml_entries() -> Dict[str, Any]:
-    from megatron_mvmoe.run_config import read_yaml
+    from megatron_mvmoe.config.run_config import read_yaml
 
     paths = sorted(glob.glob(os.path.join(ROOT, "examples", "**", "*.yaml"), recursive=True))
     return {f"yaml/{os.path.relpath(p, ROOT)}": entry(read_yaml(p)) for p in paths}

@@ -1,4 +1,4 @@
-"""Generate megatron_mvmoe/training/megatron_lm_flags.json: every flag of Megatron-LM's
+"""Generate config/megatron_lm_flags.json: every flag of Megatron-LM's
 `megatron/training/arguments.py` (the copy shipped with the pinned megatron-core wheel, which
 is byte-identical to NVIDIA/Megatron-LM branch core_r0.19.0 at
 f8837c04ef6cbef6cdefb8de001aad63178aebbf) with whether it takes a value and its default.
@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-TABLE = os.path.join(os.path.dirname(__file__), "..", "megatron_mvmoe", "training",
+TABLE = os.path.join(os.path.dirname(__file__), "..", "megatron_mvmoe", "config",
                      "megatron_lm_flags.json")
 
 

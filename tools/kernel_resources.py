@@ -21,7 +21,7 @@ SHAPE_PRESETS = {"tiny": "tiny_multi_view", "10b": "mvmoe_10b_a1b"}
 
 def shapes_of(name: str) -> aot.KernelShapes:
     """The kernel sizes of a shape set, read from its preset."""
-    from megatron_mvmoe.models.presets import PRESETS
+    from megatron_mvmoe.config.presets import PRESETS
 
     p = PRESETS[SHAPE_PRESETS[name]]
     return aot.KernelShapes(tokens=p["seq_length"], experts=p["num_experts"],

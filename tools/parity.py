@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from megatron_mvmoe.config.seed2_presets import SIZES, all_presets, get_preset
 from megatron_mvmoe.functional.parity import (
     FLOPS_TOLERANCE,
     PARAMS_TOLERANCE,
@@ -28,7 +29,6 @@ from megatron_mvmoe.functional.parity import (
     leading_flops_per_token,
 )
 from megatron_mvmoe.functional.parity_model import parity_row
-from megatron_mvmoe.models.seed2_presets import SIZES, all_presets, get_preset
 
 COLUMNS = [
     ("name", "preset", "{:<24}"), ("experts", "E", "{:>3}"), ("expert_ffn", "F", "{:>5}"),

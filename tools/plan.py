@@ -37,11 +37,11 @@ from megatron_mvmoe.analysis.plan import (PlanTarget, check_layout, dry_run_buil
                                           planned_world_size)
 from megatron_mvmoe.analysis.plan_memory import PRECISIONS, memory_by_stage
 from megatron_mvmoe.analysis.plan_validate import table_lines, validate
+from megatron_mvmoe.config.model_section import model_from_preset
+from megatron_mvmoe.config.presets import PRESETS, preset_names
+from megatron_mvmoe.config.run_config import load_yaml
 from megatron_mvmoe.models import fast_paths
-from megatron_mvmoe.models.model_section import model_from_preset
-from megatron_mvmoe.models.presets import PRESETS, preset_names
 from megatron_mvmoe.parallel import ParallelLayout
-from megatron_mvmoe.run_config import load_yaml
 
 
 def _model(name: str, num_layers=None):

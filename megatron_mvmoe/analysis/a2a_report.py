@@ -8,7 +8,7 @@ import os
 from typing import Dict, List
 
 from megatron_mvmoe.analysis.a2a_scale import model_shape
-from megatron_mvmoe.models.presets import LAYOUTS_10B
+from megatron_mvmoe.config.presets import LAYOUTS_10B
 
 _LABEL = {"baseline": "baseline (latent)", "multi_router": "Multi-Router",
           "multi_view": "Multi-View (dedup: blends or views)",
@@ -102,7 +102,7 @@ def _model_lines(cfg: dict) -> List[str]:
     layouts = ", ".join(f"{g} GPUs: tp {v['tp']} pp {v['pp']} ep {v['ep']}"
                         for g, v in LAYOUTS_10B.items() if g in cfg["gpus"])
     return [
-        f"- Model (read from `models/presets.py`): {m.num_layers} layers, D = {m.hidden_size}, "
+        f"- Model (read from `config/presets.py`): {m.num_layers} layers, D = {m.hidden_size}, "
         f"latent L = {m.latent_size}, E = {m.num_experts} experts, top-{m.moe_router_topk}, "
         f"K = {m.multi_view.num_views} views, seq {m.seq_length}; rows bf16 ({cfg['dtype_bytes']} B), "
         "probs and mixing weights fp32.",

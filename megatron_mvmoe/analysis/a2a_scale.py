@@ -33,8 +33,8 @@ from megatron_mvmoe.analysis.link_time import LinkSpec, a2a_share, compute_time_
 from megatron_mvmoe.analysis.placement import EpPlacement
 from megatron_mvmoe.analysis.plan import flops_per_token
 from megatron_mvmoe.analysis.routing_load import max_over_mean, rank_loads, routing_maps
-from megatron_mvmoe.models.model_section import ModelSection, model_from_preset
-from megatron_mvmoe.models.presets import LAYOUTS_10B
+from megatron_mvmoe.config.model_section import ModelSection, model_from_preset
+from megatron_mvmoe.config.presets import LAYOUTS_10B
 
 VARIANTS = {"baseline": ("mvmoe_10b_a1b_baseline", {}),
             "multi_router": ("mvmoe_10b_a1b", {"moe_variant": "multi_router",

@@ -7,7 +7,7 @@ Suites:
   `tiny_*` backbone (D = 64, L = 32, E = 4, top-2, 2 layers).
 - `b` (seed 001, Tables 1, 2, 4, 5): dense, SMoE, fine-grained SMoE, MH-MoE h = 2 and
   h = 3, the shared-expert versions of SMoE and MH-MoE h = 2, and the head/merge ablations.
-  Dimensions come from models/seed2_presets.py (parity-matched recipes) at
+  Dimensions come from config/seed2_presets.py (parity-matched recipes) at
   `SUITE_B_HIDDEN` = 96 and 4 layers (MoE every second layer, as the paper): h = 3
   sub-tokens are 32 wide, as wide as suite a's latent space (the earlier D = 48 gave
   16-wide sub-tokens, where MH-MoE lost to SMoE).
@@ -125,7 +125,7 @@ def suite_c_variant(name: str, seq_length: int) -> Variant:
 
 def suite_b_variant(name: str, seq_length: int, hidden_size: int = SUITE_B_HIDDEN,
                     num_layers: int = SUITE_B_LAYERS, bitnet: bool = False) -> Variant:
-    from megatron_mvmoe.models.seed2_presets import get_preset
+    from megatron_mvmoe.config.seed2_presets import get_preset
 
     if name not in SUITE_B:
         raise ValueError(f"variant: unknown suite-b variant {name!r}. Fix: use {SUITE_B}")

@@ -65,8 +65,8 @@ class LayerShape:
 
 def variant_section(preset: str, shape: LayerShape, variant: str):
     """The preset's model section for one variant at `shape` (one layer)."""
-    from megatron_mvmoe.models.model_section import model_from_preset
-    from megatron_mvmoe.models.presets import PRESETS
+    from megatron_mvmoe.config.model_section import model_from_preset
+    from megatron_mvmoe.config.presets import PRESETS
 
     R = 1 if variant == "latent" else shape.num_routers
     ramp = PRESETS[preset].get("multi_view", {}).get("gamma_ramp_steps", 0)

@@ -27,9 +27,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_mvmoe.config import MVMoETransformerConfig
-from megatron_mvmoe.run_config import (
-    RunConfig, config_from_dict, read_yaml, saved_config_from_dict, set_field)
+from megatron_mvmoe.config.run_config import (RunConfig, config_from_dict, read_yaml,
+                                              saved_config_from_dict, set_field)
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 
 SYNTHETIC = "synthetic-uniform"
 

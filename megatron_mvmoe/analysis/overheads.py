@@ -21,7 +21,7 @@ import dataclasses
 from typing import Dict, Optional
 
 from megatron_mvmoe.analysis.plan import parameter_counts
-from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ModelSection
 
 PAPER_PERCENT = {"multi_router": 0.06, "multi_view": 0.19}
 """Seed 000, Efficiency: ~0.06 % (Multi-Router) and ~0.19 % (Multi-View) at 10B-A1B, R = 2."""

@@ -35,7 +35,7 @@ from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
 from megatron_mvmoe.analysis.plan_context_parallel import (context_parallel_report,
                                                            gathered_kv_extra_elements,
                                                            local_tokens)
-from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ModelSection
 
 
 if TYPE_CHECKING:  # annotations only: plan.py stays importable without Megatron
@@ -120,11 +120,11 @@ def attention_params(m: ModelSection) -> int:
 
 
 def mla_params(m: ModelSection) -> int:
-    """Megatron's MLASelfAttention (mla_config.py's defaults for fields not set): query
+    """Megatron's MLASelfAttention (config/mla_config.py's defaults for fields not set): query
     projection (direct, or down to q_lora_rank and up), the kv down projection to the latent
     plus the RoPE key part, the kv up projection to per-head keys and values, the output
     projection, and the q/kv latent norms with --qk-layernorm."""
-    from megatron_mvmoe.mla_config import MVMoEMLATransformerConfig
+    from megatron_mvmoe.config.mla_config import MVMoEMLATransformerConfig
 
     defaults = MVMoEMLATransformerConfig.__dataclass_fields__
 

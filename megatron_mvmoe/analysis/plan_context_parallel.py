@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict
 
-from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ModelSection
 
 if TYPE_CHECKING:  # annotations only
     from megatron_mvmoe.parallel import ParallelLayout

@@ -74,7 +74,7 @@ from megatron_mvmoe.analysis.plan import (PlanTarget, attention_params, moe_para
                                          mtp_params, swiglu)
 from megatron_mvmoe.analysis.plan_context_parallel import (cp_attention_correction_elements,
                                                            local_tokens)
-from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ModelSection
 
 PRECISIONS = ("cpu_fp32", "gpu_bf16")
 

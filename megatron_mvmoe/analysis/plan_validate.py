@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from megatron_mvmoe.analysis.plan import PlanTarget
 from megatron_mvmoe.analysis.plan_memory import rank_memory
-from megatron_mvmoe.run_config import load_yaml
+from megatron_mvmoe.config.run_config import load_yaml
 
 MEMORY_DIR = "memory"
 """Where a run writes its per-rank memory census (training/memory_report.py writes it)."""

@@ -1,7 +1,7 @@
 """Shared plumbing of the analysis tools: model specs on the command line, one-rank runs.
 
 A model spec is one of:
-  <preset>            a preset of megatron_mvmoe.models.presets, freshly initialised
+  <preset>            a preset of megatron_mvmoe.config.presets, freshly initialised
   <path>.yaml         a run config (fresh init unless the YAML sets training.load)
   <checkpoint dir>    a checkpoint root or iter_* directory (its stored run config)
 optionally prefixed by a label: `baseline=tiny_latent`.
@@ -64,7 +64,7 @@ def parse_model_spec(text: str) -> ModelSpec:
         return ModelSpec(label, config_path=body)
     if os.path.isdir(body):
         return ModelSpec(label, checkpoint=body)
-    from megatron_mvmoe.models.presets import PRESETS, preset_names
+    from megatron_mvmoe.config.presets import PRESETS, preset_names
 
     if body not in PRESETS:
         raise ValueError(f"--model {text!r}: not a directory, YAML file or preset. Fix: use one "

@@ -15,11 +15,11 @@ import dataclasses
 from typing import TYPE_CHECKING, Dict
 
 from megatron_mvmoe.checkpointing.errors import CheckpointError
-from megatron_mvmoe.config import MultiHeadConfig
-from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.transformer_config import MultiHeadConfig
 
 if TYPE_CHECKING:
-    from megatron_mvmoe.run_config import RunConfig
+    from megatron_mvmoe.config.run_config import RunConfig
 
 _NOT_STRUCTURAL = ("preset", "seq_length", "multi_view", "multi_head", "bitnet", "extra")
 """ModelSection fields not in the fingerprint as they are (the nested ones enter flat)."""

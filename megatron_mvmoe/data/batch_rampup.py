@@ -28,33 +28,7 @@ from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatchesCa
                                                        NumMicroBatchesCalculator,
                                                        StepBatchsizeNumMicroBatchesCalculator)
 
-from megatron_mvmoe.errors import require
-
-
-def check_rampup(rampup: Optional[Sequence[int]], global_batch_size: int,
-                 per_microbatch: Optional[int] = None) -> None:
-    """One line naming the field when START INCR SAMPLES cannot ramp to the global batch;
-    `per_microbatch` = micro_batch_size * data-parallel size (each batch must divide)."""
-    if rampup is None:
-        return
-    require(len(rampup) == 3 and all(int(v) == v for v in rampup),
-            "training.rampup_batch_size", f"got {list(rampup)}",
-            "pass three integers: --rampup-batch-size START INCR SAMPLES")
-    start, incr, samples = rampup
-    require(1 <= start <= global_batch_size and incr >= 1 and samples >= 0,
-            "training.rampup_batch_size",
-            f"START {start}, INCR {incr}, SAMPLES {samples} with global batch "
-            f"{global_batch_size}", "use 1 <= START <= --global-batch-size, INCR >= 1, "
-            "SAMPLES >= 0")
-    require((global_batch_size - start) % incr == 0, "training.rampup_batch_size",
-            f"global batch {global_batch_size} - START {start} is not a multiple of INCR "
-            f"{incr}", "choose INCR dividing --global-batch-size - START")
-    if per_microbatch is not None:
-        require(start % per_microbatch == 0 and incr % per_microbatch == 0,
-                "training.rampup_batch_size",
-                f"START {start} and INCR {incr} must be multiples of micro_batch_size * "
-                f"data-parallel size = {per_microbatch} (every step runs whole microbatches "
-                "on every rank)", f"use multiples of {per_microbatch}")
+from megatron_mvmoe.config.run_config import check_rampup
 
 
 def rampup_schedule(rampup: Sequence[int], global_batch_size: int) -> str:

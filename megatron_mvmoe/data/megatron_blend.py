@@ -36,7 +36,7 @@ from megatron_mvmoe.data.indexed import check_indexed
 from megatron_mvmoe.data.loader import _process_group_for_build
 
 if TYPE_CHECKING:  # annotation only: the data package builds on nothing of the trainer
-    from megatron_mvmoe.run_config import DataSection
+    from megatron_mvmoe.config.run_config import DataSection
 
 DEFAULT_SPLIT = "969, 30, 1"  # Megatron-LM's default --split
 

@@ -2,7 +2,7 @@
 data, and the analysis tools' held-out batches: one code path).
 
 Design choices:
-- Takes the run's `RunConfig` (run_config.py, imported for annotations only). Read: `run.data`, `run.model.vocab_size`,
+- Takes the run's `RunConfig` (config/run_config.py, imported for annotations only). Read: `run.data`, `run.model.vocab_size`,
   `run.parallel.tp` and `run.training` (micro/global batch, train/eval iters, seed).
 - `indexed` (the real path): Megatron GPTDataset / BlendedDataset over the .bin/.idx files
   of tools/preprocess_data.py, through `megatron_mvmoe.data.loader` (Megatron's pretraining
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from megatron_mvmoe.run_config import RunConfig
+    from megatron_mvmoe.config.run_config import RunConfig
 
 
 def _saved_tokenizer_dir(run: "RunConfig") -> Optional[str]:

@@ -21,7 +21,8 @@ def mh_test_config(heads: int = 2, head: bool = True, merge: bool = True, split:
                    experts: int = 4, topk: int = 2, hidden: int = 8, ffn: int = 6,
                    shared: Optional[int] = None, bitnet: bool = False, **overrides):
     """A CPU-friendly MVMoETransformerConfig for an MH-MoE layer (fp32, no fusions)."""
-    from megatron_mvmoe.config import BitNetConfig, MultiHeadConfig, MVMoETransformerConfig
+    from megatron_mvmoe.config.transformer_config import (BitNetConfig, MultiHeadConfig,
+                                                          MVMoETransformerConfig)
 
     kwargs = dict(
         num_layers=1, hidden_size=hidden, num_attention_heads=2, ffn_hidden_size=2 * hidden,

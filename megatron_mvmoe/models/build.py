@@ -7,7 +7,7 @@ Design choices:
   warm start, and the tools that open a checkpoint (`analysis/model_access.py`,
   `training/from_checkpoint.py`) all call `build_model` / `model_config`, so a tool sees
   the very modules the trainer trains.
-- Takes the run's `RunConfig` (run_config.py, imported for annotations only). What is
+- Takes the run's `RunConfig` (config/run_config.py, imported for annotations only). What is
   read from it: `run.model` (the resolved model section), `run.parallel` (tp, pp, ep, etp, vpp),
   `run.training.precision` and `run.training.seed`.
 - The RNG is seeded with the run's seed right before the chunks are built, as the trainer
@@ -16,16 +16,17 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 from megatron.core.models.gpt import GPTModel
 
 from megatron_mvmoe import platform
-from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.config.model_section import run_field_names
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.models.provider import build_model_chunks, transformer_config
 
 if TYPE_CHECKING:
-    from megatron_mvmoe.run_config import RunConfig
+    from megatron_mvmoe.config.run_config import RunConfig
 
 
 def use_bf16(run: "RunConfig") -> bool:
@@ -41,6 +42,20 @@ def model_config(run: "RunConfig") -> MVMoETransformerConfig:
     p = run.parallel
     return transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
                               cp=p.cp, use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+
+
+def validate_run(run: "RunConfig", world_size: Optional[int] = None,
+                 num_layers: Optional[int] = None,
+                 num_experts: Optional[int] = None) -> MVMoETransformerConfig:
+    """Every check of a run before any process group or weight exists: the run config's
+    fields (`RunConfig.validate`, with world_size also the layout), then the variant's and
+    Megatron's on the Megatron config built for the layout, errors naming the field as the
+    YAML / flags write it. Returns that config."""
+    run.validate(world_size, num_layers, num_experts)
+    try:
+        return model_config(run)
+    except ValueError as err:
+        raise ValueError(run_field_names(str(err))) from None
 
 
 def build_model(run: "RunConfig", pg_collection) -> List[GPTModel]:

@@ -23,17 +23,17 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from megatron_mvmoe.config import MVMoETransformerConfig
-from megatron_mvmoe.mla_config import megatron_config_class
+from megatron_mvmoe.config.mla_config import megatron_config_class
+from megatron_mvmoe.config.model_section import ModelSection, model_section_from_dict
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.models.fast_paths import (Target, choose_fast_paths, config_fields,
                                               expert_matrix_elements)
-from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 
@@ -141,3 +141,14 @@ def build_model_chunks(config: MVMoETransformerConfig, shape: ModelSection,
 
 def count_parameters(chunks: List[torch.nn.Module]) -> int:
     return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+
+
+def fields_config(model_fields: Mapping[str, Any], **overrides: Any) -> MVMoETransformerConfig:
+    """The Megatron config of a run config's model mapping (e.g. a seed-2 preset's
+    `model_fields()`) on one CPU rank, as the trainer builds it; `overrides` then replace
+    Megatron config fields and the variant's requirements are checked again."""
+    config = transformer_config(model_section_from_dict(model_fields))
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    config.validate_mvmoe()
+    return config

@@ -19,7 +19,7 @@ Design choices:
   this rank's heads, MLA's q/kv latent norms this rank's sequence slice; either way the
   replicated weights' grads are partial sums that finalize_model_grads all-reduces over TP).
 - Attention is Megatron's: standard attention or, with `config.multi_latent_attention`
-  (mla_config.py), MLASelfAttention, both chosen by `get_gpt_decoder_block_spec`; on the
+  (config/mla_config.py), MLASelfAttention, both chosen by `get_gpt_decoder_block_spec`; on the
   local backend MLA is `LocalMLASelfAttention` with `MLADotProductAttention` (two fixes of
   Megatron's local MLA: its core attention cannot take MLA's head widths, and with TP > 1
   its RoPE-key gradient is never summed over TP; layers/local_mla.py). At CP > 1 the local
@@ -45,13 +45,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
-from megatron_mvmoe.layers.cp_attention import CPDotProductAttention, CPMLADotProductAttention
-from megatron_mvmoe.layers.builders import build, module_of, parts, rebuilt
-from megatron_mvmoe.layers.grouped_experts import with_grouped_experts
-from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
+from megatron_mvmoe.config.variants import Variant, get_variant
 from megatron_mvmoe.errors import require
-from megatron_mvmoe.variants import Variant, get_variant
+from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
+from megatron_mvmoe.layers.builders import build, module_of, parts, rebuilt
+from megatron_mvmoe.layers.cp_attention import CPDotProductAttention, CPMLADotProductAttention
+from megatron_mvmoe.layers.grouped_experts import with_grouped_experts
 from megatron_mvmoe.layers.latent_moe import LatentMoELayer
 from megatron_mvmoe.layers.local_mla import LocalMLASelfAttention, MLADotProductAttention
 from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer

@@ -34,7 +34,9 @@ from typing import Dict, List
 
 import torch
 
-NEW_HEADS = ("fresh", "copy")
+from megatron_mvmoe.config.run_config import WARM_START_NEW_HEADS
+
+NEW_HEADS = WARM_START_NEW_HEADS
 _KEEP_TARGET_SUFFIXES = ("view_perturbations", "gamma_ramp_state", "gate_scale",
                          "_extra_state")
 _VIEWS_KEY = "fc1_latent_proj.view_perturbations"

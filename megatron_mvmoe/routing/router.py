@@ -67,13 +67,7 @@ from megatron.core.transformer.moe.moe_utils import (
     group_limited_topk,
 )
 
-from megatron_mvmoe.config import MVMoETransformerConfig
-from megatron_mvmoe.routing.balancing import (
-    load_balancing_loss,
-    normalized_summed_scores,
-    sequence_load_balancing_loss,
-    z_loss,
-)
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.functional import (
     gates,
     kept_slots,
@@ -83,6 +77,12 @@ from megatron_mvmoe.functional import (
     sigmoid_scores,
     sum_over_routers,
     to_megatron,
+)
+from megatron_mvmoe.routing.balancing import (
+    load_balancing_loss,
+    normalized_summed_scores,
+    sequence_load_balancing_loss,
+    z_loss,
 )
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}

@@ -24,13 +24,13 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe import platform
-from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.run_config import RunConfig
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.models.build import build_model
 from megatron_mvmoe.models.fast_paths import (FastPath, choose_fast_paths, ddp_fields,
                                               expert_matrix_elements)
-from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.provider import target_for
-from megatron_mvmoe.run_config import RunConfig
 from megatron_mvmoe.training.schedule_rule import scheduler_switches
 
 

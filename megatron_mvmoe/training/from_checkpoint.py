@@ -27,10 +27,10 @@ import torch.distributed as dist
 from megatron_mvmoe.checkpointing.directory import read_run_state, resolve_checkpoint
 from megatron_mvmoe.checkpointing.fingerprint import run_fingerprint
 from megatron_mvmoe.checkpointing.weights import load_weights
-from megatron_mvmoe.models.build import build_model
-from megatron_mvmoe.models.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.run_config import RunConfig, saved_config_from_dict
+from megatron_mvmoe.models.build import build_model, validate_run
 from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
-from megatron_mvmoe.run_config import RunConfig, saved_config_from_dict
 
 
 def checkpoint_run_config(path: str) -> RunConfig:
@@ -68,7 +68,7 @@ def tool_session(run: RunConfig) -> Iterator[object]:
     try:
         resolve_tokenizer(run)
         shape = run.model
-        run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
+        validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
         yield initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts)
         destroy_layout()
     finally:

@@ -32,23 +32,24 @@ from megatron_mvmoe import platform
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.integrity import remove_stale_tmp, write_json_atomic
+from megatron_mvmoe.config.run_config import RunConfig
 from megatron_mvmoe.data.batch_rampup import batch_calculator
 from megatron_mvmoe.data.run_data import RunData, resolve_tokenizer
+from megatron_mvmoe.models.build import validate_run
 from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training.build import Trainer, build_trainer
-from megatron_mvmoe.run_config import RunConfig
 from megatron_mvmoe.training.memory_report import memory_hook
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, mtp_losses,
                                              routing_summary)
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, nonfinite_error
-from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.rank_reports import recording
+from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.save_lock import hold_save_lock
+from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
                                               StopConditions, StopFlags, marker_payload)
-from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
 
 
@@ -341,7 +342,7 @@ def pretrain(run: RunConfig, pg_collection,
 
     resolve_tokenizer(run)  # the tokenizer fixes the vocabulary (Megatron-LM conventions)
     shape = run.model
-    run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
+    validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
     if run.training.warm_start_from is not None:  # before any weight is built
         check_target(shape, run.training.moe_use_upcycling)
     on_step = memory_hook(run, on_step)  # fit check before building; memory/rank<R>.json
@@ -401,9 +402,9 @@ def _train(run: RunConfig, pg_collection, on_step) -> RunResult:
 # ------------------------------------------------------------------------------ launcher
 def run_from_args(argv: Optional[Sequence[str]] = None,
                   on_step: Optional[Callable[[int, Trainer], None]] = None) -> RunResult:
+    from megatron_mvmoe.config.flags import config_from_args
     from megatron_mvmoe.launch import init_distributed
     from megatron_mvmoe.parallel import destroy_layout, initialize_layout
-    from megatron_mvmoe.training.flags import config_from_args
 
     run = config_from_args(argv)
     _exit_cleanly_on_sigterm()
@@ -413,7 +414,7 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
 
         resolve_tokenizer(run)
         shape = run.model
-        run.validate(dist.get_world_size(), shape.num_layers, shape.num_experts)
+        validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
         pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts,
                                 timeout_s=run.parallel.distributed_timeout_seconds)
         result = pretrain(run, pgs, on_step=on_step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
-from megatron_mvmoe.run_config import RunConfig
+from megatron_mvmoe.config.run_config import RunConfig
 from megatron_mvmoe.training.from_checkpoint import checkpoint_run_config, with_layout
 
 _LAYOUT = (("--tensor-model-parallel-size", "tp"), ("--pipeline-model-parallel-size", "pp"),

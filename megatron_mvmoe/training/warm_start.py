@@ -37,12 +37,12 @@ from megatron_mvmoe import platform
 from megatron_mvmoe.checkpointing import directory as ckpt_dir
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.weights import model_sharded_state_dict, set_model_weights
+from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.run_config import RunConfig, saved_config_from_dict
 from megatron_mvmoe.models.build import model_config
-from megatron_mvmoe.models.model_section import ModelSection
 from megatron_mvmoe.models.provider import build_model_chunks
 from megatron_mvmoe.models.upcycling import upcycle_chunk, upcycle_problems
 from megatron_mvmoe.models.warm_start import WarmStartReport, warm_start_multi_view
-from megatron_mvmoe.run_config import RunConfig, saved_config_from_dict
 from megatron_mvmoe.training.build import Trainer
 
 TARGET_VARIANTS = ("multi_view", "multi_router")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.layers.bitnet import bitlinear_input, quantize_weight_ste
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_mvmoe.analysis.plan import PlanTarget, plan
 from megatron_mvmoe.analysis.plan_context_parallel import kv_bytes_per_layer
-from megatron_mvmoe.models.model_section import ModelSection, model_from_preset
+from megatron_mvmoe.config.model_section import ModelSection, model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
 

@@ -5,7 +5,7 @@ from dataclasses import replace
 import torch
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.layers.builders import parts
 
 VOCAB, HIDDEN, LATENT, EXPERTS = 32, 16, 8, 6

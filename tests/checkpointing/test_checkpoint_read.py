@@ -38,8 +38,8 @@ def _tensors(chunks) -> Dict[str, torch.Tensor]:
 
 def _train_and_save(rank, world_size, raw):
     """The reference: the trainer's weights in memory right after its final save."""
+    from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.parallel import initialize_layout
-    from megatron_mvmoe.run_config import config_from_dict
     from megatron_mvmoe.training.pretrain import pretrain
 
     run = config_from_dict(copy.deepcopy(raw))
@@ -54,9 +54,9 @@ def _read(rank, world_size, raw, root):
     """build_model + load_weights at the training layout, no trainer anywhere."""
     from megatron_mvmoe.checkpointing.fingerprint import run_fingerprint
     from megatron_mvmoe.checkpointing.weights import load_weights
+    from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.models.build import build_model
     from megatron_mvmoe.parallel import initialize_layout
-    from megatron_mvmoe.run_config import config_from_dict
 
     run = config_from_dict(copy.deepcopy(raw))
     chunks = build_model(run, initialize_layout(run.parallel.layout()))
@@ -79,9 +79,9 @@ def _load_error(rank, world_size, raw, root):
     from megatron_mvmoe.checkpointing.errors import CheckpointError
     from megatron_mvmoe.checkpointing.fingerprint import run_fingerprint
     from megatron_mvmoe.checkpointing.weights import load_weights
+    from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.models.build import build_model
     from megatron_mvmoe.parallel import initialize_layout
-    from megatron_mvmoe.run_config import config_from_dict
 
     run = config_from_dict(copy.deepcopy(raw))
     chunks = build_model(run, initialize_layout(run.parallel.layout()))

@@ -72,7 +72,7 @@ def test_truncated_shard_is_refused_even_with_the_flag(saved, tmp_path):
 
 
 def test_flag_reaches_the_run_config():
-    from megatron_mvmoe.training.flags import config_from_args
+    from megatron_mvmoe.config.flags import config_from_args
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = os.path.join(repo, "examples", "tiny_cpu.yaml")

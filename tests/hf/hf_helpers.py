@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence
 from harness import train
 from textdata import build_megatron_prefixes
 
-from megatron_mvmoe.training.flags import config_from_args  # noqa: E402
+from megatron_mvmoe.config.flags import config_from_args  # noqa: E402
 
 SIGMOID_SHARED = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                   "--moe-shared-expert-intermediate-size", "128", "--moe-aux-loss-coeff", "0",

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
+from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.hf import config_map
-from megatron_mvmoe.models.model_section import model_from_preset
 from megatron_mvmoe.models.provider import transformer_config
 
 transformers = pytest.importorskip("transformers")

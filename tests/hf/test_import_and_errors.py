@@ -79,7 +79,7 @@ def test_export_import_is_bit_identical(data, multi_view, tmp_path, flags):
 
 def test_training_resumes_from_the_imported_checkpoint_at_ep2(data, multi_view, tmp_path):
     from harness import train
-    from megatron_mvmoe.run_config import config_from_dict
+    from megatron_mvmoe.config.run_config import config_from_dict
 
     out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
     _ok("export_hf", "--load", multi_view, "--out", out)
@@ -171,7 +171,7 @@ def test_hf_dense_decoder_seeds_an_upcycled_warm_start_or_is_refused(data, tmp_p
     --moe-use-upcycling trains an MoE of the same shape, and a shape that differs is refused
     naming the field."""
     from harness import train
-    from megatron_mvmoe.models.model_section import model_from_preset
+    from megatron_mvmoe.config.model_section import model_from_preset
     from megatron_mvmoe.training.from_checkpoint import checkpoint_run_config
     from megatron_mvmoe.training.warm_start import check_dense_source
 

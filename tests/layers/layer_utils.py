@@ -7,7 +7,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.models.specs import build_moe_layer
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.stock_moe import CPU_CONFIG_KWARGS, SIGMOID_MOE_KWARGS

@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.overrides import TorchFunctionMode
 
-from megatron_mvmoe.config import BitNetConfig, MultiHeadConfig
+from megatron_mvmoe.config.transformer_config import BitNetConfig, MultiHeadConfig
 from megatron_mvmoe.layers.bitnet import BitColumnParallelLinear, BitRowParallelLinear
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout

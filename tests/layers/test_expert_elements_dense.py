@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.models import fast_paths as fp
-from megatron_mvmoe.models.model_section import model_from_preset
-from megatron_mvmoe.models.provider import transformer_config
 from megatron_mvmoe.models.fast_paths import Target
+from megatron_mvmoe.models.provider import transformer_config
 
 
 def test_dense_model_has_no_expert_matrix_and_still_builds():

@@ -164,7 +164,7 @@ def test_multi_view_at_ep2_matches_sequential_mlp_on_every_rank():
 
 
 def test_fast_path_rule_and_provider_config():
-    from megatron_mvmoe.models.model_section import model_from_preset
+    from megatron_mvmoe.config.model_section import model_from_preset
     from megatron_mvmoe.models.provider import transformer_config
 
     cpu = Target(cuda=False, te=False)
@@ -181,8 +181,8 @@ def test_fast_path_rule_and_provider_config():
 
 
 def test_measured_criterion_picks_the_faster_expert_path():
+    from megatron_mvmoe.config.model_section import model_from_preset
     from megatron_mvmoe.models import fast_paths as fp
-    from megatron_mvmoe.models.model_section import model_from_preset
     from megatron_mvmoe.models.provider import transformer_config
 
     cpu, limit = Target(cuda=False, te=False), fp.GROUPED_MM_MAX_EXPERT_ELEMENTS

@@ -10,10 +10,10 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.config.mla_config import MVMoEMLATransformerConfig, megatron_config_class
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.layers.builders import module_of
 from megatron_mvmoe.layers.local_mla import LocalMLASelfAttention, MLADotProductAttention
-from megatron_mvmoe.mla_config import MVMoEMLATransformerConfig, megatron_config_class
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.gpt_harness import (assert_matches_reference, build_gpt,
@@ -137,7 +137,7 @@ def test_mla_fields_without_mla_and_local_q_norm_are_refused():
 
 def _attention_params_worker(rank, world_size, extra):
     from megatron_mvmoe.analysis.plan import attention_params
-    from megatron_mvmoe.models.model_section import model_section_from_dict
+    from megatron_mvmoe.config.model_section import model_section_from_dict
     from megatron_mvmoe.models.provider import build_gpt_chunk, transformer_config
 
     initialize_layout(ParallelLayout())

@@ -8,7 +8,7 @@ EP=1 and EP=2 (the expert-bias token counts, taken only with grad enabled, too).
 import pytest
 import torch
 
-from megatron_mvmoe.config import MultiHeadConfig
+from megatron_mvmoe.config.transformer_config import MultiHeadConfig
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.gpt_harness import build_gpt, global_batch, train_step_losses_and_grads
@@ -86,7 +86,7 @@ def _saved_worker(rank, world_size, variant, recompute):
     from megatron_mvmoe.analysis.plan import PlanTarget
     from megatron_mvmoe.analysis.plan_memory import (grouped_experts_on, moe_layer_elements,
                                                      stacked_expert_elements)
-    from megatron_mvmoe.models.model_section import model_section_from_dict
+    from megatron_mvmoe.config.model_section import model_section_from_dict
     from megatron_mvmoe.models.provider import transformer_config
     from megatron_mvmoe.testing.saved_activations import SavedActivations
 
@@ -136,8 +136,8 @@ def test_flags_reach_megatron_and_the_planner():
     by the MoE layers' saved tensors less one layer rebuilt in the backward."""
     from megatron_mvmoe.analysis.plan import PlanTarget
     from megatron_mvmoe.analysis.plan_memory import activation_bytes, recomputed_modules
+    from megatron_mvmoe.config.flags import config_from_args
     from megatron_mvmoe.models.build import model_config
-    from megatron_mvmoe.training.flags import config_from_args
 
     base = ["--model-preset", "tiny_multi_view"]
     for argv, want in [([], set()), (["--moe-layer-recompute"], {"core_attn", "moe"}),
@@ -168,8 +168,9 @@ def test_flags_reach_megatron_and_the_planner():
      "moe_act in recompute_modules is only supported with moe_grouped_gemm"),
 ])
 def test_bad_recompute_lines_are_one_line(argv, message):
-    from megatron_mvmoe.training.flags import config_from_args
+    from megatron_mvmoe.config.flags import config_from_args
+    from megatron_mvmoe.models.build import validate_run
 
     with pytest.raises(ValueError, match=message) as err:
-        config_from_args(["--model-preset", "tiny_multi_view"] + argv)
+        validate_run(config_from_args(["--model-preset", "tiny_multi_view"] + argv))
     assert "\n" not in str(err.value)

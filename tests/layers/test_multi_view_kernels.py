@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_mvmoe.config import MultiViewConfig
+from megatron_mvmoe.config.transformer_config import MultiViewConfig
 from megatron_mvmoe.layers.per_row_dispatcher import permute_rows
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.spawn import run_distributed

@@ -4,7 +4,7 @@ with the field named."""
 import pytest
 import torch
 
-from megatron_mvmoe.config import MultiViewConfig
+from megatron_mvmoe.config.transformer_config import MultiViewConfig
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 from megatron_mvmoe.models.warm_start import warm_start_multi_view, warm_start_state_dict
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout

@@ -1,9 +1,10 @@
 """Seed-2 presets: paper configurations, parity within the stated tolerance, configs build."""
 import pytest
 
+from megatron_mvmoe.config.seed2_presets import all_presets, get_preset, preset_names
 from megatron_mvmoe.functional.parity import FLOPS_TOLERANCE, PARAMS_TOLERANCE, layer_params
 from megatron_mvmoe.functional.parity_model import model_params, parity_row
-from megatron_mvmoe.models.seed2_presets import all_presets, get_preset, preset_names
+from megatron_mvmoe.models.provider import fields_config
 
 SIZES = ("paper", "tiny")
 
@@ -70,8 +71,8 @@ def test_bad_names_and_sizes():
 
 @pytest.mark.parametrize("name", preset_names())
 def test_tiny_configs_build(name):
-    cfg = get_preset(name, "tiny", bitnet=name == "mh_moe_h3").to_config(
-        use_cpu_initialization=True)
+    cfg = fields_config(get_preset(name, "tiny", bitnet=name == "mh_moe_h3").model_fields(),
+                        use_cpu_initialization=True)
     moe = get_preset(name, "tiny").model.moe
     if moe is None:
         assert cfg.moe_variant == "dense" and cfg.num_moe_experts is None

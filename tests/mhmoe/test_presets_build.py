@@ -3,8 +3,9 @@ tiny presets (Megatron's decoder-block spec, MoE slots swapped for MH-MoE)."""
 import pytest
 import torch
 
+from megatron_mvmoe.config.seed2_presets import get_preset
 from megatron_mvmoe.functional.parity_model import model_params
-from megatron_mvmoe.models.seed2_presets import get_preset
+from megatron_mvmoe.models.provider import fields_config
 from megatron_mvmoe.testing.spawn import run_distributed
 
 CPU = dict(use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
@@ -41,7 +42,7 @@ def _count(rank, world_size, names):
     counts = {}
     for name in names:
         preset = get_preset(name, "tiny")
-        config = preset.to_config(**CPU)
+        config = fields_config(preset.model_fields(), **CPU)
         model = GPTModel(config=config, transformer_layer_spec=_block_spec(config, pg),
                          vocab_size=preset.model.vocab_size, position_embedding_type="rope",
                          max_sequence_length=preset.model.seq_length, pg_collection=pg)

@@ -8,7 +8,7 @@ import pytest
 from megatron_mvmoe.analysis.plan import PlanTarget
 from megatron_mvmoe.analysis.plan_memory import (collective_transient, optimizer_step_transient,
                                                  rank_memory, stage_parameters)
-from megatron_mvmoe.models.model_section import model_from_preset
+from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
 

@@ -57,8 +57,8 @@ def test_bitnet_and_missing_te_turn_te_paths_off_with_the_reason():
 
 
 def test_provider_config_follows_the_decisions():
+    from megatron_mvmoe.config.model_section import model_from_preset
     from megatron_mvmoe.models.provider import transformer_config
-    from megatron_mvmoe.models.model_section import model_from_preset
 
     shape = model_from_preset("tiny_multi_view")
     config = transformer_config(shape, on_cpu=True)

@@ -20,7 +20,7 @@ upstream), compared with autograd through the naive formulas.
 import pytest
 import torch
 
-from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.testing.spawn import run_distributed
 
 HIDDEN, EXPERTS, TOPK, COEFF = 8, 4, 2, 0.1

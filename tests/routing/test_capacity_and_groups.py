@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.routing import MultiRouter
 from megatron_mvmoe.testing.spawn import run_distributed
 

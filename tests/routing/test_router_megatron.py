@@ -10,7 +10,7 @@ Megatron runs in forked gloo ranks (megatron_mvmoe.testing.spawn) with the CPU p
 import pytest
 import torch
 
-from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.testing.spawn import run_distributed
 
 HIDDEN, EXPERTS, SEQ, BATCH = 16, 8, 6, 3

@@ -3,10 +3,10 @@ bias counting, fp32 buffers, config refusals."""
 import pytest
 import torch
 
-from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
-from megatron_mvmoe.routing import (
-    MultiRouter, load_balancing_loss, multi_router_logits, normalized_summed_scores,
-    sigmoid_scores, sum_over_routers, z_loss)
+from megatron_mvmoe.config.transformer_config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.routing import (MultiRouter, load_balancing_loss, multi_router_logits,
+                                    normalized_summed_scores, sigmoid_scores, sum_over_routers,
+                                    z_loss)
 from megatron_mvmoe.views import mixing_weights
 
 E, D = 6, 8

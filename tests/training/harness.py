@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 from typing import Dict, Optional, Tuple
 
+from megatron_mvmoe.config.run_config import config_from_dict
 from megatron_mvmoe.testing.spawn import run_distributed
-from megatron_mvmoe.run_config import config_from_dict
 
 
 def tiny_run(data_dir: str, preset: str = "tiny_multi_view", parallel: Optional[Dict] = None,

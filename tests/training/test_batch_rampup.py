@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from megatron_mvmoe.config.flags import config_from_args
 from megatron_mvmoe.data.batch_rampup import batch_calculator, ramp_batches, rampup_schedule
-from megatron_mvmoe.training.flags import config_from_args
 from harness import tiny_run, train
 
 

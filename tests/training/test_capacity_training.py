@@ -29,8 +29,8 @@ def test_every_variant_trains_with_capacity_and_group_limited_routing(text_token
 
 
 def test_megatron_lm_flags_reach_the_config():
+    from megatron_mvmoe.config.flags import config_from_args
     from megatron_mvmoe.models.build import model_config
-    from megatron_mvmoe.training.flags import config_from_args
 
     run = config_from_args(["--model-preset", "tiny_multi_view",
                             "--moe-expert-capacity-factor", "1.25",
@@ -55,8 +55,8 @@ def test_megatron_lm_flags_reach_the_config():
     (["--moe-router-group-topk", "1"], "moe_router_num_groups must be specified"),
 ])
 def test_bad_capacity_and_group_flags_are_one_line(argv, message):
+    from megatron_mvmoe.config.flags import config_from_args
     from megatron_mvmoe.models.build import model_config
-    from megatron_mvmoe.training.flags import config_from_args
 
     with pytest.raises(ValueError, match=message) as err:
         model_config(config_from_args(["--model-preset", "tiny_multi_router"] + argv))

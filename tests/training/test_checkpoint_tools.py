@@ -12,8 +12,8 @@ import torch
 from harness import train
 from textdata import build_megatron_prefixes
 
+from megatron_mvmoe.config.flags import config_from_args
 from megatron_mvmoe.testing.spawn import free_port
-from megatron_mvmoe.training.flags import config_from_args
 from megatron_mvmoe.training.generation import top_p_filter
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,9 +97,9 @@ def test_top_p_filter_matches_a_naive_nucleus():
 
 
 def _generate_every_variant(rank, world_size, presets):
+    from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.parallel import initialize_layout
     from megatron_mvmoe.training.build import build_trainer
-    from megatron_mvmoe.run_config import config_from_dict
     from megatron_mvmoe.training.generation import SamplingConfig, generate
 
     out = {}

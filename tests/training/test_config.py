@@ -1,9 +1,9 @@
 """Run config: YAML + Megatron-style flag overrides, and errors that name field and fix."""
 
 import pytest
-from megatron_mvmoe.models.model_section import model_from_preset
-from megatron_mvmoe.run_config import config_from_dict, load_yaml
-from megatron_mvmoe.training.flags import config_from_args
+from megatron_mvmoe.config.flags import config_from_args
+from megatron_mvmoe.config.model_section import model_from_preset
+from megatron_mvmoe.config.run_config import config_from_dict, load_yaml
 
 
 def test_yaml_then_flags_override(tmp_path):
@@ -91,7 +91,7 @@ def test_switch_errors_name_the_field(argv, match):
 
 
 def test_help_documents_every_flag():
-    from megatron_mvmoe.training.flags import FLAGS, build_parser
+    from megatron_mvmoe.config.flags import FLAGS, build_parser
 
     text = build_parser().format_help()
     for flag in FLAGS:

@@ -8,8 +8,8 @@ import pytest
 from harness import train
 from textdata import build_megatron_prefixes
 
-from megatron_mvmoe.run_config import DataSection
-from megatron_mvmoe.training.flags import config_from_args
+from megatron_mvmoe.config.flags import config_from_args
+from megatron_mvmoe.config.run_config import DataSection
 
 pytestmark = pytest.mark.timeout(600)
 

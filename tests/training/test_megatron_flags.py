@@ -1,7 +1,7 @@
 """Megatron-LM flag names with Megatron-LM's meaning; refused flags say why and what to use."""
 
 import pytest
-from megatron_mvmoe.training.flags import build_parser, config_from_args
+from megatron_mvmoe.config.flags import build_parser, config_from_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--vocab-size", "512",

@@ -8,7 +8,7 @@ order, `key: true` as a bare switch, paths replaced."""
 
 import pytest
 
-from megatron_mvmoe.training import flags
+from megatron_mvmoe.config import flags
 
 GPT3_MOE = """--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm
 --log-num-zeros-in-grad --log-validation-ppl-to-tensorboard --log-timers-to-tensorboard
@@ -62,5 +62,5 @@ def test_megatron_lm_defaults_fill_the_rest():
 
 def test_our_presets_keep_their_values():
     config = flags.config_from_args(["--model-preset", "tiny_smoe", "--hidden-size", "128"])
-    from megatron_mvmoe.models.presets import PRESETS
+    from megatron_mvmoe.config.presets import PRESETS
     assert config.model.ffn_hidden_size == PRESETS["tiny_smoe"]["ffn_hidden_size"]

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from megatron_mvmoe.training import flags, megatron_flags, megatron_lm_rules
-from megatron_mvmoe.training import megatron_lm_table as mlt
+from megatron_mvmoe.config import flags, megatron_flags, megatron_lm_rules
+from megatron_mvmoe.config import megatron_lm_table as mlt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 REFUSAL = re.compile(r"^--[\w-]+( \S+)?: not supported: .+\. Use instead: .+$")

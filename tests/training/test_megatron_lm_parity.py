@@ -9,7 +9,7 @@ DIFFERENCES, each with the value we build and why. The record's own drift is the
 
 The comparison first found six silent differences on this line (dropouts 0.1, aux-loss coeff
 0, router dtype, softmax in fp32, the allgather dispatcher, ETP = TP); Megatron-LM style lines
-now take Megatron-LM's defaults for them (training/megatron_lm_rules.py)."""
+now take Megatron-LM's defaults for them (config/megatron_lm_rules.py)."""
 
 import dataclasses
 import json
@@ -58,9 +58,9 @@ def record():
 @pytest.fixture(scope="module")
 def ours(record):
     """(run config, our TransformerConfig for the GPU target the test runs on) of the line."""
+    from megatron_mvmoe.config.flags import config_from_args
     from megatron_mvmoe.models.build import use_bf16
     from megatron_mvmoe.models.provider import transformer_config
-    from megatron_mvmoe.training.flags import config_from_args
 
     run = config_from_args(record["line"] + ETP_AS_MEGATRON_LM)
     p = run.parallel
@@ -117,7 +117,7 @@ def test_schedule_equal_in_samples(record, ours):
 
 def test_etp_default_is_refused_by_name_on_gloo(record):
     from megatron_mvmoe import platform
-    from megatron_mvmoe.training.flags import config_from_args
+    from megatron_mvmoe.config.flags import config_from_args
 
     if platform.is_cuda():
         pytest.skip("ETP = TP runs on NCCL")

@@ -121,7 +121,7 @@ def _without(line, flags):
 
 
 def _refused_flags(line):
-    from megatron_mvmoe.training.flags import config_from_args
+    from megatron_mvmoe.config.flags import config_from_args
 
     with pytest.raises(ValueError) as err:
         config_from_args(line)

@@ -3,7 +3,7 @@ field the YAML or the preset sets can be dropped from the command line (--unset)
 
 import pytest
 
-from megatron_mvmoe.run_config import read_yaml
+from megatron_mvmoe.config.run_config import read_yaml
 
 
 def test_exponent_numbers_read_as_numbers(tmp_path):
@@ -34,8 +34,8 @@ def test_unset_vocab_size_takes_the_tokenizers_vocabulary(tmp_path):
     the vocabulary is the tokenizer's, padded as Megatron-LM pads it."""
     from textdata import VOCAB, build_megatron_prefixes
 
+    from megatron_mvmoe.config.flags import config_from_args
     from megatron_mvmoe.data.run_data import resolve_tokenizer
-    from megatron_mvmoe.training.flags import config_from_args
 
     data = build_megatron_prefixes(str(tmp_path / "data"))
     config = _yaml(tmp_path, "model:\n  preset: tiny_multi_view\n  vocab_size: 300\n")
@@ -51,8 +51,8 @@ def test_unset_vocab_size_takes_the_tokenizers_vocabulary(tmp_path):
 
 
 def test_unset_reaches_preset_values_section_defaults_and_extra(tmp_path):
-    from megatron_mvmoe.run_config import TrainingSection
-    from megatron_mvmoe.training.flags import config_from_args
+    from megatron_mvmoe.config.flags import config_from_args
+    from megatron_mvmoe.config.run_config import TrainingSection
 
     config = _yaml(tmp_path, "model:\n  preset: tiny_multi_view\n  extra:\n"
                    "    moe_aux_loss_coeff: 0.5\ntraining:\n  save_interval: 7\n"
@@ -75,7 +75,7 @@ def test_unset_reaches_preset_values_section_defaults_and_extra(tmp_path):
     ("model.extra.moe_z_loss_coeff", r"'moe_z_loss_coeff' is not set in model\.extra"),
 ])
 def test_unset_of_a_wrong_path_is_one_line(path, message):
-    from megatron_mvmoe.training.flags import config_from_args
+    from megatron_mvmoe.config.flags import config_from_args
 
     with pytest.raises(ValueError, match=message) as err:
         config_from_args(["--model-preset", "tiny_multi_view", "--unset", path])
@@ -83,7 +83,7 @@ def test_unset_of_a_wrong_path_is_one_line(path, message):
 
 
 def test_unset_and_a_flag_for_the_same_field_are_refused_together():
-    from megatron_mvmoe.training.flags import config_from_args
+    from megatron_mvmoe.config.flags import config_from_args
 
     with pytest.raises(ValueError, match=r"--unset model\.vocab_size: --vocab-size sets it on "
                                          r"the same line\. Fix: keep one of them"):

@@ -4,9 +4,9 @@ variant with MLA and QK norm trains (finite losses that go down on real text).""
 
 import pytest
 
-from megatron_mvmoe.mla_config import MVMoEMLATransformerConfig
-from megatron_mvmoe.models.build import model_config
-from megatron_mvmoe.training.flags import config_from_args
+from megatron_mvmoe.config.flags import config_from_args
+from megatron_mvmoe.config.mla_config import MVMoEMLATransformerConfig
+from megatron_mvmoe.models.build import model_config, validate_run
 from harness import tiny_run, train
 
 MLA_EXTRA = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=32,
@@ -39,7 +39,7 @@ def test_flags_build_megatron_mla_config_with_megatron_lm_defaults():
 ])
 def test_refused_combinations_name_why_and_what_instead(argv, message):
     with pytest.raises(ValueError, match=message):
-        config_from_args(["--model-preset", "tiny_smoe"] + argv)
+        validate_run(config_from_args(["--model-preset", "tiny_smoe"] + argv))
 
 
 @pytest.mark.parametrize("variant", ["smoe", "latent", "multi_router", "multi_view", "mh_moe"])

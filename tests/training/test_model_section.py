@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 
-from megatron_mvmoe.config import MultiHeadConfig, MultiViewConfig
-from megatron_mvmoe.models.model_section import ModelSection, model_section_from_dict
-from megatron_mvmoe.run_config import config_from_dict, saved_config_from_dict
 from megatron_mvmoe.checkpointing.fingerprint import model_fingerprint
+from megatron_mvmoe.config.model_section import ModelSection, model_section_from_dict
+from megatron_mvmoe.config.run_config import config_from_dict, saved_config_from_dict
+from megatron_mvmoe.config.transformer_config import MultiHeadConfig, MultiViewConfig
+from megatron_mvmoe.models.build import validate_run
 
 
 def test_preset_resolved_at_load_with_nested_overrides():
@@ -79,20 +80,20 @@ def test_fingerprint_keeps_the_flat_form_of_earlier_checkpoints():
         model, multi_view=dataclasses.replace(model.multi_view, gamma_ramp_steps=99))) == printed
 
 
-def test_a_model_invalid_for_its_variant_fails_at_validate():
+def test_a_model_invalid_for_its_variant_fails_at_validate_run():
     run = config_from_dict({"model": {"preset": "tiny_smoe", "moe_variant": "multi_view"}})
     with pytest.raises(ValueError, match=r"^model\.latent_size: variant multi_view needs a positive"):
-        run.validate()
+        validate_run(run)
 
 
 def test_megatron_config_errors_name_the_run_config_field():
     run = config_from_dict({"model": {"preset": "tiny_smoe", "moe_router_topk": 9}})
     with pytest.raises(ValueError, match=r"^model\.moe_router_topk: top-k 9 must be in "):
-        run.validate()
+        validate_run(run)
     run = config_from_dict({"model": {"preset": "tiny_multi_view",
                                       "extra": {"moe_token_dispatcher_type": "allgather"}}})
     with pytest.raises(ValueError, match=r"^model\.extra\.moe_token_dispatcher_type: "):
-        run.validate()
+        validate_run(run)
 
 
 def test_checkpoints_older_than_a_fingerprint_field_still_match():

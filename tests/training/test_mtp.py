@@ -10,7 +10,7 @@ import pytest
 
 from megatron_mvmoe.analysis.plan import (PlanTarget, flops_per_token, mtp_params,
                                           parameter_counts, plan)
-from megatron_mvmoe.models.model_section import model_from_preset
+from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
 from harness import tiny_run, train

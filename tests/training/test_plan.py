@@ -10,9 +10,9 @@ import pytest
 
 from megatron_mvmoe.analysis.overheads import parameter_overheads
 from megatron_mvmoe.analysis.plan import PlanTarget, parameter_counts, plan, planned_world_size
+from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
-from megatron_mvmoe.models.model_section import model_from_preset
 
 TINY = ["tiny_dense", "tiny_smoe", "tiny_latent", "tiny_multi_router", "tiny_multi_view",
         "tiny_mh_moe"]
@@ -64,7 +64,7 @@ def test_overheads_against_naive_count():
 
 def test_every_documented_10b_layout_divides():
     from megatron_mvmoe.analysis.plan import check_layout
-    from megatron_mvmoe.models.presets import LAYOUTS_10B
+    from megatron_mvmoe.config.presets import LAYOUTS_10B
 
     m = model_from_preset("mvmoe_10b_a1b")
     for world, sizes in LAYOUTS_10B.items():
@@ -119,7 +119,7 @@ def test_tiny_counts_match_built_models():
 def test_dry_run_10b_rank0_matches_plan():
     code = ("from megatron_mvmoe.analysis.plan import PlanTarget, dry_run_build;"
             "from megatron_mvmoe.parallel import ParallelLayout;"
-            "from megatron_mvmoe.models.model_section import model_from_preset;"
+            "from megatron_mvmoe.config.model_section import model_from_preset;"
             "m = model_from_preset('mvmoe_10b_a1b');"
             "target = PlanTarget(ParallelLayout(ep=8), world_size=8);"
             "print('COUNT', dry_run_build(m, target)['rank0_parameters'])")

@@ -44,8 +44,8 @@ def _resume_all(rank, world, raw_first, variants):
     checkpoint into it; returns what each variant's param groups hold after the load."""
     import torch
 
+    from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.parallel import initialize_layout
-    from megatron_mvmoe.run_config import config_from_dict
     from megatron_mvmoe.training import checkpoint as ckpt
     from megatron_mvmoe.training.build import build_trainer
     from megatron_mvmoe.training.pretrain import pretrain

@@ -10,7 +10,7 @@ import pytest
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_mvmoe.run_config import config_from_dict
+from megatron_mvmoe.config.run_config import config_from_dict
 from megatron_mvmoe.training.schedule_rule import restore_scheduler, scheduler_switches
 from harness import tiny_run, train
 from textdata import build_token_dir

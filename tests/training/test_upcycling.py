@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megatron_mvmoe.models.model_section import model_from_preset
+from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.models.upcycling import upcycle_problems
 from megatron_mvmoe.testing.spawn import DistributedTestError, run_distributed
 from harness import tiny_run, train
@@ -181,7 +181,7 @@ def test_upcycling_refusals_through_the_trainer(text_tokens, dense_ckpt):
 
 
 def test_megatron_lm_line_reads_load_as_the_dense_checkpoint(tmp_path):
-    from megatron_mvmoe.training.flags import config_from_args
+    from megatron_mvmoe.config.flags import config_from_args
 
     run = config_from_args(["--model-preset", "tiny_smoe", "--moe-use-upcycling",
                             "--load", str(tmp_path / "dense"), "--save", str(tmp_path / "moe"),

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_mvmoe.config import MultiViewConfig, MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MultiViewConfig, MVMoETransformerConfig
 from megatron_mvmoe.views import GammaRamp, MultiViewProjection
 
 

@@ -3,10 +3,10 @@
 Design choices:
 - A preset is a frozen `Seed2Preset`: the dimensions that matter for parity (a
   `parity.MoELayerShape` plus backbone sizes) and `model_fields()`, the run config's model
-  mapping (the one preset format, as models/presets.py's); `to_config()` builds its
-  `MVMoETransformerConfig` through the provider, as the trainer does. The parity numbers
-  and the config come from the same fields, so the tool's table and a training run cannot
-  disagree.
+  mapping (the one preset format, as config/presets.py's);
+  `models.provider.fields_config(preset.model_fields())` builds its `MVMoETransformerConfig`
+  as the trainer does. The parity numbers and the config come from the same fields, so the
+  tool's table and a training run cannot disagree.
 - Paper size: 12 layers, D = 768, SwiGLU everywhere, every second FFN an MoE layer
   (Megatron's `moe_layer_freq=2`: layers 1, 3, 5, ... counted from 1), dense FFN 2048.
   SMoE 8 x 2048 top-1; fine-grained 16 x 1024 top-2 (see below); MH-MoE H=2: 40 x 768 top-2; H=3:
@@ -132,18 +132,6 @@ class Seed2Preset:
                 merge_projection=m.moe.merge_projection, split_tokens=m.moe.split_tokens)
         fields.update(overrides)
         return fields
-
-    def to_config(self, **overrides):
-        """The `MVMoETransformerConfig` the trainer builds for this preset (through the
-        provider, single-rank layout, CPU); `overrides` replace Megatron config fields."""
-        from megatron_mvmoe.models.model_section import model_section_from_dict
-        from megatron_mvmoe.models.provider import transformer_config
-
-        config = transformer_config(model_section_from_dict(self.model_fields()))
-        for name, value in overrides.items():
-            setattr(config, name, value)
-        config.validate_mvmoe()
-        return config
 
 
 def _moe_shape(recipe: tuple, hidden_size: int, shared: bool) -> MoELayerShape:

@@ -2,11 +2,11 @@
 
 Design choices:
 - One dataclass per concern, every field documented; `RunConfig` nests them, and the model
-  section nests our model configs (models/model_section.py). A YAML file (examples/*.yaml)
-  mirrors the nesting; Megatron-style command-line flags (training/flags.py) set single
+  section nests our model configs (config/model_section.py). A YAML file (examples/*.yaml)
+  mirrors the nesting; Megatron-style command-line flags (config/flags.py) set single
   fields of the same nested mapping before it is loaded, so a recipe plus a few flags fully
   describes a run and `RunConfig.to_dict()` is what gets written into the run directory.
-- Loading (`config_from_dict`) type-checks every field (typed_config.py) and resolves
+- Loading (`config_from_dict`) type-checks every field (config/typed_config.py) and resolves
   `model.preset` (the preset's values under the YAML's / flags'), once; `validate()` then
   checks the fields and builds the model's Megatron config for the layout, so every
   requirement of the variant fails here, naming the field and the fix, before any process
@@ -19,20 +19,20 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from megatron_mvmoe.config.model_section import (LEGACY_FIELDS, ModelSection,
+                                                 model_section_from_dict)
+from megatron_mvmoe.config.typed_config import dataclass_from_dict
 from megatron_mvmoe.errors import require as _require
-from megatron_mvmoe.data.batch_rampup import check_rampup
-from megatron_mvmoe.models.model_section import (
-    LEGACY_FIELDS, ModelSection, model_section_from_dict, run_field_names)
-from megatron_mvmoe.models.warm_start import NEW_HEADS as WARM_START_NEW_HEADS
 from megatron_mvmoe.parallel import ParallelLayout
-from megatron_mvmoe.typed_config import dataclass_from_dict
 
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
+WARM_START_NEW_HEADS = ("fresh", "copy")
+"""How a warm start initialises routing heads 1..R-1 (models/warm_start.py)."""
 
 
 @dataclass
@@ -304,15 +304,10 @@ class RunConfig:
         self._validate_model()
 
     def _validate_model(self) -> None:
-        """The section's checks, then MVMoETransformerConfig's (the variant's, Megatron's)
-        at this layout."""
-        from megatron_mvmoe.models.build import model_config
-
+        """The model section's own checks. The variant's and Megatron's requirements on the
+        whole Megatron config are checked where that config is built for the layout
+        (models/build.validate_run): this package stays below models/."""
         self.model.validate(vocab_from_tokenizer=self.data.tokenizer_type is not None)
-        try:
-            model_config(self)
-        except ValueError as err:
-            raise ValueError(run_field_names(str(err))) from None
 
     def _validate_layout(self, world_size: int, num_layers, num_experts) -> None:
         planned = self.parallel.world_size
@@ -333,6 +328,32 @@ class RunConfig:
     def num_microbatches(self, world_size: int) -> int:
         dp = self.parallel.layout().data_parallel_size(world_size)
         return self.training.global_batch_size // (self.training.micro_batch_size * dp)
+
+
+def check_rampup(rampup: Optional[Sequence[int]], global_batch_size: int,
+                 per_microbatch: Optional[int] = None) -> None:
+    """One line naming the field when START INCR SAMPLES cannot ramp to the global batch;
+    `per_microbatch` = micro_batch_size * data-parallel size (each batch must divide)."""
+    if rampup is None:
+        return
+    _require(len(rampup) == 3 and all(int(v) == v for v in rampup),
+             "training.rampup_batch_size", f"got {list(rampup)}",
+             "pass three integers: --rampup-batch-size START INCR SAMPLES")
+    start, incr, samples = rampup
+    _require(1 <= start <= global_batch_size and incr >= 1 and samples >= 0,
+             "training.rampup_batch_size",
+             f"START {start}, INCR {incr}, SAMPLES {samples} with global batch "
+             f"{global_batch_size}", "use 1 <= START <= --global-batch-size, INCR >= 1, "
+             "SAMPLES >= 0")
+    _require((global_batch_size - start) % incr == 0, "training.rampup_batch_size",
+             f"global batch {global_batch_size} - START {start} is not a multiple of INCR "
+             f"{incr}", "choose INCR dividing --global-batch-size - START")
+    if per_microbatch is not None:
+        _require(start % per_microbatch == 0 and incr % per_microbatch == 0,
+                 "training.rampup_batch_size",
+                 f"START {start} and INCR {incr} must be multiples of micro_batch_size * "
+                 f"data-parallel size = {per_microbatch} (every step runs whole microbatches "
+                 "on every rank)", f"use multiples of {per_microbatch}")
 
 
 _SECTIONS = {f.name: type(f.default_factory()) for f in dataclasses.fields(RunConfig)}
@@ -407,7 +428,7 @@ def _child(node: Any, part: str, where: str, path: str) -> Any:
 def saved_config_from_dict(raw: Dict[str, Any]) -> RunConfig:
     """A config stored by this or an earlier version (a checkpoint's run_state.json, a run
     directory's config.yaml): fields since removed are dropped, model fields of earlier
-    spellings move to their nested place (models/model_section.py)."""
+    spellings move to their nested place (config/model_section.py)."""
     known = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in _SECTIONS.items()}
     known["model"] |= set(LEGACY_FIELDS)
     return config_from_dict({section: {k: v for k, v in (values or {}).items()

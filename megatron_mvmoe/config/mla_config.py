@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Type
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from megatron_mvmoe.config import MVMoETransformerConfig
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
 
 

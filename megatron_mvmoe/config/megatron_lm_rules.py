@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Optional
 
-from megatron_mvmoe.run_config import TrainingSection
+from megatron_mvmoe.config.run_config import TrainingSection
 
 CONVERTED = {
     "--train-samples": (int, "training samples; steps = samples / --global-batch-size"),
@@ -179,8 +179,8 @@ def _parser_defaults(model: Dict[str, Any], raw: Dict[str, Any]) -> List[str]:
     dispatcher default for its own MoE (our latent variants need alltoall), and its
     expert-tensor-parallel default (= --tensor-model-parallel-size), which gloo cannot run
     (its all_gather of uneven token counts): refused on CPU, naming the flag."""
-    from megatron_mvmoe import platform
-    from megatron_mvmoe.training.megatron_lm_table import table
+    from megatron_mvmoe.config.megatron_lm_table import table
+    from megatron_mvmoe.platform import is_cuda
 
     extra = model.setdefault("extra", {})
     for flag, name in _PARSER_DEFAULTS:
@@ -192,7 +192,7 @@ def _parser_defaults(model: Dict[str, Any], raw: Dict[str, Any]) -> List[str]:
     tp = parallel.get("tp") or 1
     if parallel.get("etp") is not None or tp == 1 or not model.get("num_experts"):
         return []
-    if not platform.is_cuda():
+    if not is_cuda():
         return [f"--expert-tensor-parallel-size not given: Megatron-LM then uses "
                 f"--tensor-model-parallel-size ({tp}): not supported on CPU/gloo (its "
                 "all_gather of uneven expert token counts). Use instead: add "

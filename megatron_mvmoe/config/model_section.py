@@ -23,11 +23,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
-from megatron_mvmoe.config import BitNetConfig, MultiHeadConfig, MultiViewConfig
+from megatron_mvmoe.config.presets import PRESETS, preset_names
+from megatron_mvmoe.config.transformer_config import (BitNetConfig, MultiHeadConfig,
+                                                      MultiViewConfig)
+from megatron_mvmoe.config.typed_config import dataclass_from_dict, deep_merge
+from megatron_mvmoe.config.variants import Variant, get_variant
 from megatron_mvmoe.errors import require
-from megatron_mvmoe.models.presets import PRESETS, preset_names
-from megatron_mvmoe.typed_config import dataclass_from_dict, deep_merge
-from megatron_mvmoe.variants import Variant, get_variant
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ModelSection:
     """The model: a preset name plus every resolved dimension and switch."""
 
     preset: Optional[str] = None
-    """Name in megatron_mvmoe.models.presets.PRESETS this model started from (recorded)."""
+    """Name in megatron_mvmoe.config.presets.PRESETS this model started from (recorded)."""
     moe_variant: Optional[str] = None
     """dense, smoe, latent, multi_router, multi_view or mh_moe."""
     num_layers: Optional[int] = None
@@ -217,7 +218,7 @@ def model_from_preset(preset: str, **overrides: Any) -> ModelSection:
 def _check_extra(values: Mapping[str, Any]) -> None:
     """`extra` goes to MVMoETransformerConfig as keyword arguments: names must exist, and
     must not be fields this section models itself."""
-    from megatron_mvmoe.mla_config import MVMoEMLATransformerConfig  # the widest config
+    from megatron_mvmoe.config.mla_config import MVMoEMLATransformerConfig  # the widest config
 
     ours = sorted(set(values) & set(_MEGATRON_TO_RUN))
     require(not ours, "model.extra", f"{ours} are modelled by the model section",

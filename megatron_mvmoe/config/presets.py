@@ -1,7 +1,7 @@
 """Model presets: tiny CPU demo models per MoE variant, and the 24-layer 10B-A1B Multi-View.
 
 Design choices:
-- A preset is a plain dict of `ModelSection` fields (models/model_section.py), our nested
+- A preset is a plain dict of `ModelSection` fields (config/model_section.py), our nested
   configs as nested dicts; a run's YAML or flags override single fields, and loading the
   config merges them into the one resolved `ModelSection` that both the model provider and
   the planner read, so the parameter count the planner reports is the one the provider

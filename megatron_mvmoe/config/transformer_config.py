@@ -10,7 +10,7 @@ Design choices:
   config); layers only assert internal invariants.
 - The latent size is our own field (`latent_size`), not Megatron's `moe_latent_size`:
   0.19.2 still asserts TransformerEngine on that path, and our latent MoE runs without TE.
-- What each variant is made of comes from `megatron_mvmoe.variants`.
+- What each variant is made of comes from `megatron_mvmoe.config.variants`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mvmoe.config.variants import VARIANT_NAMES, get_variant
 from megatron_mvmoe.errors import require as _require
-from megatron_mvmoe.variants import VARIANT_NAMES, get_variant
 
 MOE_VARIANTS = VARIANT_NAMES
 KERNEL_BACKENDS = ("auto", "triton", "reference")

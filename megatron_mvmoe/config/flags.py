@@ -20,10 +20,10 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
-from megatron_mvmoe.models.presets import PRESETS
-from megatron_mvmoe.run_config import (RunConfig, config_from_dict, read_yaml, set_field,
-                                       unset_field)
-from megatron_mvmoe.training import megatron_flags, megatron_lm_rules, megatron_lm_table
+from megatron_mvmoe.config import megatron_flags, megatron_lm_rules, megatron_lm_table
+from megatron_mvmoe.config.presets import PRESETS
+from megatron_mvmoe.config.run_config import (RunConfig, config_from_dict, read_yaml, set_field,
+                                              unset_field)
 
 
 class Flag(NamedTuple):
@@ -94,7 +94,7 @@ FLAGS: List[Flag] = [
          "collective timeout (a dead rank fails the job after this)"),
     # --- model shape (None keeps the preset's value)
     Flag("--model-preset", "model", "preset", str,
-         "preset name in megatron_mvmoe/models/presets.py, e.g. tiny_multi_view"),
+         "preset name in config/presets.py, e.g. tiny_multi_view"),
     Flag("--moe-variant", "model", "moe_variant", str,
          "dense|smoe|latent|multi_router|multi_view|mh_moe"),
     Flag("--num-layers", "model", "num_layers", int, "transformer layers"),
@@ -119,7 +119,8 @@ FLAGS: List[Flag] = [
     Flag("--vocab-size", "model", "vocab_size", int, "padded vocabulary size"),
     Flag("--seq-length", "model", "seq_length", int, "sequence length"),
     Flag("--rotary-base", "model", "rotary_base", int, "RoPE base (default 10000)"),
-    # --- attention: Megatron-Core's MLA and QK norm (mla_config.py; Megatron-LM's defaults)
+    # --- attention: Megatron-Core's MLA and QK norm (config/mla_config.py; Megatron-LM's
+    # defaults)
     Flag("--multi-latent-attention", "model", "extra.multi_latent_attention", None,
          "Megatron-Core's multi-latent attention (MLASelfAttention) in every layer, any "
          "variant", const=True),
