@@ -8,10 +8,11 @@ Design choices:
   describes a run and `RunConfig.to_dict()` is what gets written into the run directory.
 - Loading (`config_from_dict`) type-checks every field (config/typed_config.py) and resolves
   `model.preset` (the preset's values under the YAML's / flags'), once; `validate()` then
-  checks the fields and builds the model's Megatron config for the layout, so every
-  requirement of the variant fails here, naming the field and the fix, before any process
-  group or weight exists. Layout divisibility is `ParallelLayout.validate` (parallel.py).
-- Lives outside `training/` because the analysis tools read run configs too.
+  checks the fields (with a world size also the layout: `ParallelLayout.validate`,
+  parallel.py). The variant's requirements on the Megatron config for the layout are
+  checked where that config is built, `models/build.validate_run`, which the launcher calls
+  before any process group or weight exists; every error names the field and the fix.
+- Lives in config/, below models/, training/ and analysis/, which all read run configs.
 """
 
 from __future__ import annotations
