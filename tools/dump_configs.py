@@ -55,7 +55,7 @@ def preset_entries() -> Dict[str, Any]:
 
     out = {f"preset/{name}": entry({"model": {"preset": name}}) for name in preset_names()}
     for size in seed2_presets.SIZES:
-        for name in seed2_presets.preset_names():
+        for name in seed2_presets.family_names():
             fields = seed2_presets.get_preset(name, size=size).model_fields()
             out[f"seed2/{size}/{name}"] = entry({"model": fields})
     return out

@@ -94,7 +94,8 @@ FLAGS: List[Flag] = [
          "collective timeout (a dead rank fails the job after this)"),
     # --- model shape (None keeps the preset's value)
     Flag("--model-preset", "model", "preset", str,
-         "preset name in config/presets.py, e.g. tiny_multi_view"),
+         "preset name in config/presets.py, e.g. tiny_multi_view, mvmoe_10b_a1b, "
+         "seed2_mh_moe_h3 or seed2_tiny_fine_grained (the MH-MoE paper's family)"),
     Flag("--moe-variant", "model", "moe_variant", str,
          "dense|smoe|latent|multi_router|multi_view|mh_moe"),
     Flag("--num-layers", "model", "num_layers", int, "transformer layers"),

@@ -21,13 +21,19 @@ Design choices:
     Expert width F then sets the total: 10 B = non-expert + 24 x 128 x 3 L F gives
     F ~ 3970 -> 3968 (31 x 128). Shared expert 1024 wide on the full hidden state.
   Result: 10.02 B total (latent baseline 10.00 B), 1.24 B active (1.04 B without
-  embeddings); overheads 0.063 % and 0.189 %. The earlier shape (L = 1024, 160 experts of width 768: 0.080 % / 0.595 %) stays
-  as `mvmoe_10b_a1b_wide_latent`.
+  embeddings); overheads 0.063 % and 0.189 %. The earlier shape (L = 1024, 160 experts of
+  width 768: 0.080 % / 0.595 %) stays as `mvmoe_10b_a1b_wide_latent`.
+- The one registry: the seed-2 (MH-MoE paper) family of config/seed2_presets.py is
+  registered here too, `seed2_<name>` at paper size (D = 768, 12 layers) and
+  `seed2_tiny_<name>` at CPU size (D = 96, 4 layers), so `--model-preset` and every tool
+  choose any preset by one name, and an unknown name lists them all.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List
+
+from megatron_mvmoe.config import seed2_presets
 
 _TINY_BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                   vocab_size=4096, seq_length=64, num_experts=4, moe_ffn_hidden_size=64,
@@ -57,6 +63,10 @@ for _name in ("mvmoe_10b_a1b", "mvmoe_10b_a1b_wide_latent"):
     PRESETS[f"{_name}_baseline"] = dict(PRESETS[_name], moe_variant="latent", multi_view=dict(
         num_routers=1, num_views=1, gamma_ramp_steps=0))
 
+for _size, _prefix in (("paper", "seed2_"), ("tiny", "seed2_tiny_")):
+    for _name in seed2_presets.family_names():
+        PRESETS[_prefix + _name] = seed2_presets.get_preset(_name, size=_size).model_fields()
+
 # Layouts for the 10B-A1B model by GPU count: (tp, pp, ep). EP spans the data-parallel
 # ranks; TP stays inside a node; PP only when a replica no longer fits (see tools/plan.py).
 LAYOUTS_10B: Dict[int, Dict[str, int]] = {
@@ -70,4 +80,5 @@ LAYOUTS_10B: Dict[int, Dict[str, int]] = {
 
 
 def preset_names() -> List[str]:
+    """Every registered preset (ours and the seed-2 family), sorted."""
     return sorted(PRESETS)

@@ -144,8 +144,9 @@ def _moe_shape(recipe: tuple, hidden_size: int, shared: bool) -> MoELayerShape:
         shared_expert_ffn=_scaled(hidden_size, SHARED_FFN_OVER_D, "shared ffn") if shared else 0)
 
 
-def preset_names() -> list[str]:
-    """All preset names: the recipes plus `_shared` variants of the Table 2 models."""
+def family_names() -> list[str]:
+    """The family's model names: the recipes plus `_shared` variants of the Table 2 models
+    (registered in config/presets.py as seed2_<name> and seed2_tiny_<name>)."""
     return list(_RECIPES) + [f"{name}_shared" for name in SHAREABLE]
 
 
@@ -158,7 +159,7 @@ def get_preset(name: str, size: str = "paper", bitnet: bool = False,
     shared = name.endswith("_shared")
     base_name = name[: -len("_shared")] if shared else name
     if base_name not in _RECIPES or (shared and base_name not in SHAREABLE):
-        raise ValueError(f"name: unknown preset {name!r}. Fix: use one of {preset_names()}")
+        raise ValueError(f"name: unknown preset {name!r}. Fix: use one of {family_names()}")
     family, reference, matched, paper_row, recipe = _RECIPES[base_name]
     dims = dict(SIZES[size])
     if hidden_size is not None:
@@ -181,7 +182,7 @@ def get_preset(name: str, size: str = "paper", bitnet: bool = False,
 
 def all_presets(size: str = "paper", bitnet: bool = False) -> list[Seed2Preset]:
     """Every preset of one size."""
-    return [get_preset(name, size, bitnet) for name in preset_names()]
+    return [get_preset(name, size, bitnet) for name in family_names()]
 
 
 def with_overrides(preset: Seed2Preset, **model_fields) -> Seed2Preset:

@@ -40,6 +40,26 @@ def test_unknown_preset_named():
         model_from_preset("nope")
 
 
+def test_every_preset_of_both_families_is_one_model_preset_away():
+    """One registry: the seed-2 family is chosen by --model-preset like ours, and its run
+    config's model is the family's own model mapping (the parity tool's numbers)."""
+    from megatron_mvmoe.config.presets import preset_names
+    from megatron_mvmoe.config.seed2_presets import family_names, get_preset
+
+    names = preset_names()
+    assert {"tiny_multi_view", "mvmoe_10b_a1b"} <= set(names)
+    assert {f"seed2_{n}" for n in family_names()} <= set(names)
+    assert {f"seed2_tiny_{n}" for n in family_names()} <= set(names)
+    run = config_from_args(["--model-preset", "seed2_tiny_mh_moe_h3", "--train-iters", "2"])
+    expected = get_preset("mh_moe_h3", size="tiny").model_fields()
+    assert (run.model.moe_variant, run.model.multi_head.num_heads, run.model.num_experts,
+            run.model.hidden_size, run.model.extra) == (
+        "mh_moe", 3, expected["num_experts"], 96, expected["extra"])
+    with pytest.raises(ValueError, match=r"model\.preset: unknown preset 'seed2_nope'.*"
+                       r"seed2_tiny_smoe_shared.*tiny_smoe"):
+        config_from_args(["--model-preset", "seed2_nope"])
+
+
 def test_layout_that_does_not_divide():
     run = config_from_dict({"parallel": {"tp": 2, "pp": 2}})
     with pytest.raises(ValueError, match=r"tp\*pp = 2\*2 = 4 does not divide world size 6"):
