@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Literal, Mapping, Optional
 
 from megatron_mvmoe.config.presets import PRESETS, preset_names
 from megatron_mvmoe.config.transformer_config import (BitNetConfig, MultiHeadConfig,
                                                       MultiViewConfig)
 from megatron_mvmoe.config.typed_config import dataclass_from_dict, deep_merge
-from megatron_mvmoe.config.variants import Variant, get_variant
+from megatron_mvmoe.config.variants import VARIANT_NAMES, Variant, get_variant
 from megatron_mvmoe.errors import require
 
 
@@ -37,8 +37,9 @@ class ModelSection:
 
     preset: Optional[str] = None
     """Name in megatron_mvmoe.config.presets.PRESETS this model started from (recorded)."""
-    moe_variant: Optional[str] = None
-    """dense, smoe, latent, multi_router, multi_view or mh_moe."""
+    moe_variant: Optional[Literal[VARIANT_NAMES]] = None
+    """What the MLPs are (config/variants.py: dense, smoe, latent, multi_router, multi_view,
+    mh_moe); the values are the variant registry's names."""
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
     num_attention_heads: Optional[int] = None

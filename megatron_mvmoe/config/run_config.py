@@ -20,19 +20,21 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+import typing
+from typing import Any, Dict, List, Literal, Optional, Sequence
 
 import yaml
 
 from megatron_mvmoe.config.model_section import (LEGACY_FIELDS, ModelSection,
                                                  model_section_from_dict)
-from megatron_mvmoe.config.typed_config import dataclass_from_dict
+from megatron_mvmoe.config.typed_config import check_literals, dataclass_from_dict
 from megatron_mvmoe.errors import require as _require
 from megatron_mvmoe.parallel import ParallelLayout
 
 
-LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
-WARM_START_NEW_HEADS = ("fresh", "copy")
+LrDecayStyle = Literal["cosine", "linear", "constant", "inverse-square-root"]
+WarmStartNewHeads = Literal["fresh", "copy"]
+WARM_START_NEW_HEADS = typing.get_args(WarmStartNewHeads)
 """How a warm start initialises routing heads 1..R-1 (models/warm_start.py)."""
 
 
@@ -86,8 +88,8 @@ class OptimizerSection:
     adam_eps: float = 1e-8
     use_distributed_optimizer: bool = True
     """Shard optimizer states over the data-parallel ranks (ZeRO-1)."""
-    lr_decay_style: str = "cosine"
-    """cosine, linear, constant or inverse-square-root (Megatron's scheduler)."""
+    lr_decay_style: LrDecayStyle = "cosine"
+    """Shape of the decay after warmup (Megatron's OptimizerParamScheduler)."""
 
 
 @dataclass
@@ -95,7 +97,7 @@ class DataSection:
     """Where the tokens come from: our preprocessed directory, or Megatron-LM's conventions
     (prefixes and blends, per-split paths, mock data; megatron_mvmoe/data/megatron_blend.py)."""
 
-    kind: str = "indexed"
+    kind: Literal["indexed", "tokens"] = "indexed"
     """indexed: Megatron .bin/.idx datasets; tokens: .npy token arrays per domain and split
     (tests and tiny demos)."""
     path: Any = None
@@ -127,7 +129,7 @@ class DataSection:
     """NullTokenizer's ordinary ids (Megatron-LM's --vocab-size with NullTokenizer)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the model vocabulary to a multiple of this times TP (Megatron-LM's rule)."""
-    loader: str = "torch"
+    loader: Literal["torch", "dali"] = "torch"
     """torch (DataLoader) or dali (NVIDIA DALI pipeline; CPU pipelines work without a GPU)."""
 
     def megatron_conventions(self) -> bool:
@@ -172,14 +174,14 @@ class TrainingSection:
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, keep the checkpoint's schedule (also what happens with neither flag; a
     warning names the fields of this run that differ). See training/schedule_rule.py."""
-    ckpt_optimizer_format: str = "dp_reshardable"
+    ckpt_optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     """Distributed-optimizer checkpoint format: dp_reshardable (each DP shard saved as is;
     loads at another DP size, but a TP/PP/EP change restarts the Adam moments) or
     fully_reshardable (gathered on save; loads at any layout)."""
     save_interval: int = 0
     """Save every this many steps (0 = only at the end when save is set)."""
     seed: int = 1234
-    precision: str = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
     exit_on_nonfinite: bool = True
     """Stop with an error naming the step when the loss is NaN/inf."""
@@ -188,7 +190,7 @@ class TrainingSection:
     whose weights initialise this multi_view / multi_router model before step 1; the
     baseline's optimizer, step and data position are not loaded, the gamma ramp restarts.
     Skipped when `load` holds a checkpoint (a restarted warm-started run resumes)."""
-    warm_start_new_heads: str = "fresh"
+    warm_start_new_heads: WarmStartNewHeads = "fresh"
     """Routing heads 1..R-1 of a warm start: fresh (own initialisation, the paper) or copy
     (copies of the baseline head: the first forward equals the baseline's)."""
     moe_use_upcycling: bool = False
@@ -254,6 +256,8 @@ class RunConfig:
     def validate(self, world_size: Optional[int] = None,
                  num_layers: Optional[int] = None, num_experts: Optional[int] = None) -> None:
         """Field checks; with world_size also the layout and batch divisibility."""
+        for section in dataclasses.fields(self):  # enum-like fields set in code after loading
+            check_literals(getattr(self, section.name), section.name)
         t, o = self.training, self.optimizer
         _require(t.train_iters >= 0, "training.train_iters", f"got {t.train_iters}",
                  "use --train-iters >= 0 (0 only evaluates/saves the initial model)")
@@ -266,14 +270,6 @@ class RunConfig:
         _require(o.warmup_iters >= 0 and (t.train_iters == 0 or o.warmup_iters < decay), "optimizer.warmup_iters",
                  f"{o.warmup_iters} warmup steps must be < decay steps {decay}",
                  "lower --lr-warmup-iters or raise --lr-decay-iters/--train-iters")
-        _require(t.precision in ("auto", "bf16", "fp32"), "training.precision",
-                 f"unknown {t.precision!r}", "use auto, bf16 or fp32")
-        _require(t.ckpt_optimizer_format in ("dp_reshardable", "fully_reshardable"),
-                 "training.ckpt_optimizer_format", f"unknown {t.ckpt_optimizer_format!r}",
-                 "use dp_reshardable or fully_reshardable")
-        _require(t.warm_start_new_heads in WARM_START_NEW_HEADS, "training.warm_start_new_heads",
-                 f"unknown {t.warm_start_new_heads!r}",
-                 f"use one of {WARM_START_NEW_HEADS} (--warm-start-new-heads)")
         _require(not t.moe_use_upcycling or t.warm_start_from is not None,
                  "training.moe_use_upcycling", "no dense checkpoint to upcycle from",
                  "pass --warm-start-from <dense checkpoint> (or Megatron-LM's --load <dense "
@@ -282,12 +278,6 @@ class RunConfig:
                  "training.override_opt_param_scheduler",
                  "both --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
                  "are set", "pass one of them")
-        _require(self.data.kind in ("indexed", "tokens"), "data.kind",
-                 f"unknown {self.data.kind!r}", "use indexed or tokens")
-        _require(self.data.loader in ("torch", "dali"), "data.loader",
-                 f"unknown {self.data.loader!r}", "use torch or dali (--data-loader)")
-        _require(o.lr_decay_style in LR_DECAY_STYLES, "optimizer.lr_decay_style",
-                 f"unknown {o.lr_decay_style!r}", f"use one of {LR_DECAY_STYLES}")
         _require(t.keep_last >= 0, "training.keep_last", f"got {t.keep_last}",
                  "use --keep-last 0 (keep every checkpoint) or N >= 1")
         _require(t.exit_interval is None or t.exit_interval > 0, "training.exit_interval",

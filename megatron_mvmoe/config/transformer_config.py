@@ -16,7 +16,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -59,7 +59,7 @@ class MultiViewConfig:
     """Floor on the selected-score sum in Eq. 3. Megatron uses 1e-20, which lets a
     sigmoid router shrink all scores to game the aux loss (Megatron-LM issue 1545)."""
 
-    kernels: str = "auto"
+    kernels: Literal[KERNEL_BACKENDS] = "auto"
     """Mix-and-permute implementation of the Multi-View layer (package mvmoe_kernels):
     "auto" defers to the MVMOE_KERNELS environment variable, whose default picks the fused
     Triton kernel for CUDA tensors and the torch path elsewhere; "triton" forces the kernel

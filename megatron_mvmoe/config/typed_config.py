@@ -9,6 +9,10 @@ Design choices:
   `training.train_iters`.
 - Values are never coerced: YAML gives strings for quoted booleans ("false") and numbers
   ("10"), and a string "false" would otherwise read as true. Ints widen to floats.
+- An enum-like field is annotated `Literal[...]` (e.g. `precision: Literal["auto", "bf16",
+  "fp32"]`): the annotation is the one list of allowed values, the loader refuses any
+  other naming the field and the values, and `check_literals` re-checks a loaded config
+  whose fields were set in code.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def checked_value(where: str, value: Any, hint: Any) -> Any:
     hint, is_none = _unwrap_optional(where, value, hint)
     if is_none:
         return None
+    if typing.get_origin(hint) is typing.Literal:
+        return _checked_literal(where, value, typing.get_args(hint))
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
@@ -59,6 +65,27 @@ def checked_value(where: str, value: Any, hint: Any) -> Any:
         raise ValueError(f"{where}: expected {_TYPE_NAMES.get(hint, hint)}, got "
                          f"{value!r}. Fix: write {_TYPE_NAMES.get(hint, hint)}{unquote}")
     return float(value) if hint is float else value
+
+
+def _checked_literal(where: str, value: Any, allowed: tuple) -> Any:
+    if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+        raise ValueError(f"{where}: unknown {value!r}. Fix: use one of "
+                         f"{', '.join(str(a) for a in allowed)}")
+    return value
+
+
+def check_literals(config: Any, where: str) -> None:
+    """Every `Literal[...]` field of a config dataclass (nested ones included) holds one of
+    its values; for configs changed in code after loading (ValueError naming the field)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, hint = getattr(config, f.name), hints[f.name]
+        if dataclasses.is_dataclass(value):
+            check_literals(value, f"{where}.{f.name}")
+            continue
+        hint, is_none = _unwrap_optional(f"{where}.{f.name}", value, hint)
+        if not is_none and typing.get_origin(hint) is typing.Literal:
+            _checked_literal(f"{where}.{f.name}", value, typing.get_args(hint))
 
 
 def dataclass_from_dict(cls, values: Mapping[str, Any], where: str):

@@ -101,7 +101,8 @@ def test_multi_view_and_bitnet_switches_reach_the_layer_config():
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--multi-view-kernels", "cuda"], r"^model\.multi_view\.kernels: unknown kernel backend 'cuda'"),
+    (["--multi-view-kernels", "cuda"], r"^model\.multi_view\.kernels: unknown 'cuda'\. Fix: use one of auto, triton, "
+     "reference"),
     (["--gate-scale", "0"], r"^model\.multi_view\.gate_scale: must be > 0"),
     (["--warm-start-new-heads", "clone"], r"training.warm_start_new_heads: unknown 'clone'"),
 ])
@@ -155,3 +156,31 @@ def test_every_example_yaml_passes_the_type_checks():
 
     for path in sorted(glob.glob("examples/**/*.yaml", recursive=True)):
         load_yaml(path)
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"training": {"precision": "fp16"}},
+     r"^training\.precision: unknown 'fp16'\. Fix: use one of auto, bf16, fp32$"),
+    ({"data": {"loader": "ray"}}, r"^data\.loader: unknown 'ray'\. Fix: use one of torch, dali$"),
+    ({"optimizer": {"lr_decay_style": "step"}},
+     r"^optimizer\.lr_decay_style: unknown 'step'\. Fix: use one of cosine, linear, constant, "
+     r"inverse-square-root$"),
+    ({"model": {"preset": "tiny_smoe", "moe_variant": "moe"}},
+     r"^model\.moe_variant: unknown 'moe'\. Fix: use one of dense, smoe, latent, multi_router, "
+     r"multi_view, mh_moe$"),
+])
+def test_literal_fields_name_the_field_and_the_allowed_values(raw, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict(raw)
+
+
+def test_literal_fields_set_in_code_are_checked_at_validate():
+    run = config_from_dict({"model": {"preset": "tiny_smoe"}})
+    run.validate()
+    run.training.ckpt_optimizer_format = "sharded"
+    with pytest.raises(ValueError, match=r"^training\.ckpt_optimizer_format: unknown 'sharded'"):
+        run.validate()
+    run.training.ckpt_optimizer_format = "fully_reshardable"
+    run.model.multi_view.kernels = "cuda"
+    with pytest.raises(ValueError, match=r"^model\.multi_view\.kernels: unknown 'cuda'"):
+        run.validate()
