@@ -34,25 +34,16 @@ import functools
 import importlib
 import os
 import warnings
-from dataclasses import dataclass
-from typing import Callable, List
+from typing import List
 
 import numpy as np
 import torch
 
+from megatron_mvmoe.platform import torch_adam_fixes
+from megatron_mvmoe.platform.patch import Patch
+
 MEGATRON_VERSION_PATCHED = "0.19.2"
 _APPLIED_MARK = "_mvmoe_cpu_patches_applied"
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One CPU patch of Megatron-Core (or of torch.cuda as Megatron uses it)."""
-
-    name: str
-    reason: str
-    apply: Callable[[], None]
-    still_needed: Callable[[], bool]
-    """True while unpatched Megatron/torch still breaks at this point on CPU."""
 
 
 # ---------------------------------------------------------------- torch.cuda stand-ins
@@ -300,36 +291,6 @@ def _rng_tracker_breaks() -> bool:
     restored = torch.equal(torch.get_rng_state(), state)
     torch.set_rng_state(state)
     return not restored
-
-
-# ------------------------------------------------- optimizer state on the torch-Adam path
-def _keep_states_missing_from_checkpoint() -> None:
-    """Without apex/TE the optimizer is torch's Adam, whose per-parameter state also holds
-    `step`; the fully_reshardable checkpoint carries only param/exp_avg/exp_avg_sq, and
-    `_set_main_param_and_optimizer_states` copies every destination key (KeyError 'step').
-    Keys the checkpoint lacks keep their current value (the trainer restores the step)."""
-    module = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    cls = module.DistributedOptimizer
-    original = cls._set_main_param_and_optimizer_states
-
-    @functools.wraps(original)
-    def set_states(self, model_param, tensors):
-        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            current = self._get_main_param_and_optimizer_states(model_param)
-            tensors = {**{k: v for k, v in current.items() if k not in tensors}, **tensors}
-        return original(self, model_param, tensors)
-
-    set_states._mvmoe_wrapped = True
-    cls._set_main_param_and_optimizer_states = set_states
-
-
-def _optimizer_states_break() -> bool:
-    import inspect
-
-    module = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    fn = module.DistributedOptimizer._set_main_param_and_optimizer_states
-    return (not getattr(fn, "_mvmoe_wrapped", False)
-            and "for key in dst_tensors" in inspect.getsource(fn))
 
 
 # ------------------------------------------------------------ MoE-specific patches
@@ -764,10 +725,7 @@ PATCHES: List[Patch] = [
           "model_parallel_cuda_manual_seed / get_cuda_rng_tracker().fork() read and set "
           "CUDA generator states (dot_product_attention forks it on every forward).",
           _cpu_rng_tracker, _rng_tracker_breaks),
-    Patch("optimizer states missing from a checkpoint",
-          "loading a fully_reshardable optimizer checkpoint into torch's Adam (no apex/TE) "
-          "fails with KeyError 'step' in _set_main_param_and_optimizer_states.",
-          _keep_states_missing_from_checkpoint, _optimizer_states_break),
+    torch_adam_fixes.STATES_MISSING_FROM_CHECKPOINT,
     Patch("model-parallel groups pooled",
           "initialize_model_parallel builds new (gloo on CPU) subgroups on every call and "
           "destroy_model_parallel only forgets them; their threads die only with the last "
@@ -795,6 +753,7 @@ PATCHES: List[Patch] = [
 
 # Upstream fixes of 0.19.2 bugs, applied on every platform (GPU runs included).
 UPSTREAM_FIXES: List[Patch] = [
+    *torch_adam_fixes.EVERY_PLATFORM,
     Patch("upstream #6114 expert-bias padding",
           "TopKRouter._apply_expert_bias masks the [T, E] map with a [T] padding mask "
           "unbroadcast: a shape error when T != E, a wrong mask when T == E.",

@@ -67,41 +67,11 @@ def fingerprint(trainer: Trainer) -> Dict:
     return model_fingerprint(trainer.run.model)
 
 
-def _ensure_optimizer_state(optimizer) -> None:
-    """Without apex/TE, DistributedOptimizer.state_dict() asserts on a fresh optimizer (no
-    'step' yet), which a load must build first; give it placeholder states as Megatron's
-    own FSDP path does. They are overwritten by the load together with the weights."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and len(inner.optimizer.state) == 0:
-            inner._init_optimizer_states_with_dummy_values()
-
-
-def _restore_adam_steps(optimizer) -> None:
-    """Megatron 0.16.1's torch-AdamW path (no apex/TE) restores the per-parameter 'step'
-    wrongly: from the load placeholders (1, not the saved step) and as ONE tensor shared by
-    every parameter, which AdamW then increments once per parameter. The saved step is in
-    each param group (Megatron writes it there); give every state its own copy of it."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        for group in getattr(torch_optimizer, "param_groups", []):
-            if group.get("step") is None:
-                continue
-            for param in group["params"]:
-                state = torch_optimizer.state.get(param)
-                if state and torch.is_tensor(state.get("step")):
-                    state["step"] = torch.tensor(float(group["step"]),
-                                                 dtype=state["step"].dtype)
-
-
 def _sharded_state_dict(trainer: Trainer, is_loading: bool, optimizer_format: Optional[str]
                         ) -> Dict:
     state = model_sharded_state_dict(trainer.unwrapped())
     if optimizer_format is None:
         return state
-    if is_loading:
-        _ensure_optimizer_state(trainer.optimizer)
     metadata = {"distrib_optim_sharding_type": optimizer_format}
     if not is_cuda():
         # fully_reshardable gathers over NCCL with `.cuda()` unless asked to use the gloo
@@ -361,7 +331,6 @@ def _load_optimizer(trainer: Trainer, state: Dict) -> None:
         trainer.optimizer.load_state_dict(state)
     apply_schedule_rule(trainer.optimizer, checkpoint_values,
                         bool(trainer.run.training.override_opt_param_scheduler))
-    _restore_adam_steps(trainer.optimizer)
 
 
 def _layout(trainer: Trainer) -> Dict[str, Optional[int]]:
