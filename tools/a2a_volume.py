@@ -27,13 +27,10 @@ Examples:
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mvmoe.analysis import tool_common  # noqa: E402
+from megatron_mvmoe.analysis import tool_common
 
 PRESETS = {"latent": "tiny_latent", "multi_router": "tiny_multi_router",
            "multi_view": "tiny_multi_view", "mh_moe": "tiny_mh_moe", "smoe": "tiny_smoe"}

@@ -37,11 +37,9 @@ from typing import Dict, List
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
 
-from megatron_mvmoe.analysis import layer_bench as lb  # noqa: E402
+from megatron_mvmoe.analysis import layer_bench as lb
 
 _SHAPE_FLAGS = {"hidden": "hidden_size", "latent": "latent_size", "experts": "num_experts",
                 "topk": "moe_router_topk", "expert_ffn": "moe_ffn_hidden_size",

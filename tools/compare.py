@@ -35,10 +35,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mvmoe.analysis import tool_common  # noqa: E402
-from megatron_mvmoe.analysis.compare_variants import REFERENCES, SUITES  # noqa: E402
+from megatron_mvmoe.analysis import tool_common
+from megatron_mvmoe.analysis.compare_variants import REFERENCES, SUITES
 
 
 def parse_args(argv=None):

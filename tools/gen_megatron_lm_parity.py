@@ -45,7 +45,6 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 COMMIT = "f8837c04ef6cbef6cdefb8de001aad63178aebbf"
 CASE = "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel"

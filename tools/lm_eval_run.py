@@ -23,9 +23,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mvmoe.analysis.tool_common import existing_path, tool_parser  # noqa: E402
+from megatron_mvmoe.analysis.tool_common import existing_path, tool_parser
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task data is local; never the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

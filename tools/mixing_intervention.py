@@ -12,14 +12,11 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mvmoe.analysis import tool_common  # noqa: E402
-from megatron_mvmoe.analysis.interventions import POLICIES  # noqa: E402
+from megatron_mvmoe.analysis import tool_common
+from megatron_mvmoe.analysis.interventions import POLICIES
 
 
 def parse_args(argv=None):

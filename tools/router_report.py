@@ -11,12 +11,9 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mvmoe.analysis import tool_common  # noqa: E402
+from megatron_mvmoe.analysis import tool_common
 
 
 def parse_args(argv=None):
