@@ -13,7 +13,9 @@ included), so the layering cannot erode silently:
 - only tests (and testing itself) import megatron_mvmoe.testing (tools launch local ranks
   through megatron_mvmoe.launch.local_ranks);
 - dev_cluster (the root-only Slurm test cluster) imports no other part of megatron_mvmoe,
-  and no part of the package imports it (tools and tests do).
+  and no part of the package imports it (tools and tests do);
+- tools/ are leaves: no tool imports another tool, and only tools/megatron_moe_tests.py (it
+  runs Megatron's own tests) imports megatron_mvmoe.testing.
 
 KNOWN_VIOLATIONS lists the edges that still break a rule, as debt: a new one fails the test,
 and removing one (the fix) fails it too until the list is shortened.
@@ -131,3 +133,39 @@ def test_a_forbidden_import_is_caught():
     assert ("megatron_mvmoe.functional.routing", "megatron") in found
     assert ("megatron_mvmoe.analysis.stats", "megatron_mvmoe.training") in found
     assert ("megatron_mvmoe.layers.latent_moe", "megatron_mvmoe.testing") in found
+
+
+# ------------------------------------------------------------------------- tools/
+TOOL_NAMES = frozenset(p.stem for p in (ROOT / "tools").glob("*.py"))
+TOOLS_ALLOWED_TESTING = {
+    "tools.megatron_moe_tests": "runs Megatron-Core's own MoE tests through the test adapter",
+}
+
+
+def tool_graph() -> Dict[str, Set[str]]:
+    return {f"tools.{p.stem}": imports_of(p) for p in sorted((ROOT / "tools").glob("*.py"))}
+
+
+def tool_violations(edges: Dict[str, Set[str]]) -> Set[Tuple[str, str]]:
+    """Tools are leaves: none imports another tool (shared logic lives in the package), and
+    only the listed ones import megatron_mvmoe.testing (tools launch ranks through
+    megatron_mvmoe.launch.local_ranks)."""
+    out = set()
+    for tool, targets in edges.items():
+        for target in targets:
+            if target.split(".")[0] in TOOL_NAMES:
+                out.add((tool, f"tool {target}"))
+            if _within(target, "megatron_mvmoe.testing") and tool not in TOOLS_ALLOWED_TESTING:
+                out.add((tool, "megatron_mvmoe.testing"))
+    return out
+
+
+def test_tools_are_leaves():
+    assert tool_violations(tool_graph()) == set()
+
+
+def test_a_tool_importing_a_tool_or_testing_is_caught():
+    edges = tool_graph()
+    edges["tools.plan"] = edges["tools.plan"] | {"a2a_volume", "megatron_mvmoe.testing.spawn"}
+    assert tool_violations(edges) == {("tools.plan", "tool a2a_volume"),
+                                      ("tools.plan", "megatron_mvmoe.testing")}

@@ -98,7 +98,7 @@ def measure(args) -> Dict:
 
 
 def _measure_in(args, work: str) -> Dict:
-    from megatron_mvmoe.testing.spawn import run_distributed
+    from megatron_mvmoe.launch.local_ranks import run_distributed
 
     from textdata import build_token_dir
 
