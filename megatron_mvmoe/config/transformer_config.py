@@ -116,7 +116,8 @@ class BitNetConfig:
     """BitNet b1.58 quantization-aware training for linear layers (seed 001, Table 3)."""
 
     enabled: bool = False
-    """Ternary weights {-1, 0, +1} x absmean scale, int8 absmax activations, STE."""
+    """BitNet b1.58 quantization-aware training: ternary weights {-1, 0, +1} x absmean
+    scale, int8 absmax activations, straight-through estimator."""
 
     activation_bits: int = 8
     """Bits of the per-token absmax activation quantizer."""

@@ -184,3 +184,39 @@ def test_literal_fields_set_in_code_are_checked_at_validate():
     run.model.multi_view.kernels = "cuda"
     with pytest.raises(ValueError, match=r"^model\.multi_view\.kernels: unknown 'cuda'"):
         run.validate()
+
+
+def test_flag_help_is_the_fields_docstring():
+    """The flag table restates no docstring: the help of a flag that sets a modelled field
+    is that field's attribute docstring (read from the source), plus the flag's note."""
+    import dataclasses
+    from typing import Optional
+
+    from megatron_mvmoe.config.field_docs import doc_of, field_docs
+    from megatron_mvmoe.config.flags import FLAGS, flag_help
+    from megatron_mvmoe.config.run_config import RunConfig
+
+    @dataclasses.dataclass
+    class Inner:
+        width: int = 1
+        """How wide
+        it is."""
+        undocumented: Optional[int] = None
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Inner = dataclasses.field(default_factory=Inner)
+        """The inner part."""
+
+    assert field_docs(Outer) == {"inner": "The inner part."}
+    assert (doc_of(Outer, "inner.width"), doc_of(Outer, "inner.undocumented"),
+            doc_of(Outer, "inner.nope.x")) == ("How wide it is.", None, None)
+    modelled = [f for f in FLAGS if f.const is None and not f.field.startswith("extra.")]
+    assert len(modelled) > 80
+    for flag in modelled:
+        doc = doc_of(RunConfig, f"{flag.section}.{flag.field}")
+        assert doc, f"{flag.name}: [{flag.section}.{flag.field}] has no docstring"
+        assert flag_help(flag).startswith(doc.rstrip(".").replace("%", "%%")), flag.name
+    assert doc_of(RunConfig, "model.multi_view.num_routers").startswith("R: sigmoid routing")
+    assert "[model.extra.moe_aux_loss_coeff]" in flag_help(
+        next(f for f in FLAGS if f.name == "--moe-aux-loss-coeff"))
