@@ -381,7 +381,7 @@ def main_scale(args) -> int:
 
 def _checkpoint_profile(args):
     from megatron_mvmoe.analysis.a2a_scale import tiny_real_routing_rows
-    from megatron_mvmoe.analysis.checkpoint_routing import checkpoint_routing, load_profile
+    from megatron_mvmoe.analysis.routing.checkpoint_routing import checkpoint_routing, load_profile
 
     _progress(f"routing held-out text through {args.checkpoint}")
     found = checkpoint_routing(args.checkpoint, args.heldout_batches, seed=args.seed)

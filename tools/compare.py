@@ -6,7 +6,7 @@ differences to the reference with 95 % t intervals and the smallest detectable d
 and a table of the papers' orderings (appears / reversed / not resolved), loss-curve PNGs,
 the exact command and wall times.
 
-Suites (analysis/compare_variants.py):
+Suites (analysis/compare/suites.py):
   a   latent baseline vs Multi-Router vs Multi-View (+ stop-gradient ablation)    (seed 000)
   b   dense, SMoE, fine-grained, MH-MoE h=2/h=3, shared expert, head/merge ablations,
       D = 96 so that h = 3 sub-tokens are 32 wide                                (seed 001)
@@ -36,7 +36,7 @@ import sys
 import time
 
 from megatron_mvmoe.analysis import tool_common
-from megatron_mvmoe.analysis.compare_variants import REFERENCES, SUITES
+from megatron_mvmoe.analysis.compare.suites import REFERENCES, SUITES
 
 
 def parse_args(argv=None):
@@ -148,9 +148,9 @@ def _train(rank, world_size, run):
 
 
 def _write(out_dir, suite, payload, results, variants, smooth=25):
-    from megatron_mvmoe.analysis.compare_report import (loss_curves, markdown_table,
+    from megatron_mvmoe.analysis.compare.report import (loss_curves, markdown_table,
                                                         ordering_rows, orderings_table)
-    from megatron_mvmoe.analysis.compare_variants import ORDERINGS
+    from megatron_mvmoe.analysis.compare.suites import ORDERINGS
     from megatron_mvmoe.analysis.plots import plot_curves
 
     os.makedirs(out_dir, exist_ok=True)
@@ -234,7 +234,7 @@ def _render_only(args, chosen) -> int:
 
 def prepare_data(args):
     """Check (tokens) or build if missing (indexed) the data; fixes args.eval_iters = 0."""
-    from megatron_mvmoe.analysis.compare_data import (DataBuild, DataRecipe, ensure_dataset,
+    from megatron_mvmoe.analysis.compare.data import (DataBuild, DataRecipe, ensure_dataset,
                                                       full_eval_iters)
 
     if args.data_kind == "tokens":
@@ -255,7 +255,7 @@ def prepare_data(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_mvmoe.analysis.compare_variants import variants as build_variants
+    from megatron_mvmoe.analysis.compare.suites import variants as build_variants
 
     try:
         chosen = build_variants(args.suite, args.variants, args.seq_length)
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
         return tool_common.fail(str(err))[0]
     import megatron_mvmoe.training.pretrain  # noqa: F401  (import once, before forking ranks)
 
-    from megatron_mvmoe.analysis.compare_store import RunStore, run_key
+    from megatron_mvmoe.analysis.compare.store import RunStore, run_key
 
     store, shared = RunStore(args.runs_dir), setup(args)
     results = {v.name: [] for v in chosen}

@@ -69,7 +69,7 @@ def yaml_entries() -> Dict[str, Any]:
 
 
 def suite_entries() -> Dict[str, Any]:
-    from megatron_mvmoe.analysis.compare_variants import SUITES, variants
+    from megatron_mvmoe.analysis.compare.suites import SUITES, variants
 
     return {f"suite/{suite}/{v.name}": entry({"model": dict(v.model)})
             for suite in sorted(SUITES) for v in variants(suite)}

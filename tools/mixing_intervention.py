@@ -16,7 +16,7 @@ import sys
 import time
 
 from megatron_mvmoe.analysis import tool_common
-from megatron_mvmoe.analysis.interventions import POLICIES
+from megatron_mvmoe.analysis.routing.interventions import POLICIES
 
 
 def parse_args(argv=None):
@@ -31,8 +31,9 @@ def parse_args(argv=None):
 
 
 def _rank(rank, world_size, spec, args):
-    from megatron_mvmoe.analysis import model_access, moe_probe
-    from megatron_mvmoe.analysis.interventions import run_interventions
+    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.analysis.routing import probe as moe_probe
+    from megatron_mvmoe.analysis.routing.interventions import run_interventions
 
     opened = tool_common.open_for_rank(spec, args)
     layers = moe_probe.moe_layers(opened.model)

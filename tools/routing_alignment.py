@@ -35,7 +35,8 @@ def parse_args(argv=None):
 
 
 def _analyse(rank, world_size, spec, args):
-    from megatron_mvmoe.analysis import alignment_run, model_access
+    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.analysis.routing import alignment_run
 
     opened = tool_common.open_for_rank(spec, args)
     by_domain = model_access.heldout_batches(opened.run, args.batches, args.batch_size,

@@ -32,7 +32,7 @@ from megatron_mvmoe.analysis.link_time import LinkSpec, a2a_share, compute_time_
     layer_a2a_time_s
 from megatron_mvmoe.analysis.placement import EpPlacement
 from megatron_mvmoe.analysis.plan import flops_per_token
-from megatron_mvmoe.analysis.routing_load import max_over_mean, rank_loads, routing_maps
+from megatron_mvmoe.analysis.routing.rank_load import max_over_mean, rank_loads, routing_maps
 from megatron_mvmoe.config.model_section import ModelSection, model_from_preset
 from megatron_mvmoe.config.presets import LAYOUTS_10B
 

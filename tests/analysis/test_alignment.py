@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.alignment import (
+from megatron_mvmoe.analysis.routing.alignment import (
     alignment_report, forced_gates, forced_loss_utility, normalised_output_norm, toggle_signs)
 
 

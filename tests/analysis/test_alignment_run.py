@@ -8,7 +8,7 @@ from megatron_mvmoe.testing.spawn import run_distributed
 
 
 def _layer_reconstruction(layer, hidden_SBD):
-    from megatron_mvmoe.analysis import moe_probe
+    from megatron_mvmoe.analysis.routing import probe as moe_probe
 
     probe = moe_probe.probe_routing(layer, hidden_SBD)
     outputs_TEL = moe_probe.dense_expert_outputs(
@@ -26,7 +26,8 @@ def _layer_reconstruction(layer, hidden_SBD):
 
 def _rank(rank, world_size):
     import toy_lm
-    from megatron_mvmoe.analysis import alignment_run, moe_probe
+    from megatron_mvmoe.analysis.routing import alignment_run
+    from megatron_mvmoe.analysis.routing import probe as moe_probe
     from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
     from megatron_mvmoe.platform import apply_cpu_patches
 

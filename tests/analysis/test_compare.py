@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from megatron_mvmoe.analysis.compare_report import (
+from megatron_mvmoe.analysis.compare.report import (
     Cell, inside_noise, markdown_table, perplexity_cells)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +23,7 @@ def test_perplexity_cells_hand_case():
 
 
 def test_final_loss_cell():
-    from megatron_mvmoe.analysis.compare_report import final_loss_cell
+    from megatron_mvmoe.analysis.compare.report import final_loss_cell
 
     cell = final_loss_cell([{"losses": [9.0, 2.0, 4.0]}, {"losses": [9.0, 4.0, 6.0]}], last=2)
     assert (cell.mean, cell.n) == (4.0, 2) and cell.std == pytest.approx(math.sqrt(2))
@@ -65,7 +65,7 @@ def test_paired_interval_and_detectable_difference_hand_case():
 
 
 def test_orderings_pair_by_seed_and_say_what_appears():
-    from megatron_mvmoe.analysis.compare_report import ordering_rows, orderings_table
+    from megatron_mvmoe.analysis.compare.report import ordering_rows, orderings_table
 
     def runs(values, seeds=None):
         return [{"eval": {"x": math.log(v)}, "seed": s}
@@ -86,7 +86,7 @@ def test_orderings_pair_by_seed_and_say_what_appears():
 
 
 def test_loss_curves_leave_out_runs_resumed_mid_way():
-    from megatron_mvmoe.analysis.compare_report import loss_curves
+    from megatron_mvmoe.analysis.compare.report import loss_curves
 
     curves = loss_curves({"a": [{"losses": [3, 2, 1]}, {"losses": [1.5], "first_step": 3}],
                           "b": [{"losses": [1.0], "first_step": 3}]})
@@ -94,7 +94,7 @@ def test_loss_curves_leave_out_runs_resumed_mid_way():
 
 
 def test_run_store_is_resumable_and_keyed_by_setup(tmp_path):
-    from megatron_mvmoe.analysis.compare_store import RunStore, run_key
+    from megatron_mvmoe.analysis.compare.store import RunStore, run_key
 
     store = RunStore(str(tmp_path / "runs"))
     key = run_key("latent", {"preset": "tiny_latent"}, 1, {"train_iters": 1000})
@@ -110,7 +110,7 @@ def test_run_store_is_resumable_and_keyed_by_setup(tmp_path):
 
 
 def test_variants_keep_the_parity_recipes():
-    from megatron_mvmoe.analysis.compare_variants import variants
+    from megatron_mvmoe.analysis.compare.suites import variants
 
     b = {v.name: v for v in variants("b")}
     assert b["mh_moe_h3"].model["num_experts"] == 96 and b["mh_moe_h3"].model["moe_router_topk"] == 3
@@ -125,7 +125,7 @@ def test_variants_keep_the_parity_recipes():
     views = c["multi_view_r4"].model["multi_view"]
     assert views["num_routers"] == views["num_views"] == 4
     assert c["multi_view_fine"].model["num_experts"] == 8 and c["latent"].model == a["latent"].model
-    from megatron_mvmoe.analysis.compare_variants import ORDERINGS
+    from megatron_mvmoe.analysis.compare.suites import ORDERINGS
 
     for suite, rows in ORDERINGS.items():  # every ordering names variants of its suite
         names = {v.name for v in variants(suite)}
@@ -227,7 +227,7 @@ def test_new_suites_train(tmp_path, capsys, suite, variant):
 
 
 def test_data_commands_and_full_eval_iters(tmp_path):
-    from megatron_mvmoe.analysis.compare_data import (
+    from megatron_mvmoe.analysis.compare.data import (
         DataRecipe, build_commands, ensure_dataset, full_eval_iters)
 
     corpus_cmd, tok_cmd = build_commands(str(tmp_path / "d"), DataRecipe(3.0, 4096, 2.0))
@@ -280,8 +280,8 @@ def test_committed_run_store_is_found_by_todays_variants():
     until the store is migrated, instead of silently retraining 10 hours of runs."""
     import compare
 
-    from megatron_mvmoe.analysis.compare_store import run_key
-    from megatron_mvmoe.analysis.compare_variants import SUITES, variants
+    from megatron_mvmoe.analysis.compare.store import run_key
+    from megatron_mvmoe.analysis.compare.suites import SUITES, variants
 
     store = os.path.join(ROOT, "examples", "results", "compare_runs")
     reachable = set()

@@ -10,7 +10,7 @@ from megatron_mvmoe.analysis.dispatch_semantics import (KINDS, SEMANTICS, Payloa
                                                         link_bytes, sent_by_link)
 from megatron_mvmoe.analysis.link_time import LinkSpec, layer_a2a_time_s, rank_times_s
 from megatron_mvmoe.analysis.placement import EpPlacement
-from megatron_mvmoe.analysis.routing_load import rank_loads, routing_maps
+from megatron_mvmoe.analysis.routing.rank_load import rank_loads, routing_maps
 
 
 def _naive(maps, pl, shape, semantics):
@@ -163,7 +163,7 @@ def test_link_time_by_hand():
 
 def test_load_profile_and_tiny_rows():
     from megatron_mvmoe.analysis.a2a_scale import tiny_real_routing_rows
-    from megatron_mvmoe.analysis.checkpoint_routing import load_profile
+    from megatron_mvmoe.analysis.routing.checkpoint_routing import load_profile
 
     map_a = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)  # loads 2, 1, 1, 0
     map_b = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)  # loads 0, 0, 2, 2

@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.diversity import (
+from megatron_mvmoe.analysis.routing.diversity import (
     diversity_report, head_argmax_disagreement, head_rank_correlation, head_topk_overlap,
     mixing_entropy)
-from megatron_mvmoe.analysis.load import (
+from megatron_mvmoe.analysis.routing.expert_load import (
     load_report, load_stats, tokens_per_expert, tokens_per_expert_from_idx, tokens_per_rank)
 
 

@@ -3,7 +3,7 @@ policies change the NLL while selection and gates stay exactly fixed."""
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.interventions import POLICIES, replace_mixing
+from megatron_mvmoe.analysis.routing.interventions import POLICIES, replace_mixing
 from megatron_mvmoe.testing.spawn import run_distributed
 
 
@@ -21,7 +21,7 @@ def test_replace_mixing_policies():
 
 
 def _interventions_rank(rank, world_size):
-    from megatron_mvmoe.analysis.interventions import override_mixing, run_interventions
+    from megatron_mvmoe.analysis.routing.interventions import override_mixing, run_interventions
     from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
     from megatron_mvmoe.platform import apply_cpu_patches
     import toy_lm
@@ -55,7 +55,7 @@ def test_identity_exact_and_routing_fixed():
 
 
 def test_refuses_non_multi_view_layer():
-    from megatron_mvmoe.analysis.interventions import override_mixing
+    from megatron_mvmoe.analysis.routing.interventions import override_mixing
     with pytest.raises(ValueError, match="mixes no views"):
         with override_mixing(torch.nn.Linear(2, 2), "identity"):
             pass

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_mvmoe.analysis.alignment import forced_gates, toggle_signs
+from megatron_mvmoe.analysis.routing.alignment import forced_gates, toggle_signs
 from megatron_mvmoe.views import mix_views, mixing_weights
 
 

@@ -19,7 +19,8 @@ import torch
 
 
 def _rank(rank, world_size, checkpoint: str, batches: int, batch_size: int, seed: int):
-    from megatron_mvmoe.analysis import model_access, moe_probe, tool_common
+    from megatron_mvmoe.analysis import model_access, tool_common
+    from megatron_mvmoe.analysis.routing import probe as moe_probe
 
     spec = tool_common.parse_model_spec(checkpoint)
     opened = tool_common.open_spec(spec, tool_common.in_rank_setup())

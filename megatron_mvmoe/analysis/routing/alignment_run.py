@@ -1,12 +1,12 @@
 """Run the score-utility alignment analysis on a model: dense evaluation of every expert at
-every MoE layer, both utilities, per-layer and global Spearman (analysis/alignment.py).
+every MoE layer, both utilities, per-layer and global Spearman (analysis/routing/alignment.py).
 
 Legend: T tokens (flattened [S, B] order), E experts, L expert width, D hidden size.
 
 Design choices:
 - One unmodified forward per batch records each MoE layer's input (forward pre-hooks);
   routing and dense expert outputs are recomputed from it with the layer's own modules
-  (analysis/moe_probe.py), so nothing inside the model is changed for the norm utility.
+  (analysis/routing/probe.py), so nothing inside the model is changed for the norm utility.
 - The loss-change utility toggles expert i at ONE layer for EVERY token of the batch at
   once (one extra forward per (layer, expert)): E forwards per layer instead of T * E.
   A token's NLL change therefore also includes what the toggle did to earlier positions
@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_mvmoe.analysis import moe_probe
-from megatron_mvmoe.analysis.alignment import (
+from megatron_mvmoe.analysis.routing import probe as moe_probe
+from megatron_mvmoe.analysis.routing.alignment import (
     AlignmentReport, alignment_report, forced_loss_utility, normalised_output_norm)
 
 NllFn = Callable[[torch.nn.Module, object], torch.Tensor]

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
+"""The repository root (megatron_mvmoe/analysis/compare/ is three levels below it)."""
 META = "dataset_meta.json"
 
 
