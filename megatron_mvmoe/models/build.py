@@ -58,11 +58,12 @@ def validate_run(run: "RunConfig", world_size: Optional[int] = None,
         raise ValueError(run_field_names(str(err))) from None
 
 
-def build_model(run: "RunConfig", pg_collection) -> List[GPTModel]:
+def build_model(run: "RunConfig", pg_collection,
+                config: Optional[MVMoETransformerConfig] = None) -> List[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), seeded with the run's seed
     and placed on `platform.device()`. Every chunk holds the same config object
     (`chunks[0].config`), the one the trainer hangs its schedule hooks on."""
-    config = model_config(run)
+    config = model_config(run) if config is None else config  # validate_run's, once a launch
     platform.seed_all(run.training.seed)
     chunks = build_model_chunks(config, run.model, pg_collection)
     device = platform.device()

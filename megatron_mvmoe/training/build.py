@@ -99,9 +99,10 @@ def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
         **scheduler_switches(t))
 
 
-def build_trainer(run: RunConfig, pg_collection) -> Trainer:
+def build_trainer(run: RunConfig, pg_collection,
+                  config: Optional[MVMoETransformerConfig] = None) -> Trainer:
     """Build this rank's model chunks, DDP wrappers, optimizer and scheduler."""
-    chunks = build_model(run, pg_collection)  # seeded, on the device
+    chunks = build_model(run, pg_collection, config)  # seeded, on the device
     config = chunks[0].config
     model = _wrap_ddp(config, chunks, run)
     # The schedule calls this after the last backward: DP grad sync, TP/PP embedding and

@@ -33,6 +33,7 @@ from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.integrity import remove_stale_tmp, write_json_atomic
 from megatron_mvmoe.config.run_config import RunConfig
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.data.batch_rampup import batch_calculator
 from megatron_mvmoe.data.run_data import RunData, resolve_tokenizer
 from megatron_mvmoe.models.build import validate_run
@@ -92,9 +93,9 @@ def _gamma_controls(trainer: Trainer):
 class _Loop:
     """State of one pretraining call; methods are the named steps of an iteration."""
 
-    def __init__(self, run: RunConfig, pg_collection, on_step) -> None:
+    def __init__(self, run: RunConfig, pg_collection, on_step, config) -> None:
         self.run, self.on_step = run, on_step
-        self.trainer = build_trainer(run, pg_collection)
+        self.trainer = build_trainer(run, pg_collection, config)
         world = dist.get_world_size()
         self.num_microbatches = run.num_microbatches(world)  # of the full global batch (eval)
         t = run.training
@@ -337,12 +338,16 @@ def _due(step: int, interval: int) -> bool:
 
 
 def pretrain(run: RunConfig, pg_collection,
-             on_step: Optional[Callable[[int, Trainer], None]] = None) -> RunResult:
-    """Train `run` on the initialised layout; returns losses and final evaluation."""
+             on_step: Optional[Callable[[int, Trainer], None]] = None,
+             config: Optional[MVMoETransformerConfig] = None) -> RunResult:
+    """Train `run` on the initialised layout; returns losses and final evaluation.
+    `config`: the Megatron config `validate_run` returned for this run (the launcher's), so a
+    launch builds and checks it once; None = validate here (direct callers, tests)."""
 
     resolve_tokenizer(run)  # the tokenizer fixes the vocabulary (Megatron-LM conventions)
     shape = run.model
-    validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
+    if config is None:  # a direct call; a launch passes the config it validated
+        config = validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
     if run.training.warm_start_from is not None:  # before any weight is built
         check_target(shape, run.training.moe_use_upcycling)
     on_step = memory_hook(run, on_step)  # fit check before building; memory/rank<R>.json
@@ -350,11 +355,11 @@ def pretrain(run: RunConfig, pg_collection,
     # the job-end summary (rank_reports.py), written only while the lock is held.
     with hold_save_lock(run.training.save), recording(run.training.save, dist.get_rank(),
                                                       dist.get_world_size()):
-        return _train(run, pg_collection, on_step)
+        return _train(run, pg_collection, on_step, config)
 
 
-def _train(run: RunConfig, pg_collection, on_step) -> RunResult:
-    loop = _Loop(run, pg_collection, on_step)
+def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
+    loop = _Loop(run, pg_collection, on_step, config)
     t = run.training
     loop.stops.install()
     try:
@@ -414,10 +419,10 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
 
         resolve_tokenizer(run)
         shape = run.model
-        validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
+        config = validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
         pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts,
                                 timeout_s=run.parallel.distributed_timeout_seconds)
-        result = pretrain(run, pgs, on_step=on_step)
+        result = pretrain(run, pgs, on_step=on_step, config=config)
         destroy_layout()
         return result
     finally:

@@ -220,3 +220,34 @@ def test_flag_help_is_the_fields_docstring():
     assert doc_of(RunConfig, "model.multi_view.num_routers").startswith("R: sigmoid routing")
     assert "[model.extra.moe_aux_loss_coeff]" in flag_help(
         next(f for f in FLAGS if f.name == "--moe-aux-loss-coeff"))
+
+
+_COUNT_BUILDS = """
+import sys
+from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
+from megatron_mvmoe.training.pretrain import main
+builds, original = [], MVMoETransformerConfig.__post_init__
+def counted(self):
+    builds.append(1)
+    original(self)
+MVMoETransformerConfig.__post_init__ = counted
+status = main(sys.argv[1:])
+print(f"BUILDS {len(builds)} STATUS {status}")
+"""
+
+
+def test_a_launch_builds_and_validates_the_megatron_config_once(tmp_path):
+    """validate_run's config is the one the model is built with (it was built 4 times)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29647", OMP_NUM_THREADS="1")
+    argv = ["--model-preset", "tiny_smoe", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "4096", "--seq-length", "64", "--train-iters", "1",
+            "--global-batch-size", "2", "--micro-batch-size", "2", "--eval-iters", "0",
+            "--eval-interval", "0", "--tensorboard", "false"]
+    done = subprocess.run([sys.executable, "-c", _COUNT_BUILDS, *argv], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert "BUILDS 1 STATUS 0" in done.stdout, done.stdout + done.stderr[-2000:]
