@@ -141,18 +141,18 @@ def _measure_one(variant, dispatcher, semantics, ep, args, pg):
 
     from megatron_mvmoe.analysis import model_access
     from megatron_mvmoe.analysis.a2a_counter import count_collectives
-    from megatron_mvmoe.layers.dedup_dispatcher import use_dedup_dispatch
     from megatron_mvmoe.models.build import build_model
 
-    run = model_access.run_config(PRESETS[variant], overrides={
-        "model.seq_length": args.seq_length,
-        "model.extra": {"moe_token_dispatcher_type": dispatcher}})
-    run.parallel.ep = ep
-    model = build_model(run, pg)[0].train()  # the trainer's chunk, without DDP/optimizer
-    if semantics != "row":
+    overrides = {"model.seq_length": args.seq_length,
+                 "model.extra": {"moe_token_dispatcher_type": dispatcher}}
+    if semantics != "row":  # the registry's dedup dispatcher, chosen by the config
         if variant == "mh_moe":
             raise ValueError("semantics: no dedup model for MH-MoE sub-tokens")
-        use_dedup_dispatch(model, semantics, _counted_node(args, ep))
+        overrides.update({"model.moe_dispatcher": f"dedup_{semantics}",
+                          "model.moe_dispatch_ranks_per_node": _counted_node(args, ep)})
+    run = model_access.run_config(PRESETS[variant], overrides=overrides)
+    run.parallel.ep = ep
+    model = build_model(run, pg)[0].train()  # the trainer's chunk, without DDP/optimizer
     rank = torch.distributed.get_rank()
     batch = model_access.synthetic_batches(1, args.batch_size, args.seq_length,
                                            run.model.vocab_size, seed=rank)[0]

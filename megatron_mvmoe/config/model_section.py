@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Mapping, Optional
 
+from megatron_mvmoe.config.dispatchers import DEFAULT_DISPATCHER, DISPATCHER_NAMES
 from megatron_mvmoe.config.presets import PRESETS, preset_names
 from megatron_mvmoe.config.transformer_config import (BitNetConfig, MultiHeadConfig,
                                                       MultiViewConfig)
@@ -40,6 +41,11 @@ class ModelSection:
     moe_variant: Optional[Literal[VARIANT_NAMES]] = None
     """What the MLPs are (config/variants.py: dense, smoe, latent, multi_router, multi_view,
     mh_moe); the values are the variant registry's names."""
+    moe_dispatcher: Literal[DISPATCHER_NAMES] = DEFAULT_DISPATCHER
+    """The MoE layers' token dispatcher (config/dispatchers.py): alltoall (Megatron's rows,
+    the default), dedup_rank / dedup_node (one copy per (token, destination rank / node))."""
+    moe_dispatch_ranks_per_node: Optional[int] = None
+    """EP ranks per node for moe_dispatcher=dedup_node (None: the EP group is one node)."""
     num_layers: Optional[int] = None
     """Transformer layers."""
     hidden_size: Optional[int] = None

@@ -20,6 +20,7 @@ from typing import Literal, Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mvmoe.config.dispatchers import DEFAULT_DISPATCHER, check_dispatcher
 from megatron_mvmoe.config.variants import VARIANT_NAMES, get_variant
 from megatron_mvmoe.errors import require as _require
 
@@ -143,6 +144,13 @@ class MVMoETransformerConfig(TransformerConfig):
     """Overrides Megatron's default ('allgather'): the alltoall dispatcher is the one whose
     volume Multi-View keeps equal to the baseline (allgather/flex are refused for it)."""
 
+    moe_dispatcher: str = DEFAULT_DISPATCHER
+    """The token dispatcher the MoE layers are built with (config/dispatchers.py: alltoall,
+    dedup_rank, dedup_node); an unsupported (dispatcher, variant / feature) pair is refused."""
+
+    moe_dispatch_ranks_per_node: Optional[int] = None
+    """EP ranks per node for dedup_node (None: the whole EP group is one node)."""
+
     latent_size: Optional[int] = None
     """L: latent size of the latent MoE (down-projection D -> L before dispatch, up after
     combine). Required for latent, multi_router and multi_view."""
@@ -166,6 +174,8 @@ class MVMoETransformerConfig(TransformerConfig):
         _require(not (self.bitnet.enabled and self.moe_grouped_gemm), "moe_grouped_gemm",
                  "TE's grouped experts are not BitNet linears, so BitNet would leave the "
                  "experts full precision", "set moe_grouped_gemm=False under BitNet")
+        if variant.routed_experts or self.moe_dispatcher != DEFAULT_DISPATCHER:
+            check_dispatcher(self)
         if not variant.routed_experts:
             _require(not self.num_moe_experts, "num_moe_experts",
                      f"moe_variant='dense' but {self.num_moe_experts} experts are set",

@@ -110,6 +110,10 @@ class DedupAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                       "dispatch_postprocess", "combine_preprocess", "token_combine")
     """Phase methods the collective counter labels (analysis.a2a_counter)."""
 
+    multi_view_input = "views"
+    """What MultiViewMoELayer hands this dispatcher: the K views + mixing weights
+    (`dispatch_preprocess_views`), blended per (token, destination) or on arrival."""
+
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None,
                  semantics: str = "rank", ranks_per_node: Optional[int] = None) -> None:
         validate_per_row_config(config)
@@ -294,29 +298,3 @@ class DedupAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
 def config_is_multi_view(config) -> bool:
     return getattr(config, "moe_variant", None) == "multi_view"
-
-
-def use_dedup_dispatch(model: torch.nn.Module, semantics: str,
-                       ranks_per_node: Optional[int] = None, pg_collection=None) -> int:
-    """Give every alltoall-dispatched MoE layer of `model` a dedup dispatcher (same groups,
-    experts and config). Returns the number of layers changed."""
-    changed = 0
-    for module in model.modules():
-        old = getattr(module, "token_dispatcher", None)
-        if not isinstance(old, MoEAlltoAllTokenDispatcher) or isinstance(
-                old, DedupAlltoAllTokenDispatcher):
-            continue
-        groups = pg_collection or _groups_of(old)
-        module.token_dispatcher = DedupAlltoAllTokenDispatcher(
-            old.num_local_experts, old.local_expert_indices, old.config, groups,
-            semantics=semantics, ranks_per_node=ranks_per_node)
-        changed += 1
-    return changed
-
-
-def _groups_of(dispatcher):
-    """The process groups a dispatcher was built with, as a pg_collection."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(ep=dispatcher.ep_group, expt_tp=dispatcher.tp_group,
-                           tp_ep=dispatcher.tp_ep_group)

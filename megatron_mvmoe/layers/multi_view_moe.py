@@ -129,23 +129,26 @@ class MultiViewMoELayer(LatentMoELayer):
         hidden_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
         views_TRL = self.fc1_latent_proj(hidden_TD, self.gamma())
         token_shape = (*hidden_states.shape[:-1], self.latent_size)
-        if hasattr(self.token_dispatcher, "dispatch_preprocess_views"):  # dedup dispatch:
-            # it sends blends or the views + weights per (token, destination), blending
-            # on arrival with the same arithmetic as expert_rows
+        if self.token_dispatcher.multi_view_input == "views":  # dedup (layers/dispatchers.py)
             return self.token_dispatcher.dispatch_preprocess_views(
                 views_TRL, mix_TSR, routing_map, probs, token_shape)
+        return self.dispatch_rows(views_TRL, mix_TSR, topk_idx_TS, routing_map, probs,
+                                  token_shape)
+
+    def dispatch_rows(self, views_TRL, mix_TSR, topk_idx_TS, routing_map, probs, token_shape):
+        """The per-row dispatcher's entry: one blended row per (token, expert), built by the
+        capacity path, the fused kernel or the torch blend."""
         if self.config.moe_expert_capacity_factor is not None:
             rows_NL, row_token_N = self.capacity_rows(views_TRL, mix_TSR, topk_idx_TS,
                                                       routing_map)
-            return self.token_dispatcher.dispatch_preprocess_permuted(
-                rows_NL, row_token_N, routing_map, probs, token_shape)
-        if self.kernel_backend(views_TRL.device) == "triton":
+        elif self.kernel_backend(views_TRL.device) == "triton":
             rows_NL, row_token_N = self.permuted_expert_rows(views_TRL, mix_TSR, topk_idx_TS)
-            return self.token_dispatcher.dispatch_preprocess_permuted(
-                rows_NL, row_token_N, routing_map, probs, token_shape)
-        rows_TSL = self.expert_rows(views_TRL, mix_TSR)
-        return self.token_dispatcher.dispatch_preprocess_rows(
-            rows_TSL, routing_map, probs, token_shape)
+        else:
+            rows_TSL = self.expert_rows(views_TRL, mix_TSR)
+            return self.token_dispatcher.dispatch_preprocess_rows(
+                rows_TSL, routing_map, probs, token_shape)
+        return self.token_dispatcher.dispatch_preprocess_permuted(
+            rows_NL, row_token_N, routing_map, probs, token_shape)
 
     def kernel_backend(self, device: torch.device) -> str:
         """"triton" or "reference" for this call (multi_view.kernels, else MVMOE_KERNELS)."""

@@ -38,6 +38,9 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Phase methods of this class the collective counter labels (analysis.a2a_counter);
     the inherited ones are declared by Megatron's class there."""
 
+    multi_view_input = "rows"
+    """What MultiViewMoELayer hands this dispatcher: one blended row per (token, expert)."""
+
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         validate_per_row_config(config, dropless=False)
         super().__init__(num_local_experts, local_expert_indices, config=config,

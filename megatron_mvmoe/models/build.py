@@ -23,6 +23,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_mvmoe import platform
 from megatron_mvmoe.config.model_section import run_field_names
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
+from megatron_mvmoe.layers.dispatchers import install_dispatchers
 from megatron_mvmoe.models.provider import build_model_chunks, transformer_config
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ def build_model(run: "RunConfig", pg_collection,
     config = model_config(run) if config is None else config  # validate_run's, once a launch
     platform.seed_all(run.training.seed)
     chunks = build_model_chunks(config, run.model, pg_collection)
+    for chunk in chunks:  # model.moe_dispatcher (layers/dispatchers.py); alltoall: as built
+        install_dispatchers(chunk, config)
     device = platform.device()
     for chunk in chunks:
         chunk.to(device)

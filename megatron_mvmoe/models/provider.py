@@ -85,6 +85,8 @@ def transformer_config(shape: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
         context_parallel_size=cp,
         moe_variant=shape.moe_variant, latent_size=shape.latent_size,
+        moe_dispatcher=shape.moe_dispatcher,
+        moe_dispatch_ranks_per_node=shape.moe_dispatch_ranks_per_node,
         # copies: a Megatron config must not share mutable parts with the run config
         multi_view=dataclasses.replace(shape.multi_view),
         multi_head=dataclasses.replace(shape.multi_head),
