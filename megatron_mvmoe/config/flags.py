@@ -100,6 +100,8 @@ FLAGS: List[Flag] = [
     Flag("--model-preset", "model", "preset", str,
          "e.g. tiny_multi_view, mvmoe_10b_a1b, seed2_mh_moe_h3, seed2_tiny_fine_grained"),
     Flag("--moe-variant", "model", "moe_variant", str),
+    Flag("--moe-dispatcher", "model", "moe_dispatcher", str),
+    Flag("--moe-dispatch-ranks-per-node", "model", "moe_dispatch_ranks_per_node", int),
     Flag("--num-layers", "model", "num_layers", int),
     Flag("--hidden-size", "model", "hidden_size", int),
     Flag("--num-attention-heads", "model", "num_attention_heads", int),

@@ -63,6 +63,15 @@ def test_unsupported_pair_is_one_line_naming_both(dispatcher, variant, overrides
     assert all(name in message for name in names), message
 
 
+def test_flags_select_the_dispatcher():
+    from megatron_mvmoe.config.flags import config_from_args
+
+    run = config_from_args(["--model-preset", "tiny_multi_view", "--moe-dispatcher",
+                            "dedup_node", "--moe-dispatch-ranks-per-node", "1"])
+    config = validate_run(run)
+    assert (config.moe_dispatcher, config.moe_dispatch_ranks_per_node) == ("dedup_node", 1)
+
+
 def test_unknown_dispatcher_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"moe_dispatcher.*dedup_rank"):
         _config("multi_view", "dedup")
