@@ -42,6 +42,7 @@ def staging_bytes(op: str, shard_numel: int, group: Optional[object] = None) -> 
     resident high-water mark during the call over the resident set before it (the buffer
     itself is allocated and touched before the measurement starts)."""
     world = dist.get_world_size(group)
+    _collective(op, torch.ones(world * 1024), group)()  # gloo's one-time set-up, not staging
     flat = torch.ones(world * shard_numel, dtype=torch.float32)
     run = _collective(op, flat, group)
     dist.barrier(group=group)

@@ -12,7 +12,7 @@ from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
 
-SHARD_NUMEL = 8 * 2**20  # 32 MiB of fp32 per rank: far above glibc's mmap threshold
+SHARD_NUMEL = 16 * 2**20  # 64 MiB of fp32 per rank: far above glibc's mmap threshold
 
 
 def _staging_worker(rank, world_size):
@@ -26,7 +26,9 @@ def test_gloo_stages_the_whole_buffer_of_gather_and_scatter(world):
     for rank in run_distributed(_staging_worker, world, timeout_s=240):
         for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
             got = rank[op]
-            assert 0.9 <= got["staged_bytes"] / got["buffer_bytes"] <= 1.15, (op, got)
+            # within 10 % + 4 MiB: what the allocator and gloo's pools add around the copy
+            slack = 0.1 * got["buffer_bytes"] + 4 * 2**20
+            assert abs(got["staged_bytes"] - got["buffer_bytes"]) <= slack, (op, got)
         reduce = rank["all_reduce"]
         assert reduce["staged_bytes"] < 0.1 * reduce["buffer_bytes"], reduce
 
