@@ -140,7 +140,7 @@ def _measure_one(variant, dispatcher, semantics, ep, args, pg):
     import torch
 
     from megatron_mvmoe.analysis import model_access
-    from megatron_mvmoe.analysis.a2a_counter import count_collectives
+    from megatron_mvmoe.analysis.a2a.counter import count_collectives
     from megatron_mvmoe.models.build import build_model
 
     overrides = {"model.seq_length": args.seq_length,
@@ -186,7 +186,7 @@ def _runs(args):
 
 
 def _rank(rank, world_size, args):
-    from megatron_mvmoe.analysis.volume import peer_counts, rank_counts
+    from megatron_mvmoe.analysis.a2a.volume import peer_counts, rank_counts
     from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
     from megatron_mvmoe.platform import apply_cpu_patches
 
@@ -210,10 +210,10 @@ def _rank(rank, world_size, args):
 def _link_checks(variant, semantics, ep, args, first, per_rank, key):
     import torch
 
-    from megatron_mvmoe.analysis.dispatch_semantics import (link_bytes, payload_for_variant,
+    from megatron_mvmoe.analysis.a2a.semantics import (link_bytes, payload_for_variant,
                                                             sent_by_link)
-    from megatron_mvmoe.analysis.placement import EpPlacement
-    from megatron_mvmoe.analysis.volume import semantic_checks
+    from megatron_mvmoe.analysis.a2a.placement import EpPlacement
+    from megatron_mvmoe.analysis.a2a.volume import semantic_checks
 
     s = first["shape"]
     placement = EpPlacement(ep, _counted_node(args, ep), s["experts"])
@@ -233,8 +233,8 @@ def _link_checks(variant, semantics, ep, args, first, per_rank, key):
 
 
 def _combine(ep, per_rank, args):
-    from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
-    from megatron_mvmoe.analysis.volume import checks, per_layer_rows
+    from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes
+    from megatron_mvmoe.analysis.a2a.volume import checks, per_layer_rows
 
     results = []
     for key, first in per_rank[0].items():
@@ -267,7 +267,7 @@ def _combine(ep, per_rank, args):
 
 
 def _refused_cost(rank0, ep):
-    from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
+    from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes
 
     base = rank0.get(("latent", "allgather", "row"), {}).get("shape")
     if base is None:
@@ -352,9 +352,9 @@ def main_counted(args) -> int:
 
 # ---- scale mode ------------------------------------------------------------------------------
 def main_scale(args) -> int:
-    from megatron_mvmoe.analysis import a2a_report
-    from megatron_mvmoe.analysis.a2a_scale import ScaleConfig, config_dict, scale_rows
-    from megatron_mvmoe.analysis.link_time import LinkSpec
+    from megatron_mvmoe.analysis.a2a import report as a2a_report
+    from megatron_mvmoe.analysis.a2a.scale import ScaleConfig, config_dict, scale_rows
+    from megatron_mvmoe.analysis.a2a.link_time import LinkSpec
 
     start = time.time()
     payload = {"mode": "scale", "runs": [],
@@ -380,7 +380,7 @@ def main_scale(args) -> int:
 
 
 def _checkpoint_profile(args):
-    from megatron_mvmoe.analysis.a2a_scale import tiny_real_routing_rows
+    from megatron_mvmoe.analysis.a2a.scale import tiny_real_routing_rows
     from megatron_mvmoe.analysis.routing.checkpoint_routing import checkpoint_routing, load_profile
 
     _progress(f"routing held-out text through {args.checkpoint}")

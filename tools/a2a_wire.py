@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """The MoE all-to-all on the wire: inter-node payload bytes read from each node's interface
 counters next to the analytic prediction, and all-to-all times on links of set rate (tc
-tbf) next to analysis/link_time.py's model, on a real Slurm cluster of namespaced nodes.
+tbf) next to analysis/a2a/link_time.py's model, on a real Slurm cluster of namespaced nodes.
 
 Bytes: for each layout (NODESxRANKS: 2x1 = EP 2 over 2 nodes, 2x2 = EP 4 over 2 nodes x 2
 ranks, 4x1 = EP 4 over 4 nodes) one srun job runs, per case (latent, Multi-Router,
 Multi-View, SMoE x Megatron's alltoall rows / dedup per rank / dedup per node, plus a
 Multi-View routing with >= 3 experts of a token on one rank: the dedup views mode), the MoE
-forward and backward between counter reads (analysis/wire_worker.py). Payload = TCP payload
+forward and backward between counter reads (analysis/a2a/wire_worker.py). Payload = TCP payload
 (bytes - 66 x packets) minus gloo's control messages (a minimal-size replay of the same
 collectives); goal: within --tolerance of the prediction on every node, pass and direction.
 Time (--time): the recorded collectives of each layer and direction replayed at full size
@@ -202,7 +202,7 @@ def run_job(c, state, nodes: int, ranks: int, spec: dict, out_dir: Path, name: s
     cmd = [*c.client_prefix(), "srun", f"--partition={c.partition}", f"--nodes={nodes}",
            f"--ntasks-per-node={ranks}", "--cpus-per-task=1", "--kill-on-bad-exit=1",
            f"--job-name=a2a_wire_{name}", "--export=ALL,OMP_NUM_THREADS=1",
-           sys.executable, "-m", "megatron_mvmoe.analysis.wire_worker", str(spec_path)]
+           sys.executable, "-m", "megatron_mvmoe.analysis.a2a.wire_worker", str(spec_path)]
     started = time.time()
     with open(log, "w") as fh:
         done = subprocess.run(cmd, cwd=REPO, env=ns.client_env(state), stdout=fh,
@@ -275,7 +275,7 @@ def _end(pid: int) -> None:
 
 # ---- analysis --------------------------------------------------------------------------------
 def analyse(payload: dict, args) -> dict:
-    from megatron_mvmoe.analysis.wire_report import (case_bytes, case_summary, time_model_report,
+    from megatron_mvmoe.analysis.a2a.wire_report import (case_bytes, case_summary, time_model_report,
                                                      timing_samples)
 
     rows = []
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     payload["command"] = "python tools/a2a_wire.py " + " ".join(argv or sys.argv[1:])
     payload["wall_s"] = round(time.time() - started, 1)
     if args.markdown or args.plot:
-        from megatron_mvmoe.analysis.wire_page import write_page, write_plot
+        from megatron_mvmoe.analysis.a2a.wire_page import write_page, write_plot
 
         if args.plot:
             payload["plot"] = write_plot(payload, args.plot)

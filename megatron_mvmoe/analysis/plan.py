@@ -31,7 +31,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Dict, Optional
 
-from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
+from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes
 from megatron_mvmoe.analysis.plan_context_parallel import (context_parallel_report,
                                                            gathered_kv_extra_elements,
                                                            local_tokens)

@@ -11,7 +11,7 @@ instead of comparing `moe_variant` strings. Pure Python (no Megatron, no torch).
 | mh_moe | yes | no | Megatron TopKRouter, softmax + aux loss | no | yes (H per token) |
 
 models/specs.py maps these properties to layer classes; models/provider.py to routing
-defaults; analysis/plan.py and analysis/a2a_analytic.py to costs.
+defaults; analysis/plan.py and analysis/a2a/analytic.py to costs.
 """
 
 from __future__ import annotations

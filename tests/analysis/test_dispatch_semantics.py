@@ -6,10 +6,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.dispatch_semantics import (KINDS, SEMANTICS, PayloadShape,
+from megatron_mvmoe.analysis.a2a.semantics import (KINDS, SEMANTICS, PayloadShape,
                                                         link_bytes, sent_by_link)
-from megatron_mvmoe.analysis.link_time import LinkSpec, layer_a2a_time_s, rank_times_s
-from megatron_mvmoe.analysis.placement import EpPlacement
+from megatron_mvmoe.analysis.a2a.link_time import LinkSpec, layer_a2a_time_s, rank_times_s
+from megatron_mvmoe.analysis.a2a.placement import EpPlacement
 from megatron_mvmoe.analysis.routing.rank_load import rank_loads, routing_maps
 
 
@@ -162,7 +162,7 @@ def test_link_time_by_hand():
 
 
 def test_load_profile_and_tiny_rows():
-    from megatron_mvmoe.analysis.a2a_scale import tiny_real_routing_rows
+    from megatron_mvmoe.analysis.a2a.scale import tiny_real_routing_rows
     from megatron_mvmoe.analysis.routing.checkpoint_routing import load_profile
 
     map_a = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)  # loads 2, 1, 1, 0

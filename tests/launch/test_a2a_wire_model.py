@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.link_time import WireLink, collective_wire_time_s, fit_wire_link
-from megatron_mvmoe.analysis.wire import (HEADER_BYTES, WireRecord, measured_payload,
+from megatron_mvmoe.analysis.a2a.link_time import WireLink, collective_wire_time_s, fit_wire_link
+from megatron_mvmoe.analysis.a2a.wire import (HEADER_BYTES, WireRecord, measured_payload,
                                           minimal_replay_sizes, node_link_bytes, rank_matrix)
 from megatron_mvmoe.dev_cluster import Cluster
 from megatron_mvmoe.dev_cluster.netns import Layout, parse_proc_net_dev

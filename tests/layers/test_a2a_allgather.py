@@ -2,8 +2,8 @@
 all-gather and reduce-scatter carry the analytic unique-token bytes (T rows of L), and the
 analytic model states the k-times cost Multi-View would have there."""
 
-from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes
-from megatron_mvmoe.analysis.a2a_counter import count_collectives
+from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes
+from megatron_mvmoe.analysis.a2a.counter import count_collectives
 from megatron_mvmoe.testing.spawn import run_distributed
 
 from layer_utils import BATCH, SEQ, ep_layer, global_input, init_ep_layout

@@ -1,5 +1,5 @@
 """Bytes counted at the EP all-to-all with the expert capacity equal the analytic model
-(analysis/a2a_analytic.py) exactly, for the latent baseline, Multi-Router and Multi-View:
+(analysis/a2a/analytic.py) exactly, for the latent baseline, Multi-Router and Multi-View:
 
 - padded to capacity: every rank sends and receives exactly C*E rows (padding included)
   in all four collectives (dispatch and combine, forward and backward), whatever the routing;
@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.a2a_analytic import (CommShape, dispatch_bytes, expert_capacity,
+from megatron_mvmoe.analysis.a2a.analytic import (CommShape, dispatch_bytes, expert_capacity,
                                                   layer_bytes_per_step)
-from megatron_mvmoe.analysis.a2a_counter import count_collectives
+from megatron_mvmoe.analysis.a2a.counter import count_collectives
 from megatron_mvmoe.testing.spawn import run_distributed
 
 from layer_utils import BATCH, LATENT_VARIANTS, SEQ, ep_layer, global_input, init_ep_layout

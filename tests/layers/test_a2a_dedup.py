@@ -6,10 +6,10 @@ for Megatron's alltoall rows and both dedup semantics, at EP = 2 and 4 (2 ranks 
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.a2a_counter import count_collectives
-from megatron_mvmoe.analysis.dispatch_semantics import link_bytes, payload_for_variant
-from megatron_mvmoe.analysis.placement import EpPlacement
-from megatron_mvmoe.analysis.volume import peer_counts, semantic_checks
+from megatron_mvmoe.analysis.a2a.counter import count_collectives
+from megatron_mvmoe.analysis.a2a.semantics import link_bytes, payload_for_variant
+from megatron_mvmoe.analysis.a2a.placement import EpPlacement
+from megatron_mvmoe.analysis.a2a.volume import peer_counts, semantic_checks
 from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
 from megatron_mvmoe.testing.spawn import run_distributed
 

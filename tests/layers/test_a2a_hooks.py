@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_mvmoe.analysis.a2a_counter import count_collectives, declared_phases
+from megatron_mvmoe.analysis.a2a.counter import count_collectives, declared_phases
 from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
 from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
 from megatron_mvmoe.testing.spawn import run_distributed

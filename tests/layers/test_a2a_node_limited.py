@@ -13,9 +13,9 @@ model, at EP = 4 with 2 ranks per node (2 nodes of 4 experts), top-3:
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.a2a_analytic import (CommShape, dispatch_bytes,
+from megatron_mvmoe.analysis.a2a.analytic import (CommShape, dispatch_bytes,
                                                   node_copies_per_token, node_hop_rows)
-from megatron_mvmoe.analysis.a2a_counter import count_collectives
+from megatron_mvmoe.analysis.a2a.counter import count_collectives
 from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
 from megatron_mvmoe.testing.spawn import run_distributed
 

@@ -5,8 +5,8 @@ latent size and dtype, equal the analytic count, and counting changes no result.
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes, group_total_bytes
-from megatron_mvmoe.analysis.a2a_counter import count_collectives
+from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes, group_total_bytes
+from megatron_mvmoe.analysis.a2a.counter import count_collectives
 from megatron_mvmoe.testing.spawn import run_distributed
 
 from layer_utils import BATCH, LATENT_VARIANTS, SEQ, ep_layer, global_input, \

@@ -25,12 +25,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_mvmoe.analysis.dispatch_semantics import (SEMANTICS, allgather_link_bytes,
+from megatron_mvmoe.analysis.a2a.semantics import (SEMANTICS, allgather_link_bytes,
                                                         link_bytes, payload_for_variant,
                                                         received_by_link, sent_by_link)
-from megatron_mvmoe.analysis.link_time import LinkSpec, a2a_share, compute_time_s, \
+from megatron_mvmoe.analysis.a2a.link_time import LinkSpec, a2a_share, compute_time_s, \
     layer_a2a_time_s
-from megatron_mvmoe.analysis.placement import EpPlacement
+from megatron_mvmoe.analysis.a2a.placement import EpPlacement
 from megatron_mvmoe.analysis.plan import flops_per_token
 from megatron_mvmoe.analysis.routing.rank_load import max_over_mean, rank_loads, routing_maps
 from megatron_mvmoe.config.model_section import ModelSection, model_from_preset

@@ -37,7 +37,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron_mvmoe.analysis.placement import LINKS, EpPlacement
+from megatron_mvmoe.analysis.a2a.placement import LINKS, EpPlacement
 from megatron_mvmoe.functional.mixing import views_are_cheaper
 
 SEMANTICS = ("row", "rank", "node")

@@ -1,7 +1,7 @@
 """One rank of `tools/a2a_wire.py`: started by srun on every node, measures the node link's
 counters around windows holding only the MoE layers' dispatch and combine.
 
-    python -m megatron_mvmoe.analysis.wire_worker SPEC.json   # under srun; rank 0 writes
+    python -m megatron_mvmoe.analysis.a2a.wire_worker SPEC.json   # under srun; rank 0 writes
                                                               # spec["out"]
 
 Per case (variant, dispatch semantics): build the tiny model at EP = world, run one
@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mvmoe.analysis.wire import A2A_OPS, WireRecord, minimal_replay_sizes
+from megatron_mvmoe.analysis.a2a.wire import A2A_OPS, WireRecord, minimal_replay_sizes
 
 
 def find_iface(address: str) -> str:
@@ -150,7 +150,7 @@ def output_splits(all_records: List[List[WireRecord]], rank: int, picked: List[i
 
 
 def measure_case(case: dict, spec: dict, link: Link, world: int, ranks_per_node: int) -> dict:
-    from megatron_mvmoe.analysis.a2a_counter import count_collectives
+    from megatron_mvmoe.analysis.a2a.counter import count_collectives
     from megatron_mvmoe.parallel import destroy_layout
 
     model, batch = build(case, spec, world, ranks_per_node)

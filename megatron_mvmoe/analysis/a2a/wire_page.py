@@ -78,7 +78,7 @@ def write_page(payload: dict, path: str) -> str:
         "on the routing maps of the run; equal to the counted collective bytes in every case) "
         "+ the dispatchers' int metadata (split counts, expert ids) at the sizes counted at "
         "torch.distributed; put on the wire as gloo does it (all-to-all direct, all-gather "
-        "as a ring: `analysis/wire.py`).",
+        "as a ring: `analysis/a2a/wire.py`).",
         f"- netem: {payload['netem']['answer']} ({payload['netem']['probe']}): "
         f"{payload['netem']['consequence'] or 'available'}.", "",
         "## Bytes: payload on the wire vs prediction", "",
@@ -121,8 +121,8 @@ def write_page(payload: dict, path: str) -> str:
 
 
 def write_plot(payload: dict, path: str) -> str:
-    from megatron_mvmoe.analysis.link_time import WireLink
-    from megatron_mvmoe.analysis.wire_report import predict
+    from megatron_mvmoe.analysis.a2a.link_time import WireLink
+    from megatron_mvmoe.analysis.a2a.wire_report import predict
 
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))

@@ -69,7 +69,7 @@ def rank_matrix(records_by_rank: Sequence[Sequence[WireRecord]], world: int) -> 
                 m_PP[source, group[(here + 1) % len(group)]] += (len(group) - 1) * r.input_bytes
             else:
                 raise ValueError(f"op: no wire model for {r.op!r}. Fix: add it to "
-                                 "analysis/wire.py (rank_matrix)")
+                                 "analysis/a2a/wire.py (rank_matrix)")
     return m_PP
 
 

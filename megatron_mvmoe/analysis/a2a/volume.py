@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_mvmoe.analysis.a2a_analytic import CommShape, dispatch_bytes, group_total_bytes
+from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes, group_total_bytes
 
 Key = Tuple[str, str, str, str]
 """(phase, direction, payload, op)."""
@@ -142,7 +142,7 @@ def semantic_checks(matrices, placement, per_rank: Sequence[Dict[PeerKey, List[i
     """counted == analytic, per rank, (phase, direction, payload) and link (self / intra /
     inter); `matrices` from dispatch_semantics.link_bytes, `per_rank` one layer's
     peer_counts of every EP rank (EP rank = position in the group)."""
-    from megatron_mvmoe.analysis.dispatch_semantics import sent_by_link
+    from megatron_mvmoe.analysis.a2a.semantics import sent_by_link
 
     out: List[Check] = []
     for key in sorted(matrices):
