@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         with tool_session(run) as pgs:
             start = time.time()
             loaded = load_model(run, args.load, pgs)
-            data = RunData(run, loaded.shape.seq_length, loaded.shape.vocab_size,
+            data = RunData(run, loaded.model_section.seq_length, loaded.model_section.vocab_size,
                            parallel_state.get_data_parallel_rank(),
                            parallel_state.get_data_parallel_world_size())
             if dist.get_rank() == 0:
@@ -127,7 +127,8 @@ def main(argv=None) -> int:
         return 2
     if rank != 0:
         return 0
-    tokens = run.training.eval_iters * run.training.global_batch_size * loaded.shape.seq_length
+    tokens = run.training.eval_iters * run.training.global_batch_size \
+        * loaded.model_section.seq_length
     result = {"checkpoint": args.load, "step": loaded.step,
               "seconds": round(time.time() - start, 2),
               "tokens_per_component": tokens,

@@ -66,12 +66,12 @@ def main(argv=None) -> int:
             loaded = load_model(run, args.load, pgs)
             tokenizer = run_tokenizer(run)
             if is_main:
-                say(f"loaded {args.load} ({loaded.shape.moe_variant}, layout tp="
+                say(f"loaded {args.load} ({loaded.model_section.moe_variant}, layout tp="
                     f"{run.parallel.tp} ep={run.parallel.ep}) in {time.time() - start:.1f} s")
             model = loaded.model[0]
             for prompt in args.prompt:
                 ids = generate(model, tokenizer.tokenize(prompt), sampling,
-                               loaded.shape.seq_length, tokenizer.vocab_size,
+                               loaded.model_section.seq_length, tokenizer.vocab_size,
                                eod_id=tokenizer.eod, progress=progress)
                 outputs.append({"prompt": prompt, "text": tokenizer.detokenize(ids),
                                 "tokens": ids})

@@ -108,14 +108,14 @@ def heldout_batches(run: RunConfig, num_batches: int, batch_size: int = 2,
                     seed: int = 0) -> Dict[str, List[Dict[str, torch.Tensor]]]:
     """domain -> `num_batches` held-out batches (or one synthetic 'random' domain)."""
 
-    shape = run.model
+    model = run.model
     if run.data.path is None:
-        return {"random": synthetic_batches(num_batches, batch_size, shape.seq_length,
-                                            shape.vocab_size, seed)}
+        return {"random": synthetic_batches(num_batches, batch_size, model.seq_length,
+                                            model.vocab_size, seed)}
     from megatron_mvmoe.data.run_data import RunData
 
     run.training.micro_batch_size = batch_size
-    data = RunData(run, shape.seq_length, shape.vocab_size, dp_rank=0, dp_size=1)
+    data = RunData(run, model.seq_length, model.vocab_size, dp_rank=0, dp_size=1)
     out = {}
     for domain in data.domains:
         stream = data.eval_iterator(domain)

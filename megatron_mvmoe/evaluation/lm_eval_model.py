@@ -52,7 +52,7 @@ class MVMoELM(LM):
         loaded = load_model(run, load, pgs)
         self.model = loaded.model[0].eval()
         self.tokenizer = run_tokenizer(run)
-        self.seq_length = loaded.shape.seq_length
+        self.seq_length = loaded.model_section.seq_length
         self.max_gen_toks = int(max_gen_toks)
 
     def close(self) -> None:

@@ -126,34 +126,34 @@ def _why_not_stock(config, types: List[str]) -> Optional[str]:
     return None
 
 
-def _common(config, shape, vocab_size: int) -> Dict[str, Any]:
+def _common(config, model, vocab_size: int) -> Dict[str, Any]:
     return dict(vocab_size=vocab_size, hidden_size=config.hidden_size,
                 num_hidden_layers=config.num_layers,
                 num_attention_heads=config.num_attention_heads,
                 num_key_value_heads=config.num_query_groups or config.num_attention_heads,
                 head_dim=config.kv_channels, intermediate_size=config.ffn_hidden_size,
                 rms_norm_eps=config.layernorm_epsilon, hidden_act="silu",
-                max_position_embeddings=shape.seq_length, tie_word_embeddings=False,
+                max_position_embeddings=model.seq_length, tie_word_embeddings=False,
                 attention_bias=False, mlp_bias=False, torch_dtype="float32")
 
 
-def _rope(shape) -> Dict[str, Any]:
-    return dict(rope_parameters={"rope_type": "default", "rope_theta": float(shape.rotary_base)})
+def _rope(model) -> Dict[str, Any]:
+    return dict(rope_parameters={"rope_type": "default", "rope_theta": float(model.rotary_base)})
 
 
-def hf_config(hf_class: str, config, shape, types: List[str], vocab_size: int,
+def hf_config(hf_class: str, config, model, types: List[str], vocab_size: int,
               gamma: Optional[List[int]] = None) -> Dict[str, Any]:
     """config.json's model fields for `hf_class` (tokens ids are added by the writer)."""
-    out = dict(_common(config, shape, vocab_size), architectures=[hf_class],
+    out = dict(_common(config, model, vocab_size), architectures=[hf_class],
                model_type=MODEL_TYPES[hf_class])
     if hf_class == "LlamaForCausalLM":
-        return dict(out, **_rope(shape))
+        return dict(out, **_rope(model))
     if hf_class == "MixtralForCausalLM":
-        return dict(out, **_rope(shape), num_local_experts=config.num_moe_experts,
+        return dict(out, **_rope(model), num_local_experts=config.num_moe_experts,
                     num_experts_per_tok=config.moe_router_topk, sliding_window=None,
                     intermediate_size=config.moe_ffn_hidden_size, router_jitter_noise=0.0)
     if hf_class == "Glm4MoeForCausalLM":
-        rope = {**_rope(shape)["rope_parameters"], "partial_rotary_factor": 1.0}
+        rope = {**_rope(model)["rope_parameters"], "partial_rotary_factor": 1.0}
         return dict(out, rope_parameters=rope, n_routed_experts=config.num_moe_experts,
                     num_experts_per_tok=config.moe_router_topk,
                     moe_intermediate_size=config.moe_ffn_hidden_size,
@@ -162,13 +162,13 @@ def hf_config(hf_class: str, config, shape, types: List[str], vocab_size: int,
                     routed_scaling_factor=float(config.moe_router_topk_scaling_factor or 1.0),
                     norm_topk_prob=config.moe_router_topk > 1, n_group=1, topk_group=1,
                     first_k_dense_replace=0, use_qk_norm=False, num_nextn_predict_layers=0)
-    return dict(out, **_ours(config, shape, types, gamma or [0, 0]))
+    return dict(out, **_ours(config, model, types, gamma or [0, 0]))
 
 
-def _ours(config, shape, types: List[str], gamma: List[int]) -> Dict[str, Any]:
+def _ours(config, model, types: List[str], gamma: List[int]) -> Dict[str, Any]:
     mv, mh, bitnet = config.multi_view, config.multi_head, config.bitnet
     return dict(
-        rope_theta=float(shape.rotary_base), moe_variant=config.moe_variant,
+        rope_theta=float(model.rotary_base), moe_variant=config.moe_variant,
         mlp_layer_types=types, num_experts=config.num_moe_experts,
         moe_intermediate_size=config.moe_ffn_hidden_size,
         num_experts_per_tok=config.moe_router_topk,
@@ -183,14 +183,14 @@ def _ours(config, shape, types: List[str], gamma: List[int]) -> Dict[str, Any]:
         gamma_step=gamma[1], mh_num_heads=mh.num_heads if mh.split_tokens else 1,
         mh_head_projection=mh.head_projection, mh_merge_projection=mh.merge_projection,
         bitnet=bitnet.enabled, bitnet_activation_bits=bitnet.activation_bits,
-        bitnet_input_norm=bitnet.input_norm, megatron_mvmoe=model_section_dict(shape),
+        bitnet_input_norm=bitnet.input_norm, megatron_mvmoe=model_section_dict(model),
         auto_map={"AutoConfig": "configuration_mvmoe.MVMoEConfig",
                   "AutoModelForCausalLM": "modeling_mvmoe.MVMoEForCausalLM"})
 
 
-def model_section_dict(shape) -> Dict[str, Any]:
+def model_section_dict(model) -> Dict[str, Any]:
     """The run's model section as plain JSON values."""
-    return json_safe(dataclasses.asdict(shape))
+    return json_safe(dataclasses.asdict(model))
 
 
 def json_safe(value):

@@ -30,7 +30,7 @@ class LoadedCheckpoint:
 
     config: object
     """The model's MVMoETransformerConfig."""
-    shape: object
+    model_section: object
     """The run's ModelSection."""
     state: Dict[str, torch.Tensor]
     """The whole model's Megatron state dict (weights only)."""
@@ -87,7 +87,7 @@ def export_loaded(ckpt: LoadedCheckpoint, out: str, hf_class: str = "auto",
     types = config_map.layer_types(ckpt.state, ckpt.config.num_layers)
     chosen = config_map.choose_class(ckpt.config, types, hf_class)
     vocab_size = ckpt.state["embedding.word_embeddings.weight"].shape[0]
-    hf_cfg = config_map.hf_config(chosen, ckpt.config, ckpt.shape, types, vocab_size,
+    hf_cfg = config_map.hf_config(chosen, ckpt.config, ckpt.model_section, types, vocab_size,
                                   config_map.gamma_state(ckpt.state))
     tensors = hf_state(chosen, ckpt.config, types, ckpt.state)
     eod = getattr(ckpt.tokenizer, "eod", None)

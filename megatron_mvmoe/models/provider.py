@@ -54,14 +54,14 @@ def target_for(on_cpu: bool) -> Target:
     return Target(cuda=False, te=False) if on_cpu else Target.here()
 
 
-def _routing(shape: ModelSection) -> Dict[str, Any]:
-    if not shape.is_moe:
+def _routing(model: ModelSection) -> Dict[str, Any]:
+    if not model.is_moe:
         return {}
-    common = dict(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-                  moe_router_topk=shape.moe_router_topk, moe_token_dispatcher_type="alltoall",
+    common = dict(num_moe_experts=model.num_experts, moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+                  moe_router_topk=model.moe_router_topk, moe_token_dispatcher_type="alltoall",
                   moe_router_dtype="fp32",
-                  moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size)
-    if shape.variant.sigmoid_routing:
+                  moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size)
+    if model.variant.sigmoid_routing:
         return dict(common, moe_router_score_function="sigmoid",
                     moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none",
                     moe_aux_loss_coeff=0.0, moe_router_bias_update_rate=1e-3)
@@ -69,38 +69,38 @@ def _routing(shape: ModelSection) -> Dict[str, Any]:
                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
 
 
-def transformer_config(shape: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
+def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
                        etp: int = 1, vpp: Optional[int] = None, use_bf16: bool = False,
                        on_cpu: bool = True, cp: int = 1) -> MVMoETransformerConfig:
     """The full Megatron config of the model `shape` for one layout, with the fast paths
     the target machine (the CPU, or this process's GPU) takes."""
     kwargs: Dict[str, Any] = dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        ffn_hidden_size=shape.ffn_hidden_size, normalization="RMSNorm",
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
         context_parallel_size=cp,
-        moe_variant=shape.moe_variant, latent_size=shape.latent_size,
-        moe_dispatcher=shape.moe_dispatcher,
-        moe_dispatch_ranks_per_node=shape.moe_dispatch_ranks_per_node,
+        moe_variant=model.moe_variant, latent_size=model.latent_size,
+        moe_dispatcher=model.moe_dispatcher,
+        moe_dispatch_ranks_per_node=model.moe_dispatch_ranks_per_node,
         # copies: a Megatron config must not share mutable parts with the run config
-        multi_view=dataclasses.replace(shape.multi_view),
-        multi_head=dataclasses.replace(shape.multi_head),
-        bitnet=dataclasses.replace(shape.bitnet),
+        multi_view=dataclasses.replace(model.multi_view),
+        multi_head=dataclasses.replace(model.multi_head),
+        bitnet=dataclasses.replace(model.bitnet),
     )
     kwargs.update(_numerics(use_bf16, on_cpu))
     kwargs.update(config_fields(choose_fast_paths(
-        target_for(on_cpu), shape.moe_variant, bitnet=shape.bitnet.enabled,
-        expert_elements=expert_matrix_elements(shape, etp))))
-    kwargs.update(_routing(shape))
-    kwargs.update(shape.extra)
+        target_for(on_cpu), model.moe_variant, bitnet=model.bitnet.enabled,
+        expert_elements=expert_matrix_elements(model, etp))))
+    kwargs.update(_routing(model))
+    kwargs.update(model.extra)
     config_class = megatron_config_class(kwargs)  # MLA's config with multi_latent_attention
     if config_class is not MVMoETransformerConfig:
-        kwargs["rotary_base"] = shape.rotary_base  # MLA's own RoPE (GPTModel builds none)
+        kwargs["rotary_base"] = model.rotary_base  # MLA's own RoPE (GPTModel builds none)
     return config_class(**kwargs)
 
 
@@ -117,7 +117,7 @@ def _stage_flags(vp_stage: Optional[int]) -> Dict[str, bool]:
                                                            vp_stage=vp_stage))
 
 
-def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelSection, pg_collection=None,
+def build_gpt_chunk(config: MVMoETransformerConfig, model: ModelSection, pg_collection=None,
                     vp_stage: Optional[int] = None, pre_process: bool = True,
                     post_process: bool = True) -> GPTModel:
     """One GPTModel holding this stage's layers (RoPE, untied embeddings), and on the last
@@ -125,19 +125,19 @@ def build_gpt_chunk(config: MVMoETransformerConfig, shape: ModelSection, pg_coll
     block = decoder_block_spec(config, vp_stage)
     return GPTModel(config=config, transformer_layer_spec=block,
                     mtp_block_spec=build_mtp_block_spec(config, block, vp_stage),
-                    vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
+                    vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                    rotary_base=shape.rotary_base,
+                    rotary_base=model.rotary_base,
                     pg_collection=pg_collection, vp_stage=vp_stage)
 
 
-def build_model_chunks(config: MVMoETransformerConfig, shape: ModelSection,
+def build_model_chunks(config: MVMoETransformerConfig, model: ModelSection,
                        pg_collection=None) -> List[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), on Megatron's groups."""
     vpp = config.virtual_pipeline_model_parallel_size
     stages = range(vpp) if vpp else [None]
-    return [build_gpt_chunk(config, shape, pg_collection, vp_stage=stage, **_stage_flags(stage))
+    return [build_gpt_chunk(config, model, pg_collection, vp_stage=stage, **_stage_flags(stage))
             for stage in stages]
 
 

@@ -50,7 +50,7 @@ class Trainer:
     memory census to split a step's resident peak by phase; None: nothing is called."""
 
     @property
-    def shape(self) -> ModelSection:
+    def model_section(self) -> ModelSection:
         """The model (run.model: resolved when the config was loaded)."""
         return self.run.model
 

@@ -80,10 +80,10 @@ def tool_session(run: RunConfig) -> Iterator[object]:
 @dataclass
 class CheckpointModel:
     """A checkpoint's model on this rank, for inference or evaluation. Has the `run`,
-    `shape` and `model` chunk list `training/step.evaluate` reads from a Trainer."""
+    `model_section` and `model` chunk list `training/step.evaluate` reads from a Trainer."""
 
     run: RunConfig
-    shape: ModelSection
+    model_section: ModelSection
     """= run.model (the name training/step.evaluate reads)."""
     model: List[torch.nn.Module]
     """This rank's unwrapped GPTModel chunks (one per virtual pipeline stage)."""
@@ -97,7 +97,7 @@ def load_model(run: RunConfig, path: str, pg_collection) -> CheckpointModel:
     chunks = build_model(run, pg_collection)
     meta = load_weights(chunks, path, run_fingerprint(run),
                         allow_unverified=run.training.ckpt_allow_unverified)
-    return CheckpointModel(run=run, shape=run.model, model=chunks,
+    return CheckpointModel(run=run, model_section=run.model, model=chunks,
                            step=int(meta["step"]))
 
 

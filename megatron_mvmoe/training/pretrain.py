@@ -104,17 +104,18 @@ class _Loop:
                                         parallel_state.get_data_parallel_world_size(),
                                         dist.get_rank())
         self.window = {"samples": 0, "microbatches": 0}  # since the last progress line
-        self.data = RunData(run, self.trainer.shape.seq_length, self.trainer.shape.vocab_size,
+        model = self.trainer.model_section
+        self.data = RunData(run, model.seq_length, model.vocab_size,
                             parallel_state.get_data_parallel_rank(),
                             parallel_state.get_data_parallel_world_size())
         self.log = RunLog(run.logging.run_dir, run.logging.tensorboard, dist.get_rank() == 0,
                           tensorboard_dir=run.logging.tensorboard_dir,
                           wandb=run.logging if run.logging.wandb_project else None)
-        self.efficiency = Efficiency(run, self.trainer.shape, world,
+        self.efficiency = Efficiency(run, model, world,
                                      self.trainer.config.bf16)
         self.watch = NonFiniteWatch(self.trainer.unwrapped())
-        self.routing = (RoutingMonitor(self.trainer.unwrapped(), self.trainer.shape.num_experts)
-                        if run.logging.routing_metrics and self.trainer.shape.is_moe else None)
+        self.routing = (RoutingMonitor(self.trainer.unwrapped(), model.num_experts)
+                        if run.logging.routing_metrics and model.is_moe else None)
         self.advance_gamma, self.gamma = _gamma_controls(self.trainer)
         install_moe_metrics_tracker()  # before the first forward records into it
         self.tracer = self._start_router_trace()
@@ -174,8 +175,8 @@ class _Loop:
                       f"tensors copied, {heads} routers extended, "
                       f"{sum(len(r.kept) for r in reports)} kept at init; step 0, fresh "
                       "optimizer")
-        if self.trainer.shape.variant.multi_view and \
-                self.trainer.shape.multi_view.gamma_ramp_steps == 0:
+        if self.trainer.model_section.variant.multi_view and \
+                self.trainer.model_section.multi_view.gamma_ramp_steps == 0:
             self.log.line("warning: gamma_ramp_steps = 0, so gamma is 1 from the first step "
                           "and the views are not inert at the warm start (set "
                           "--gamma-ramp-steps > 0 to start from the baseline's function)")
@@ -183,7 +184,7 @@ class _Loop:
     def _start_router_trace(self):
         """Megatron's router trace (`--moe-routing-trace-path`), MultiRouter included."""
         lg = self.run.logging
-        if lg.moe_routing_trace_path is None or not self.trainer.shape.is_moe:
+        if lg.moe_routing_trace_path is None or not self.trainer.model_section.is_moe:
             return None
         from megatron_mvmoe.routing.trace import start_router_trace
 
@@ -236,8 +237,8 @@ class _Loop:
                       f"{self.state.skipped_iters}")
 
     def report(self, metrics: Dict, seconds: float, steps: int) -> None:
-        t, shape = self.run.training, self.trainer.shape
-        tokens = self.window["samples"] * shape.seq_length
+        t, model = self.run.training, self.trainer.model_section
+        tokens = self.window["samples"] * model.seq_length
         microbatches = self.window["microbatches"]
         self.window = {"samples": 0, "microbatches": 0}
         metrics = dict(metrics, tokens_per_s=tokens / max(seconds, 1e-9),
@@ -345,11 +346,11 @@ def pretrain(run: RunConfig, pg_collection,
     launch builds and checks it once; None = validate here (direct callers, tests)."""
 
     resolve_tokenizer(run)  # the tokenizer fixes the vocabulary (Megatron-LM conventions)
-    shape = run.model
+    model = run.model
     if config is None:  # a direct call; a launch passes the config it validated
-        config = validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
+        config = validate_run(run, dist.get_world_size(), model.num_layers, model.num_experts)
     if run.training.warm_start_from is not None:  # before any weight is built
-        check_target(shape, run.training.moe_use_upcycling)
+        check_target(model, run.training.moe_use_upcycling)
     on_step = memory_hook(run, on_step)  # fit check before building; memory/rank<R>.json
     # One writer per --save (refused with the holder's name), and this rank's record for
     # the job-end summary (rank_reports.py), written only while the lock is held.
@@ -365,7 +366,7 @@ def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
     try:
         loop.resume()
         if dist.get_rank() == 0:  # banner; versions.json, config.yaml in the run dir
-            write_run_files(run.logging.run_dir, run, loop.trainer.shape, loop.efficiency,
+            write_run_files(run.logging.run_dir, run, loop.trainer.model_section, loop.efficiency,
                             dist.get_world_size(), loop.log.line)
         loop.result.first_step = loop.state.step + 1
         first_samples = loop.state.consumed_samples
@@ -395,7 +396,7 @@ def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
         loop.result.stopped = None  # a stop request at the last step changes nothing
         elapsed = time.perf_counter() - total_start
         loop.result.tokens_per_second = ((loop.state.consumed_samples - first_samples) *
-                                         loop.trainer.shape.seq_length / max(elapsed, 1e-9))
+                                         loop.trainer.model_section.seq_length / max(elapsed, 1e-9))
         if t.eval_iters > 0:
             loop.result.eval = loop.evaluate()
         loop.save(wait=True)
@@ -418,9 +419,9 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
     try:
 
         resolve_tokenizer(run)
-        shape = run.model
-        config = validate_run(run, dist.get_world_size(), shape.num_layers, shape.num_experts)
-        pgs = initialize_layout(run.parallel.layout(), shape.num_layers, shape.num_experts,
+        model = run.model
+        config = validate_run(run, dist.get_world_size(), model.num_layers, model.num_experts)
+        pgs = initialize_layout(run.parallel.layout(), model.num_layers, model.num_experts,
                                 timeout_s=run.parallel.distributed_timeout_seconds)
         result = pretrain(run, pgs, on_step=on_step, config=config)
         destroy_layout()

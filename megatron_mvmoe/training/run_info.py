@@ -155,7 +155,7 @@ def versions(world_size: int) -> Dict[str, object]:
             "world_size": world_size, "argv": sys.argv}
 
 
-def banner(run, shape, counts: Dict[str, int], world_size: int, peak: Dict,
+def banner(run, model, counts: Dict[str, int], world_size: int, peak: Dict,
            info: Dict) -> str:
     """The start-up block: model, parameters, layout, batch, versions."""
     p, t = run.parallel, run.training
@@ -163,15 +163,15 @@ def banner(run, shape, counts: Dict[str, int], world_size: int, peak: Dict,
     git = info.get("git") or {}
     lines = [
         "=" * 72,
-        f"megatron_mvmoe | {shape.moe_variant} | {shape.num_layers} layers, D={shape.hidden_size}"
-        f", heads={shape.num_attention_heads}, seq={shape.seq_length}, vocab={shape.vocab_size}",
+        f"megatron_mvmoe | {model.moe_variant} | {model.num_layers} layers, D={model.hidden_size}"
+        f", heads={model.num_attention_heads}, seq={model.seq_length}, vocab={model.vocab_size}",
         f"parameters: total {counts['total'] / 1e6:.2f} M, active {counts['active'] / 1e6:.2f} M"
-        f" per token" + (f", {shape.num_experts} experts top-{shape.moe_router_topk}"
-                         if shape.is_moe else ""),
+        f" per token" + (f", {model.num_experts} experts top-{model.moe_router_topk}"
+                         if model.is_moe else ""),
         f"layout: world {world_size} = TP {p.tp} x PP {p.pp}"
         + (f" x CP {p.cp}" if p.cp > 1 else "") + f" x DP {dp}; EP {p.ep}, ETP {p.etp}"
         + (f", VPP {p.vpp}" if p.vpp else ""),
-        f"batch: global {t.global_batch_size} x {shape.seq_length} tokens, micro "
+        f"batch: global {t.global_batch_size} x {model.seq_length} tokens, micro "
         f"{t.micro_batch_size}, {t.train_iters} steps, precision {t.precision}",
         f"peak for MFU: {peak['flops'] / 1e9:.1f} GFLOP/s per rank ({peak['source']})",
         f"versions: python {info['python']}, torch {info['torch']}, megatron-core "
@@ -185,14 +185,14 @@ class Efficiency:
     """MFU, peak memory and ETA for the progress lines of one run (every rank calls
     `figures`: the peak memory is reduced with MAX over all ranks)."""
 
-    def __init__(self, run, shape, world_size: int, use_bf16: bool,
+    def __init__(self, run, model, world_size: int, use_bf16: bool,
                  measure: Optional[Callable[[], float]] = None) -> None:
         from megatron_mvmoe.analysis.plan import flops_per_token, parameter_counts
 
         self.world_size = world_size
         self.train_iters = run.training.train_iters
-        self.flops_per_token = flops_per_token(shape)["train"]
-        self.counts = parameter_counts(shape)
+        self.flops_per_token = flops_per_token(model)["train"]
+        self.counts = parameter_counts(model)
         self.use_bf16, self.measure = use_bf16, measure
         self.peak = device_peak_flops(use_bf16, measure)
 
@@ -241,14 +241,14 @@ class Efficiency:
                 f"{figures['peak_memory_gb']:.2f} GB | ETA {format_duration(figures['eta_s'])}")
 
 
-def write_run_files(run_dir: Optional[str], run, shape, efficiency: Efficiency,
+def write_run_files(run_dir: Optional[str], run, model, efficiency: Efficiency,
                     world_size: int, log_line) -> None:
     """Banner on the console (and in banner.txt), versions.json and the resolved
     config.yaml in the run directory (global rank 0 only; the caller checks)."""
     import yaml
 
     info = versions(world_size)
-    text = banner(run, shape, efficiency.counts, world_size, efficiency.peak, info)
+    text = banner(run, model, efficiency.counts, world_size, efficiency.peak, info)
     log_line(text)
     if not run_dir:
         return

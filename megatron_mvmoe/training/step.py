@@ -100,7 +100,7 @@ def _run_schedule(trainer: Trainer, iterators, num_microbatches: int, forward_on
     return schedule(forward_step_func=forward_step,
                     data_iterator=iterators if len(iterators) > 1 else iterators[0],
                     model=trainer.model if len(trainer.model) > 1 else trainer.model[0],
-                    num_microbatches=num_microbatches, seq_length=trainer.shape.seq_length,
+                    num_microbatches=num_microbatches, seq_length=trainer.model_section.seq_length,
                     micro_batch_size=run.training.micro_batch_size, forward_only=forward_only)
 
 
@@ -159,7 +159,7 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
 @torch.no_grad()
 def evaluate(trainer: Trainer, data, num_microbatches: int) -> Dict[str, float]:
     """Mean held-out loss per domain over `num_microbatches` microbatches per DP rank
-    (the same ones every time). Reads only `trainer.run`, `.shape` and `.model`, so a
+    (the same ones every time). Reads only `trainer.run`, `.model_section` and `.model`, so a
     checkpoint opened without a trainer (from_checkpoint.CheckpointModel) evaluates too."""
     for chunk in trainer.model:
         chunk.eval()

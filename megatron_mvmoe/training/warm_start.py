@@ -57,20 +57,20 @@ _SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query
                   "moe_shared_expert_intermediate_size", "latent_size", "vocab_size")
 
 
-def check_target(shape: ModelSection, upcycling: bool = False) -> None:
+def check_target(model: ModelSection, upcycling: bool = False) -> None:
     """The run's own model must have routers to warm start, or (upcycling) be an MoE variant
     a dense model can be upcycled into (checked before building)."""
     if upcycling:
-        if shape.moe_variant not in UPCYCLE_VARIANTS:
+        if model.moe_variant not in UPCYCLE_VARIANTS:
             raise ValueError(
                 f"training.moe_use_upcycling: this run's model.moe_variant is "
-                f"{shape.moe_variant!r}; a dense model upcycles into one of "
+                f"{model.moe_variant!r}; a dense model upcycles into one of "
                 f"{UPCYCLE_VARIANTS} (mh_moe experts see D/H-wide sub-tokens, so none can "
                 "hold the dense MLP). Fix: choose one of those variants")
         return
-    if shape.moe_variant not in TARGET_VARIANTS:
+    if model.moe_variant not in TARGET_VARIANTS:
         raise ValueError(f"training.warm_start_from: this run's model.moe_variant is "
-                         f"{shape.moe_variant!r}; the warm start maps a latent baseline into "
+                         f"{model.moe_variant!r}; the warm start maps a latent baseline into "
                          f"one of {TARGET_VARIANTS}. Fix: use --moe-variant multi_view (or "
                          "multi_router), or drop --warm-start-from")
 
@@ -85,22 +85,23 @@ def warm_start(trainer: Trainer, path: str, new_heads: str) -> List[WarmStartRep
     """Collective: load the baseline at `path` into the trainer's model (see module doc);
     with `training.moe_use_upcycling` the checkpoint is dense and is upcycled instead."""
     upcycling = trainer.run.training.moe_use_upcycling
-    check_target(trainer.shape, upcycling)
+    model = trainer.model_section
+    check_target(model, upcycling)
     directory = _baseline_directory(path)
     meta = ckpt_dir.read_run_state(directory)
     baseline_run = _baseline_run(meta, trainer.run)
     if upcycling:
-        check_dense_source(baseline_run.model, trainer.shape, directory, trainer.run.parallel,
+        check_dense_source(baseline_run.model, model, directory, trainer.run.parallel,
                            new_heads)
         baseline_run.parallel = dataclasses.replace(baseline_run.parallel, ep=1, etp=1)
     else:
-        check_baseline(baseline_run.model, trainer.shape, directory)
+        check_baseline(baseline_run.model, model, directory)
     with torch.random.fork_rng(devices=[]):
         baseline_chunks = _load_baseline(baseline_run, trainer.pg_collection, directory)
     reports = []
     with torch.no_grad():
         for source, target in zip(baseline_chunks, trainer.unwrapped()):
-            reports.append(upcycle_chunk(target, source, trainer.shape.moe_variant, new_heads)
+            reports.append(upcycle_chunk(target, source, model.moe_variant, new_heads)
                            if upcycling else
                            warm_start_multi_view(target, source.state_dict(), new_heads))
         # bf16 runs keep fp32 main copies inside the optimizer: refresh them from the model

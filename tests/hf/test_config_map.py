@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def _config(preset, shared=None, **extra):
-    shape = model_from_preset(preset, vocab_size=128, seq_length=32, extra=extra,
+    model = model_from_preset(preset, vocab_size=128, seq_length=32, extra=extra,
                               moe_shared_expert_intermediate_size=shared)
-    return transformer_config(shape), shape
+    return transformer_config(model), model
 
 
 SIGMOID = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
@@ -39,9 +39,9 @@ SIGMOID = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bia
 ])
 def test_class_choice(preset, extra, expected):
     shared = extra.pop("moe_shared_expert_intermediate_size", None)
-    shape = model_from_preset(preset, vocab_size=128, seq_length=32, extra=extra,
+    model = model_from_preset(preset, vocab_size=128, seq_length=32, extra=extra,
                               moe_shared_expert_intermediate_size=shared)
-    config = transformer_config(shape)
+    config = transformer_config(model)
     types = ["dense" if preset == "tiny_dense" else "moe"] * 2
     assert config_map.choose_class(config, types) == expected
 
@@ -60,22 +60,22 @@ def test_bitnet_and_layer_mix_go_to_our_class_and_a_wrong_request_is_refused():
 
 
 def _stock_pair(hf_class, preset, shared=None, **extra):
-    config, shape = _config(preset, shared, **extra)
-    fields = config_map.hf_config(hf_class, config, shape, ["moe", "moe"], 128)
-    return config, shape, fields
+    config, model = _config(preset, shared, **extra)
+    fields = config_map.hf_config(hf_class, config, model, ["moe", "moe"], 128)
+    return config, model, fields
 
 
 def test_fields_land_where_the_stock_classes_read_them():
-    config, shape, f = _stock_pair("MixtralForCausalLM", "tiny_smoe")
+    config, model, f = _stock_pair("MixtralForCausalLM", "tiny_smoe")
     hf = transformers.MixtralConfig(**{k: v for k, v in f.items() if k != "architectures"})
     assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads) == (
         config.hidden_size, config.num_layers, config.num_attention_heads)
     assert hf.num_key_value_heads == (config.num_query_groups or config.num_attention_heads)
     assert hf.head_dim == config.kv_channels and hf.rms_norm_eps == config.layernorm_epsilon
-    assert hf.rope_parameters["rope_theta"] == shape.rotary_base
+    assert hf.rope_parameters["rope_theta"] == model.rotary_base
     assert (hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size) == (
         config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size)
-    config, shape, f = _stock_pair("Glm4MoeForCausalLM", "tiny_smoe", 128, **SIGMOID,
+    config, model, f = _stock_pair("Glm4MoeForCausalLM", "tiny_smoe", 128, **SIGMOID,
                                    moe_router_topk_scaling_factor=2.5)
     hf = transformers.Glm4MoeConfig(**{k: v for k, v in f.items() if k != "architectures"})
     assert (hf.n_routed_experts, hf.n_shared_experts, hf.moe_intermediate_size) == (4, 2, 64)

@@ -60,8 +60,8 @@ def test_provider_config_follows_the_decisions():
     from megatron_mvmoe.config.model_section import model_from_preset
     from megatron_mvmoe.models.provider import transformer_config
 
-    shape = model_from_preset("tiny_multi_view")
-    config = transformer_config(shape, on_cpu=True)
+    model = model_from_preset("tiny_multi_view")
+    config = transformer_config(model, on_cpu=True)
     for name, value in config_fields(choose_fast_paths(CPU, "multi_view")).items():
         assert getattr(config, name) == value, name
 

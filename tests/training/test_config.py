@@ -16,12 +16,12 @@ def test_yaml_then_flags_override(tmp_path):
                             "--gamma-ramp-steps", "5", "--lr", "0.01", "--save", "/x"])
     assert run.training.train_iters == 7 and run.parallel.ep == 1
     assert run.training.global_batch_size == 8 and run.optimizer.lr == 0.01
-    shape = run.model
-    assert (shape.num_experts, shape.moe_variant, shape.multi_view.num_routers) == (
+    model = run.model
+    assert (model.num_experts, model.moe_variant, model.multi_view.num_routers) == (
         8, "multi_view", 2)
-    assert shape.multi_view.num_views == 2  # R = K follows the routers
-    assert shape.multi_view.gamma_ramp_steps == 5
-    assert shape.hidden_size == 64  # untouched preset field
+    assert model.multi_view.num_views == 2  # R = K follows the routers
+    assert model.multi_view.gamma_ramp_steps == 5
+    assert model.hidden_size == 64  # untouched preset field
 
 
 def test_example_yaml_loads():

@@ -11,11 +11,11 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def test_ffn_hidden_size_sets_the_expert_width_unless_given():
-    shape = config_from_args(BASE + ["--num-experts", "4", "--ffn-hidden-size", "96"]).model
-    assert shape.moe_variant == "smoe" and shape.moe_ffn_hidden_size == 96
-    shape = config_from_args(BASE + ["--num-experts", "4", "--ffn-hidden-size", "96",
+    model = config_from_args(BASE + ["--num-experts", "4", "--ffn-hidden-size", "96"]).model
+    assert model.moe_variant == "smoe" and model.moe_ffn_hidden_size == 96
+    model = config_from_args(BASE + ["--num-experts", "4", "--ffn-hidden-size", "96",
                                       "--moe-ffn-hidden-size", "32"]).model
-    assert shape.moe_ffn_hidden_size == 32 and shape.ffn_hidden_size == 96
+    assert model.moe_ffn_hidden_size == 32 and model.ffn_hidden_size == 96
     assert config_from_args(BASE + ["--ffn-hidden-size", "96"]).model.moe_variant == "dense"
 
 

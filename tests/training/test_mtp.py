@@ -34,8 +34,8 @@ def _built(rank, world_size, cases):
     pgs = initialize_layout(ParallelLayout())
     out = {}
     for name, layers in cases:
-        shape = model_from_preset(name, extra={"mtp_num_layers": layers})
-        chunks = build_model_chunks(transformer_config(shape), shape, pgs)
+        model = model_from_preset(name, extra={"mtp_num_layers": layers})
+        chunks = build_model_chunks(transformer_config(model), model, pgs)
         mtp = [layer.mtp_model_layer for layer in chunks[0].mtp.layers]
         out[f"{name}/{layers}"] = {
             "count": count_parameters(chunks),
@@ -43,9 +43,9 @@ def _built(rank, world_size, cases):
             "router": [type(getattr(layer.mlp, "router", None)).__name__ for layer in mtp],
             "decoder_router": type(getattr(chunks[0].decoder.layers[-1].mlp, "router",
                                            None)).__name__}
-    shape = model_from_preset("tiny_multi_view", extra={"mtp_num_layers": 1},
+    model = model_from_preset("tiny_multi_view", extra={"mtp_num_layers": 1},
                               bitnet={"enabled": True})
-    chunk = build_model_chunks(transformer_config(shape), shape, pgs)[0]
+    chunk = build_model_chunks(transformer_config(model), model, pgs)[0]
     out["bitnet_eh_proj"] = type(chunk.mtp.layers[0].eh_proj).__name__
     return out
 
@@ -55,8 +55,8 @@ def test_mtp_layers_use_the_variant_moe_and_planner_counts_them():
     built = run_distributed(_built, 1, timeout_s=300, args=(cases,))[0]
     for name, layers in cases:
         got = built[f"{name}/{layers}"]
-        shape = model_from_preset(name, extra={"mtp_num_layers": layers})
-        assert parameter_counts(shape)["total"] == got["count"], (name, layers)
+        model = model_from_preset(name, extra={"mtp_num_layers": layers})
+        assert parameter_counts(model)["total"] == got["count"], (name, layers)
         assert got["mlp"] == [MOE_CLASS[name]] * layers, got
         assert got["router"] == [got["decoder_router"]] * layers, got  # the variant's router
     assert built["bitnet_eh_proj"] == "BitColumnParallelLinear"  # quantized like the block

@@ -49,10 +49,10 @@ def _first_forwards(rank, world_size, targets, dense_overrides):
     with torch.no_grad():
         reference = _logits(dense, tokens)
         for label, (name, overrides, new_heads) in targets.items():
-            shape = model_from_preset(name, **overrides)
-            moe = build_model_chunks(transformer_config(shape), shape, pgs)[0].eval()
+            model = model_from_preset(name, **overrides)
+            moe = build_model_chunks(transformer_config(model), model, pgs)[0].eval()
             before = float((_logits(moe, tokens) - reference).abs().max())
-            report = upcycle_chunk(moe, dense, shape.moe_variant, new_heads)
+            report = upcycle_chunk(moe, dense, model.moe_variant, new_heads)
             after = float((_logits(moe, tokens) - reference).abs().max())
             out[label] = {"before": before, "after": after, "mapping": report.mapping,
                           "experts": len(report.experts), "heads_equal": _heads_equal(moe)}
