@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from harness import tiny_run
-from textdata import build_token_dir  # noqa: E402
 
 from megatron_mvmoe.testing.spawn import run_distributed  # noqa: E402
 
@@ -93,8 +92,8 @@ def _load_error(rank, world_size, raw, root):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    data = build_token_dir(str(tmp_path_factory.mktemp("tokens")))
+def saved(tmp_path_factory, text_tokens):
+    data = text_tokens
     root = str(tmp_path_factory.mktemp("ck"))
     raw = tiny_run(data, parallel={"ep": WORLD}, train_iters=2, save=root)
     raw["optimizer"]["warmup_iters"] = 1  # must stay below the 2 decay steps

@@ -12,7 +12,6 @@ import shutil
 import pytest
 
 from harness import tiny_run, train
-from textdata import build_token_dir  # noqa: E402
 
 from megatron_mvmoe.testing.spawn import DistributedTestError  # noqa: E402
 
@@ -21,8 +20,8 @@ SAVED_AT = 3
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    data = build_token_dir(str(tmp_path_factory.mktemp("tokens")))
+def saved(tmp_path_factory, text_tokens):
+    data = text_tokens
     root = str(tmp_path_factory.mktemp("ck"))
     train(tiny_run(data, preset="tiny_latent", train_iters=SAVED_AT, eval_iters=0,
                    save=root), 1)

@@ -135,12 +135,10 @@ def test_slurm_local_start_is_idempotent(slurm_cluster):
     assert again["node_state"] in ("idle", "mixed", "allocated")
 
 
-def test_sbatch_two_tasks_train_and_checkpoint(slurm_cluster, tmp_path):
+def test_sbatch_two_tasks_train_and_checkpoint(slurm_cluster, tmp_path, text_tokens):
     """sbatch examples/slurm/train_cpu_smoke.sbatch: the trainer itself on 2 srun tasks
     (EP=2, rendezvous from SLURM_*) trains 4 steps on real text and checkpoints."""
-    from textdata import build_token_dir
-
-    tokens = build_token_dir(str(tmp_path / "tokens"))
+    tokens = text_tokens
     ckpt, run_dir, log = tmp_path / "ckpt", tmp_path / "run", tmp_path / "train.out"
     env = clean_env(**slurm_cluster["env"])
     job_id = run(["sbatch", "--parsable", f"--output={log}", "examples/slurm/train_cpu_smoke.sbatch",

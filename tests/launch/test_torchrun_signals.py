@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-from textdata import build_token_dir
 
 pytestmark = [pytest.mark.launchers, pytest.mark.slow, pytest.mark.timeout(900)]
 SCRIPT = REPO / "examples" / "launch" / "torchrun_local.sh"
@@ -27,11 +26,11 @@ PACED_JOB = REPO / "tests" / "launch" / "paced_job.py"
 STEPS = 16
 
 
-def run_yaml(folder: Path, timeout_s: float = 30, ep: int = 2) -> str:
+def run_yaml(folder: Path, tokens: str, timeout_s: float = 30, ep: int = 2) -> str:
     """The tiny EP=2 model of the fault-tolerance tests, saving only when stopped."""
     raw = dict(model=dict(preset="tiny_smoe", vocab_size=512, seq_length=32),
                parallel=dict(ep=ep, distributed_timeout_seconds=timeout_s),
-               data=dict(kind="tokens", path=build_token_dir(str(folder / "tokens"))),
+               data=dict(kind="tokens", path=tokens),
                optimizer=dict(lr=3e-3, min_lr=3e-4, warmup_iters=1),
                training=dict(train_iters=STEPS, global_batch_size=8, micro_batch_size=2,
                              eval_interval=0, eval_iters=0, save_interval=10_000),
@@ -95,10 +94,10 @@ def trainer(config: str, save: Path, run_dir: Path, *extra) -> list:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, text_tokens):
     """Per-step losses of the same run, uninterrupted, through the same launcher."""
     folder = tmp_path_factory.mktemp("reference")
-    config, out = run_yaml(folder), folder / "out.txt"
+    config, out = run_yaml(folder, text_tokens), folder / "out.txt"
     status = finish(launch(trainer(config, folder / "ck", folder / "run"), out))
     assert status == 0, out.read_text()[-3000:]
     found = losses(folder / "run")

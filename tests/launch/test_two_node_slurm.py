@@ -22,7 +22,6 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-from textdata import build_token_dir
 
 pytestmark = [pytest.mark.launchers, pytest.mark.slow, pytest.mark.timeout(900)]
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -76,11 +75,11 @@ def _wait(cluster, job: str, until, timeout_s: float, what: str):
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
+def config(tmp_path_factory, text_tokens):
     folder = tmp_path_factory.mktemp("two_node")
     raw = dict(model=dict(preset="tiny_smoe", vocab_size=512, seq_length=32),
                parallel=dict(ep=2, distributed_timeout_seconds=TIMEOUT_S),
-               data=dict(kind="tokens", path=build_token_dir(str(folder / "tokens"))),
+               data=dict(kind="tokens", path=text_tokens),
                optimizer=dict(lr=3e-3, min_lr=3e-4, warmup_iters=1),
                training=dict(train_iters=STEPS, global_batch_size=8, micro_batch_size=2,
                              eval_interval=0, eval_iters=0, save_interval=SAVE_INTERVAL),

@@ -10,7 +10,6 @@ sizes (save at CP=2, continue at CP=1, and back)."""
 import pytest
 
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,22 +17,17 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return build_token_dir(str(tmp_path_factory.mktemp("tokens")))
-
-
-@pytest.fixture(scope="module")
-def one_rank(data_dir, tmp_path_factory):
+def one_rank(text_tokens, tmp_path_factory):
     """preset -> (run settings from its saved initial weights, CP=1 one-rank losses)."""
     cache = {}
 
     def get(preset):
         if preset not in cache:
             init = str(tmp_path_factory.mktemp(f"init_{preset}"))
-            train(tiny_run(data_dir, preset=preset, train_iters=0, eval_iters=0, save=init), 1)
+            train(tiny_run(text_tokens, preset=preset, train_iters=0, eval_iters=0, save=init), 1)
             from_init = dict(preset=preset, train_iters=STEPS, eval_iters=0, load=init,
                              load_optimizer=False)
-            cache[preset] = from_init, train(tiny_run(data_dir, **from_init), 1)["losses"]
+            cache[preset] = from_init, train(tiny_run(text_tokens, **from_init), 1)["losses"]
         return cache[preset]
     return get
 
@@ -45,9 +39,9 @@ def _assert_same_losses(reference, other):
 
 @pytest.mark.parametrize("preset", ["tiny_smoe", "tiny_latent", "tiny_multi_router",
                                     "tiny_multi_view", "tiny_mh_moe"])
-def test_cp2_losses_equal_cp1(data_dir, one_rank, preset):
+def test_cp2_losses_equal_cp1(text_tokens, one_rank, preset):
     from_init, reference = one_rank(preset)
-    _assert_same_losses(reference, train(tiny_run(data_dir, parallel={"cp": 2}, **from_init),
+    _assert_same_losses(reference, train(tiny_run(text_tokens, parallel={"cp": 2}, **from_init),
                                          2)["losses"])
 
 
@@ -57,9 +51,9 @@ def test_cp2_losses_equal_cp1(data_dir, one_rank, preset):
     ("tiny_multi_view", {"cp": 2, "pp": 2, "ep": 2})],
     ids=["mh_moe-cp2_tp2_ep2", "smoe-cp2_tp2_ep2", "multi_view-cp2_tp2_ep2",
          "multi_view-cp2_ep2_dp2", "multi_view-cp2_pp2_ep2"])
-def test_cp2_with_tp_ep_dp_losses_equal_one_rank(data_dir, one_rank, preset, parallel):
+def test_cp2_with_tp_ep_dp_losses_equal_one_rank(text_tokens, one_rank, preset, parallel):
     from_init, reference = one_rank(preset)
-    _assert_same_losses(reference, train(tiny_run(data_dir, parallel=parallel, **from_init),
+    _assert_same_losses(reference, train(tiny_run(text_tokens, parallel=parallel, **from_init),
                                          4)["losses"])
 
 
@@ -76,7 +70,7 @@ RESHARD = dict(train_iters=8, eval_iters=0, ckpt_optimizer_format="fully_reshard
 
 
 @pytest.mark.parametrize("saved_cp,resumed_cp", [(2, 1), (1, 2)], ids=["cp2_to_cp1", "cp1_to_cp2"])
-def test_checkpoint_reshards_between_cp_sizes(data_dir, tmp_path, saved_cp, resumed_cp):
+def test_checkpoint_reshards_between_cp_sizes(text_tokens, tmp_path, saved_cp, resumed_cp):
     """A step-4 checkpoint saved at one CP size continues at the other: steps 5..8 give the
     uninterrupted run's losses within 1e-4. The weights are whole on every CP rank, but
     Megatron's distributed optimizer shards the Adam moments over DP x CP, so they are
@@ -84,11 +78,11 @@ def test_checkpoint_reshards_between_cp_sizes(data_dir, tmp_path, saved_cp, resu
     import os
 
     root = str(tmp_path / "ck")
-    full = train(tiny_run(data_dir, parallel={"cp": saved_cp}, save=root, save_interval=4,
+    full = train(tiny_run(text_tokens, parallel={"cp": saved_cp}, save=root, save_interval=4,
                           **RESHARD), saved_cp)
     with open(os.path.join(root, "latest"), "w") as fh:  # resume from step 4
         fh.write("iter_0000004\n")
-    resumed = train(tiny_run(data_dir, parallel={"cp": resumed_cp}, load=root, **RESHARD),
+    resumed = train(tiny_run(text_tokens, parallel={"cp": resumed_cp}, load=root, **RESHARD),
                     resumed_cp)
     assert resumed["first_step"] == 5
     diffs = [abs(a - b) for a, b in zip(resumed["losses"], full["losses"][4:])]

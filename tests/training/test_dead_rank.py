@@ -13,7 +13,6 @@ import time
 
 import pytest
 import yaml
-from textdata import build_token_dir
 
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.checkpointing.errors import CheckpointError
@@ -53,9 +52,8 @@ def _summary(out: str) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_dead_rank_fails_clearly_then_resume(tmp_path):
-    data_dir = build_token_dir(str(tmp_path / "tokens"))
-    config = _yaml(tmp_path, data_dir)
+def test_dead_rank_fails_clearly_then_resume(tmp_path, text_tokens):
+    config = _yaml(tmp_path, text_tokens)
     proc, seconds = _torchrun(config, kill_at="3")
     out, save = proc.stdout, str(tmp_path / "ck")
     assert proc.returncode != 0
@@ -87,7 +85,7 @@ def test_half_written_save_keeps_latest(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_hung_rank_makes_survivor_exit_within_timeout(tmp_path):
+def test_hung_rank_makes_survivor_exit_within_timeout(tmp_path, text_tokens):
     """SIGSTOP rank 1 at step 2: rank 0 blocks in the expert-parallel all-to-all (a
     Megatron subgroup, so this needs the run's timeout on every group, not Megatron's
     30 minutes) and must exit within distributed_timeout_seconds + a margin; the whole
@@ -95,8 +93,7 @@ def test_hung_rank_makes_survivor_exit_within_timeout(tmp_path):
     honoured by megatron_mvmoe.launch.torchrun, not torchrun's fixed 30 s), naming rank 1
     and rank 0's error."""
     timeout_s, margin_s, grace_s = 10, 20, 5
-    data_dir = build_token_dir(str(tmp_path / "tokens"))
-    config = _yaml(tmp_path, data_dir, timeout_s=timeout_s)
+    config = _yaml(tmp_path, text_tokens, timeout_s=timeout_s)
     stamps = tmp_path / "stamps"
     stamps.mkdir()
     proc, _ = _torchrun(config, kill_at="2", STOP_MODE="stop", EXIT_TIMES_DIR=str(stamps))

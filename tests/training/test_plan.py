@@ -132,14 +132,12 @@ def test_dry_run_10b_rank0_matches_plan():
 
 
 # ------------------------------------------------------------ memory: measured vs planned
-def test_validate_tiny_run_static_categories_match(tmp_path):
+def test_validate_tiny_run_static_categories_match(tmp_path, text_tokens):
     """A 2-rank EP=2 tiny run records memory/rank<R>.json; plan.py --validate sets the
     planner's per-rank categories against it: params/grads/optimizer within 2 % (without
     the distributed optimizer's 64-element padding, which dominates only tiny tensors)."""
     from harness import tiny_run, train
-    from textdata import build_token_dir
-
-    data = build_token_dir(str(tmp_path / "tokens"))
+    data = text_tokens
     raw = tiny_run(data, parallel=dict(ep=2), train_iters=5, save_interval=3,
                    save=str(tmp_path / "ckpt"))
     raw["optimizer"]["use_distributed_optimizer"] = False
@@ -201,14 +199,12 @@ def test_save_and_stacked_expert_terms_against_naive_count():
     assert w["fc1"] == 2 * w["fc2"]
 
 
-def test_slice_that_does_not_fit_fails_before_allocating(tmp_path):
+def test_slice_that_does_not_fit_fails_before_allocating(tmp_path, text_tokens):
     """The 24-layer 10B-A1B on 2 CPU ranks needs far more than any such machine has: the
     start-up check refuses it with the planner's estimate and what to reduce, before the
     model is built (the run takes seconds, not the minutes a build would)."""
     from harness import tiny_run, train
-    from textdata import build_token_dir
-
-    data = build_token_dir(str(tmp_path / "tokens"))
+    data = text_tokens
     raw = tiny_run(data, parallel=dict(ep=2))
     raw["model"] = dict(preset="mvmoe_10b_a1b", vocab_size=512, seq_length=32)
     with pytest.raises(Exception) as err:

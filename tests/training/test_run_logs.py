@@ -9,15 +9,14 @@ import pytest
 import yaml
 
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 from megatron_mvmoe.training import run_info
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_run_dir_banner_versions_config_and_efficiency_figures(tmp_path, capfd):
-    data = build_token_dir(str(tmp_path / "tokens"))
+def test_run_dir_banner_versions_config_and_efficiency_figures(tmp_path, capfd, text_tokens):
+    data = text_tokens
     raw = tiny_run(data, train_iters=4)
     raw["logging"].update(run_dir=str(tmp_path / "run"), log_interval=2,
                           wandb_project="mvmoe-test")

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from textdata import build_token_dir
 
 from megatron_mvmoe.testing.spawn import run_distributed
 from megatron_mvmoe.training.save_lock import (LOCK_NAME, Holder, SaveLock, hold_save_lock,
@@ -101,10 +100,10 @@ def test_without_flock_only_a_surely_gone_holder_is_taken_over(tmp_path, monkeyp
             acquire()
 
 
-def _yaml(folder: Path) -> str:
+def _yaml(folder: Path, tokens: str) -> str:
     raw = dict(model=dict(preset="tiny_smoe", vocab_size=512, seq_length=32),
                parallel=dict(ep=1),
-               data=dict(kind="tokens", path=build_token_dir(str(folder / "tokens"))),
+               data=dict(kind="tokens", path=tokens),
                optimizer=dict(lr=3e-3, min_lr=3e-4),
                training=dict(train_iters=400, global_batch_size=4, micro_batch_size=2,
                              eval_interval=0, eval_iters=0, save_interval=10_000,
@@ -132,8 +131,8 @@ def _wait_for(out: Path, text: str, timeout_s: float) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_trainings_on_one_save_the_second_is_refused(tmp_path):
-    config, save = _yaml(tmp_path), tmp_path / "ck"
+def test_two_trainings_on_one_save_the_second_is_refused(tmp_path, text_tokens):
+    config, save = _yaml(tmp_path, text_tokens), tmp_path / "ck"
     first_out, second_out = tmp_path / "first.txt", tmp_path / "second.txt"
     first = _trainer(config, first_out, "--run-dir", str(tmp_path / "run1"))
     try:

@@ -13,7 +13,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_mvmoe.config.run_config import config_from_dict
 from megatron_mvmoe.training.schedule_rule import restore_scheduler, scheduler_switches
 from harness import tiny_run, train
-from textdata import build_token_dir
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,8 +65,8 @@ def _saved_decay(root):
         return json.load(fh)["scheduler"]["lr_decay_steps"]
 
 
-def test_extending_a_run_end_to_end(tmp_path):
-    data = build_token_dir(str(tmp_path / "tokens"))
+def test_extending_a_run_end_to_end(tmp_path, text_tokens):
+    data = text_tokens
     first = str(tmp_path / "first")
     train(tiny_run(data, preset="tiny_latent", train_iters=3, eval_iters=0, save=first), 1)
     for override, expected in ((False, 3), (True, 6)):
