@@ -15,7 +15,7 @@ Design choices:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import List, Optional
 
 import torch.distributed as dist
@@ -27,12 +27,15 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelLayout:
-    """How one model is spread over the world."""
+    """How one model is spread over the world. The run config's parallel section
+    (config/run_config.ParallelSection) extends it, so each size is declared and documented
+    once; not frozen because run configs are edited in place (--unset, tool overrides)."""
 
     tp: int = 1
-    """Tensor-parallel size (attention and dense MLP shards; needs sequence parallel for MoE)."""
+    """Tensor-parallel size (attention and dense MLP shards); MoE with tp > 1 turns
+    sequence parallelism on."""
     pp: int = 1
     """Pipeline-parallel stages."""
     ep: int = 1
@@ -40,10 +43,14 @@ class ParallelLayout:
     etp: int = 1
     """Expert tensor-parallel size (1 keeps each expert whole; gloo needs 1 with TP > 1)."""
     vpp: Optional[int] = None
-    """Virtual pipeline stages per rank (interleaved schedule), or None."""
+    """Virtual pipeline chunks per rank (interleaved 1F1B), or None."""
     cp: int = 1
     """Context-parallel size: each sequence is split over this many ranks (load-balanced
     chunks, layers/cp_attention.py); the sequence length must divide by 2*cp."""
+
+    def layout(self) -> "ParallelLayout":
+        """The sizes alone, as a plain ParallelLayout (a run config's section carries more)."""
+        return ParallelLayout(**{f.name: getattr(self, f.name) for f in fields(ParallelLayout)})
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)

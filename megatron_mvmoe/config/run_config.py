@@ -39,31 +39,15 @@ WARM_START_NEW_HEADS = typing.get_args(WarmStartNewHeads)
 
 
 @dataclass
-class ParallelSection:
-    """How the model is laid out over the ranks (see ParallelLayout)."""
+class ParallelSection(ParallelLayout):
+    """How the model is laid out over the ranks: the layout's sizes (parallel.ParallelLayout,
+    declared there) and what a run adds to them."""
 
-    tp: int = 1
-    """Tensor-parallel size (MoE with tp > 1 turns sequence parallelism on)."""
-    pp: int = 1
-    """Pipeline stages."""
-    ep: int = 1
-    """Expert-parallel size."""
-    etp: int = 1
-    """Expert tensor-parallel size (gloo needs 1 when tp > 1)."""
-    vpp: Optional[int] = None
-    """Virtual pipeline chunks per rank (interleaved 1F1B), or None."""
-    cp: int = 1
-    """Context-parallel size: each sequence split over this many ranks (seq_length % 2*cp
-    == 0; local all-gather CP attention, layers/cp_attention.py)."""
     distributed_timeout_seconds: float = 120.0
     """Collective timeout: a dead rank makes the others fail after at most this long."""
     world_size: Optional[int] = None
     """GPUs this layout is written for (tools/plan.py plans it); a launch with another world
     size is refused. None = any world size the layout divides."""
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp,
-                              cp=self.cp)
 
 
 @dataclass
