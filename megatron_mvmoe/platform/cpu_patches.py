@@ -20,10 +20,12 @@ Design choices:
 - `Tensor.type()` reports the CUDA type name only while the distributed optimizer and the
   gradient-clipping helpers run (they dispatch on those names).
 - A patched function is replaced where it is defined AND in every module that imported it
-  by name (`_rebind`), and its probe calls it through both: patching only an importer left
+  by name (`patch.rebind`), and its probe calls it through both: patching only an importer left
   Megatron's own callers (and its tests) on the original.
 - `UPSTREAM_FIXES` carry Megatron-LM fixes made after 0.19.2 to bugs the stock router has
-  on every platform (aux-loss bookkeeping); they apply with CUDA too. Each names its PR.
+  on every platform (aux-loss bookkeeping, platform/upstream_router_fixes.py) and torch-Adam
+  load repairs (platform/torch_adam_fixes.py); they apply with CUDA too. The group pool
+  (platform/group_pool.py) is a CPU patch kept in its own module for its size.
 - MVMOE_CPU_PATCHES_SKIP="name,name" leaves patches out, to show what breaks without them.
 """
 
@@ -39,8 +41,8 @@ from typing import List
 import numpy as np
 import torch
 
-from megatron_mvmoe.platform import torch_adam_fixes
-from megatron_mvmoe.platform.patch import Patch
+from megatron_mvmoe.platform import group_pool, torch_adam_fixes, upstream_router_fixes
+from megatron_mvmoe.platform.patch import Patch, rebind
 
 MEGATRON_VERSION_PATCHED = "0.19.2"
 _APPLIED_MARK = "_mvmoe_cpu_patches_applied"
@@ -316,117 +318,6 @@ def _split_sizes_break() -> bool:
     return not isinstance(out, np.ndarray)
 
 
-# ------------------------------------------- process groups left alive on teardown
-_GLOO_GLOBALS_SUFFIX = "_GLOO"
-
-
-class _GroupPool:
-    """Megatron's subgroups, kept across destroy/initialize cycles of one world.
-
-    A gloo group's threads and sockets are freed only when its C++ object dies, i.e. once
-    nothing references the Python group; a model, optimizer or test that outlives
-    `destroy_model_parallel` keeps them alive, and destroying the group does not help
-    (`ProcessGroupGloo.shutdown/abort` leave its threads running). So the same group is
-    handed out again when Megatron asks for the same ranks with the same settings: the
-    threads are bounded by the distinct groups of a world, whoever holds references.
-
-    Every rank makes the same create_group calls in the same order (torch's new_group is
-    collective), so every rank hits or misses the pool together. The pool belongs to one
-    default group: a new world (init_process_group after destroy_process_group) starts an
-    empty pool."""
-
-    def __init__(self) -> None:
-        self._world = None  # weak reference to the default group the pool belongs to
-        self._groups: dict = {}
-
-    def _current(self) -> dict:
-        import weakref
-
-        default = torch.distributed.distributed_c10d._get_default_group()
-        if self._world is None or self._world() is not default:
-            self._world, self._groups = weakref.ref(default), {}
-        return self._groups
-
-    def get(self, create, ranks, timeout=None, backend=None, pg_options=None,
-            use_local_synchronization=False, group_desc=None):
-        """(group, created now) for Megatron's create_group arguments."""
-        kwargs = dict(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
-                      use_local_synchronization=use_local_synchronization,
-                      group_desc=group_desc)
-        if pg_options is not None:  # options objects do not compare: never pooled
-            return create(**kwargs), True
-        key = (tuple(ranks) if ranks is not None else None, str(timeout), str(backend),
-               use_local_synchronization, group_desc)
-        groups = self._current()
-        if key in groups:
-            return groups[key], False
-        groups[key] = create(**kwargs)
-        return groups[key], True
-
-
-def _pool_model_parallel_groups() -> None:
-    """`initialize_model_parallel` builds every subgroup anew (gloo on CPU: threads and
-    sockets each) and `destroy_model_parallel` only forgets them (it destroys the *_GLOO
-    ones), so a process that re-initialises parallel state (a test session, a sweep, an
-    evaluation server) gains ~30 threads per cycle until it stalls; destroying them too
-    frees nothing while a model still references them. Megatron's `create_group` takes
-    its groups from a `_GroupPool`, and `destroy_model_parallel` leaves pooled groups alive
-    for the next initialisation."""
-    parallel_state = importlib.import_module("megatron.core.parallel_state")
-    original_create = parallel_state.create_group
-    original_destroy = parallel_state.destroy_model_parallel
-    pool = _GroupPool()
-
-    @functools.wraps(original_create)
-    def create_group(ranks=None, timeout=None, backend=None, pg_options=None,
-                     use_local_synchronization=False, group_desc=None):
-        group, created = pool.get(original_create, ranks, timeout, backend, pg_options,
-                                  use_local_synchronization, group_desc)
-        if not created:  # Megatron's own bookkeeping (update_pg_timeout walks this list)
-            if parallel_state._global_process_group_list is None:
-                parallel_state._global_process_group_list = [None]
-            if torch.distributed.get_rank() in ranks:
-                parallel_state._global_process_group_list.append(group)
-        return group
-
-    @functools.wraps(original_destroy)
-    def destroy_model_parallel():
-        for name in dir(parallel_state):  # pooled: forget, do not destroy
-            if name.endswith(_GLOO_GLOBALS_SUFFIX) and name.isupper():
-                setattr(parallel_state, name, None)
-        original_destroy()
-
-    create_group._mvmoe_wrapped = True
-    destroy_model_parallel._mvmoe_wrapped = True
-    parallel_state.create_group = create_group
-    parallel_state.destroy_model_parallel = destroy_model_parallel
-
-
-def _groups_recreated_on_reinit() -> bool:
-    """On a one-rank gloo world of its own (only when none is initialised): does a second
-    initialize_model_parallel, after destroy, while the first one's groups are still
-    referenced, build new groups (new threads) instead of reusing them?"""
-    import tempfile
-
-    parallel_state = importlib.import_module("megatron.core.parallel_state")
-    if torch.distributed.is_initialized():
-        # cannot probe without disturbing the caller's groups
-        return not getattr(parallel_state.create_group, "_mvmoe_wrapped", False)
-    store = tempfile.NamedTemporaryFile(prefix="mvmoe_pg_probe_", delete=False).name
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0,
-                                         world_size=1)
-    try:
-        parallel_state.initialize_model_parallel()
-        held = parallel_state.get_tensor_model_parallel_group()
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel()
-        again = parallel_state.get_tensor_model_parallel_group()
-        parallel_state.destroy_model_parallel()
-        return again is not held
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 # ------------------------------------------------- flex dispatcher's indices converter
 def _indices_to_multihot_torch(indices_TK, probs_TK, num_local_experts: int):
     """Pure-torch `fused_indices_to_multihot`: indices [T, k] (-1 or >= num_local_experts
@@ -446,16 +337,6 @@ _INDICES_CONVERTER = "megatron.core.fusions.fused_indices_converter"
 _INDICES_CONVERTER_USERS = ("megatron.core.transformer.moe.token_dispatcher",)
 
 
-def _rebind(source_module: str, name: str, replacement, users) -> None:
-    """Replace `name` in the module that defines it and in every module that imported it
-    by name: patching only an importer leaves the original reachable from the source."""
-    original = getattr(importlib.import_module(source_module), name)
-    for module_name in (source_module, *users):
-        module = importlib.import_module(module_name)
-        if getattr(module, name) is original:
-            setattr(module, name, replacement)
-
-
 def _cpu_indices_to_multihot() -> None:
     """The flex dispatcher's `fused_indices_to_multihot` allocates with device='cuda' and
     launches a Triton kernel: on CPU tensors the torch equivalent runs instead."""
@@ -468,7 +349,7 @@ def _cpu_indices_to_multihot() -> None:
         return _indices_to_multihot_torch(indices, probs_indices, num_of_local_experts)
 
     indices_to_multihot._mvmoe_wrapped = True
-    _rebind(_INDICES_CONVERTER, "fused_indices_to_multihot", indices_to_multihot,
+    rebind(_INDICES_CONVERTER, "fused_indices_to_multihot", indices_to_multihot,
             _INDICES_CONVERTER_USERS)
 
 
@@ -506,7 +387,7 @@ def _cp_rope_slice_on_cpu() -> None:
         return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
     pos_emb_on_this_cp_rank._mvmoe_wrapped = True
-    _rebind(_ROPE_UTILS, "get_pos_emb_on_this_cp_rank", pos_emb_on_this_cp_rank,
+    rebind(_ROPE_UTILS, "get_pos_emb_on_this_cp_rank", pos_emb_on_this_cp_rank,
             _ROPE_UTILS_USERS)
 
 
@@ -531,154 +412,6 @@ def _cp_rope_slice_breaks() -> bool:
         if out.reshape(-1).tolist() != [0.0, 1.0, 6.0, 7.0]:
             return True
     return False
-
-
-# ------------------------------------------- MoE aux-loss bookkeeping fixed after 0.19.2
-# Not CPU-specific: upstream fixes of 0.19.2 bugs the stock TopKRouter has on every
-# platform. Our MultiRouter carries the same fixes in its own code (routing/router.py).
-_ROUTER = "megatron.core.transformer.moe.router"
-_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
-
-
-def _raw(fn):
-    """The Python function under a torch.compile (jit_fuser) wrapper."""
-    return getattr(fn, "_torchdynamo_orig_callable", fn)
-
-
-def _expert_bias_counts_broadcast_padding() -> None:
-    """Upstream #6114: `_apply_expert_bias` masks the [T, E] routing map with the flattened
-    [T] padding mask unbroadcast: a shape error when T != E and, when T == E, padding
-    removed per expert column instead of per token. Mask per token."""
-    cls = importlib.import_module(_ROUTER).TopKRouter
-
-    def _apply_expert_bias(self, routing_map, padding_mask=None):
-        if self.enable_expert_bias and torch.is_grad_enabled():
-            with torch.no_grad():
-                if padding_mask is not None:
-                    routing_map = routing_map & (~padding_mask).unsqueeze(-1)
-                self.local_tokens_per_expert += routing_map.sum(dim=0)
-
-    _apply_expert_bias._mvmoe_wrapped = True
-    cls._apply_expert_bias = _apply_expert_bias
-
-
-def _expert_bias_counts_break() -> bool:
-    from types import SimpleNamespace
-
-    fn = _raw(importlib.import_module(_ROUTER).TopKRouter._apply_expert_bias)
-    counts = torch.zeros(2)
-    owner = SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=counts)
-    routing_map = torch.tensor([[True, False], [True, True], [False, True]])
-    try:
-        with torch.enable_grad():
-            fn(owner, routing_map, torch.tensor([False, True, False]))
-    except RuntimeError:
-        return True
-    return counts.tolist() != [1.0, 1.0]
-
-
-def _local_token_count_before_reduce() -> None:
-    """Upstream #7481: with a padding mask, `get_tokens_per_expert_and_token_count` reads
-    `local_num_tokens` from the per-expert counts AFTER handing them to an in-place TP
-    all-reduce, so it returns the group's count: under calculate_per_token_loss the aux
-    loss is pre-multiplied by the group's valid tokens instead of this rank's. The local
-    count comes from the local routing map instead (same value as 0.19.2 at group size 1)."""
-    original = importlib.import_module(_MOE_UTILS).get_tokens_per_expert_and_token_count
-
-    @functools.wraps(original)
-    def get_tokens_per_expert_and_token_count(routing_map, reduce_group, topk=None,
-                                              with_padding_mask=False):
-        # before the call: the reduce may overwrite the counts in place
-        local_num_tokens = routing_map.sum() / topk if with_padding_mask else None
-        global_counts, local, total = original(routing_map, reduce_group, topk,
-                                               with_padding_mask)
-        return global_counts, (local if local_num_tokens is None else local_num_tokens), total
-
-    get_tokens_per_expert_and_token_count._mvmoe_wrapped = True
-    _rebind(_MOE_UTILS, "get_tokens_per_expert_and_token_count",
-            get_tokens_per_expert_and_token_count, (_ROUTER,))
-
-
-def _local_token_count_breaks() -> bool:
-    """Both names (the definition and the router's import) still run 0.19.2's body, which
-    sums the counts after passing them to the in-place reduce (a one-process probe cannot
-    run a 2-rank reduce, so the body is read)."""
-    import inspect
-
-    for module_name in (_MOE_UTILS, _ROUTER):
-        fn = importlib.import_module(module_name).get_tokens_per_expert_and_token_count
-        if getattr(fn, "_mvmoe_wrapped", False):
-            continue
-        source = inspect.getsource(fn)
-        reduce_at = source.find("reduce_from_tensor_model_parallel_region(")
-        if 0 <= reduce_at < source.find("local_tokens_per_expert.sum()"):
-            return True
-    return False
-
-
-_TOKENS_SEEN = "global_aux_tokens_seen"
-
-
-def _global_aux_loss_over_tokens_seen() -> None:
-    """Upstream #7213 (fix #7214): the global aux loss accumulates expert counts over the
-    micro-batches of a global batch and divides them by ga_steps x the CURRENT micro-batch's
-    token count, wrong whenever micro-batches hold different numbers of valid tokens
-    (padding). The counts are divided by the tokens they were counted on instead (a
-    `global_aux_tokens_seen` buffer, reset with the others)."""
-    router = importlib.import_module(_ROUTER)
-    cls = router.TopKRouter
-    original_init = cls.__init__
-    original_reset = cls.reset_global_aux_loss_tracker
-
-    @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        if self.global_tokens_per_expert is not None:
-            self.register_buffer(_TOKENS_SEEN, torch.zeros_like(self.ga_steps),
-                                 persistent=False)
-
-    @functools.wraps(original_reset)
-    def reset_global_aux_loss_tracker(self):
-        original_reset(self)
-        if getattr(self, _TOKENS_SEEN, None) is not None:
-            getattr(self, _TOKENS_SEEN).zero_()
-
-    def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map,
-                               with_padding_mask=False):
-        coeff = self.get_aux_loss_coeff("global_aux_loss")
-        if coeff == 0:
-            return probs
-        counts, local_num_tokens, total_num_tokens = router.get_tokens_per_expert_and_token_count(
-            routing_map=routing_map, reduce_group=self.tp_dp_cp_group,
-            with_padding_mask=with_padding_mask, topk=self.topk)
-        self.global_tokens_per_expert += counts
-        self.ga_steps += 1
-        tokens_seen = getattr(self, _TOKENS_SEEN)
-        tokens_seen += total_num_tokens
-        # the loss helper divides by this micro-batch's total: rescale the accumulated
-        # counts so that count / total = accumulated count / tokens seen
-        tokens_per_expert = self.global_tokens_per_expert * (total_num_tokens / tokens_seen)
-        loss = router.switch_load_balancing_loss_func(
-            probs=scores_for_aux_loss, tokens_per_expert=tokens_per_expert,
-            total_num_tokens=total_num_tokens, topk=self.topk,
-            num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=coeff,
-            fused=self.config.moe_router_fusion)
-        return self.attach_and_log_load_balancing_loss(
-            probs, coeff, loss, "global_load_balancing_loss", self.tp_dp_cp_group,
-            needs_dp_avg=False, valid_token_count=local_num_tokens)
-
-    _apply_global_aux_loss._mvmoe_wrapped = True
-    cls.__init__ = __init__
-    cls.reset_global_aux_loss_tracker = reset_global_aux_loss_tracker
-    cls._apply_global_aux_loss = _apply_global_aux_loss
-
-
-def _global_aux_loss_breaks() -> bool:
-    import inspect
-
-    fn = importlib.import_module(_ROUTER).TopKRouter._apply_global_aux_loss
-    return (not getattr(fn, "_mvmoe_wrapped", False)
-            and "/ self.ga_steps" in inspect.getsource(fn))
 
 
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -726,12 +459,7 @@ PATCHES: List[Patch] = [
           "CUDA generator states (dot_product_attention forks it on every forward).",
           _cpu_rng_tracker, _rng_tracker_breaks),
     torch_adam_fixes.STATES_MISSING_FROM_CHECKPOINT,
-    Patch("model-parallel groups pooled",
-          "initialize_model_parallel builds new (gloo on CPU) subgroups on every call and "
-          "destroy_model_parallel only forgets them; their threads die only with the last "
-          "reference: a process that re-initialises parallel state leaks threads until it "
-          "stalls.",
-          _pool_model_parallel_groups, _groups_recreated_on_reinit),
+    group_pool.POOLED_GROUPS,
     Patch("fused_indices_to_multihot on CPU",
           "fusions.fused_indices_converter (imported by the flex dispatcher and by callers "
           "of the fusion) allocates on device='cuda' and launches a Triton kernel.",
@@ -754,18 +482,7 @@ PATCHES: List[Patch] = [
 # Upstream fixes of 0.19.2 bugs, applied on every platform (GPU runs included).
 UPSTREAM_FIXES: List[Patch] = [
     *torch_adam_fixes.EVERY_PLATFORM,
-    Patch("upstream #6114 expert-bias padding",
-          "TopKRouter._apply_expert_bias masks the [T, E] map with a [T] padding mask "
-          "unbroadcast: a shape error when T != E, a wrong mask when T == E.",
-          _expert_bias_counts_broadcast_padding, _expert_bias_counts_break),
-    Patch("upstream #7481 local token count",
-          "get_tokens_per_expert_and_token_count reads local_num_tokens after an in-place "
-          "all-reduce: per-token-loss aux gradients scaled by the group's valid tokens.",
-          _local_token_count_before_reduce, _local_token_count_breaks),
-    Patch("upstream #7213 global aux tokens",
-          "_apply_global_aux_loss divides counts accumulated over micro-batches by "
-          "ga_steps x the current micro-batch's tokens: wrong with uneven padding.",
-          _global_aux_loss_over_tokens_seen, _global_aux_loss_breaks),
+    *upstream_router_fixes.ROUTER_FIXES,
 ]
 
 ALL_PATCHES: List[Patch] = UPSTREAM_FIXES + PATCHES
