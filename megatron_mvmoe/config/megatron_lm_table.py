@@ -1,7 +1,7 @@
 """Every Megatron-LM flag (megatron_lm_flags.json, generated from Megatron-LM's
 arguments.py by tools/gen_megatron_lm_flags.py) gets one classification here:
 
-- implemented: a flags.FLAGS entry with Megatron-LM's meaning;
+- implemented: a flag_table.FLAGS entry with Megatron-LM's meaning;
 - accepted: parsed, and a `note:` line at start-up says what it means here
   (megatron_flags.ACCEPTED, or `NOTED` below, or its group's note in `GROUP_NOTES`);
 - refused: `not supported: why. Use instead: ...` (megatron_flags.UNSUPPORTED, or its group's
