@@ -41,15 +41,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mvmoe.layers.builders import is_builder, parts, rebuilt
 
-from megatron_mvmoe.functional.quantize import (  # noqa: F401  (re-exported: the math)
-    absmax_activation,
-    bitlinear_input,
-    quantize_activation_ste,
-    quantize_weight_ste,
-    rms_normalize,
-    straight_through,
-    ternary_weight,
-)
+from megatron_mvmoe.functional.quantize import bitlinear_input, quantize_weight_ste
 
 
 class BitLinear(torch.nn.Linear):

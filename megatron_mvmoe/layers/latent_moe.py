@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron_mvmoe.layers.bitnet import bitlinear_input, quantize_weight_ste
+from megatron_mvmoe.functional.quantize import bitlinear_input, quantize_weight_ste
 from megatron_mvmoe.layers.builders import as_builder, build
 
 

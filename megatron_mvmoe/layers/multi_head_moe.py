@@ -38,11 +38,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_mvmoe.layers.bitnet import (
-    maybe_bitnet_spec,
-    bitlinear_input,
-    quantize_weight_ste,
-)
+from megatron_mvmoe.functional.quantize import bitlinear_input, quantize_weight_ste
+from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
 from megatron_mvmoe.layers.builders import as_builder, build, parts
 from megatron_mvmoe.errors import require
 

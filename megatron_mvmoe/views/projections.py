@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
-from megatron_mvmoe.layers.bitnet import bitlinear_input, quantize_weight_ste
+from megatron_mvmoe.functional.quantize import bitlinear_input, quantize_weight_ste
 
 
 class MultiViewProjection(torch.nn.Module):

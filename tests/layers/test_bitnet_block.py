@@ -189,7 +189,7 @@ def test_tiny_bitnet_multi_view_gpt_trains():
 
 
 def test_bitnet_views_are_one_ternary_matrix_each_and_exact_at_gamma_zero():
-    from megatron_mvmoe.layers.bitnet import quantize_activation_ste, quantize_weight_ste
+    from megatron_mvmoe.functional.quantize import quantize_activation_ste, quantize_weight_ste
     from megatron_mvmoe.views import MultiViewProjection
 
     config = _config("multi_view", num_routers=3)

@@ -2,16 +2,10 @@
 import torch
 import torch.nn.functional as F
 
-from megatron_mvmoe.layers.bitnet import (
-    BitColumnParallelLinear,
-    BitLinear,
-    BitRowParallelLinear,
-    absmax_activation,
-    bitlinear_input,
-    bitnet_spec,
-    quantize_weight_ste,
-    ternary_weight,
-)
+from megatron_mvmoe.functional.quantize import (absmax_activation, bitlinear_input,
+                                                quantize_weight_ste, ternary_weight)
+from megatron_mvmoe.layers.bitnet import (BitColumnParallelLinear, BitLinear,
+                                          BitRowParallelLinear, bitnet_spec)
 from megatron_mvmoe.testing.spawn import run_distributed
 
 
