@@ -15,7 +15,7 @@ N dispatched rows):
 - backend selection: argument `backend=`, else env MVMOE_KERNELS=triton|reference|auto
 """
 
-from .backend import BACKENDS, ENV_VAR, resolve_backend
+from .backend import BACKENDS, ENV_VAR, backend_at_build, resolve_backend
 from .fused_routing import fused_multi_router
 from .mix_permute import mix_and_permute
 from .reference import (
@@ -27,7 +27,7 @@ from .reference import (
 )
 
 __all__ = [
-    "BACKENDS", "DispatchRows", "ENV_VAR", "RouterOutput", "expert_major_rows",
+    "BACKENDS", "DispatchRows", "ENV_VAR", "RouterOutput", "backend_at_build", "expert_major_rows",
     "fused_multi_router", "mix_and_permute", "reference_mix_and_permute",
     "reference_multi_router", "resolve_backend",
 ]

@@ -69,6 +69,18 @@ def resolve_backend(requested: Optional[str], device: torch.device) -> str:
     return "triton"
 
 
+def backend_at_build(requested: str) -> str:
+    """The backend a module built now runs for its whole life: `requested` ("auto" defers to
+    MVMOE_KERNELS) on this process's device (CUDA when present, else the CPU), resolved once
+    so a bad name or an impossible "triton" fails at build, not in the first forward.
+
+    Raises:
+        ValueError: as `resolve_backend`.
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_backend(None if requested == "auto" else requested, device)
+
+
 class KernelLaunch(NamedTuple):
     """One kernel call as a launcher builds it: run by `launch`, or compiled ahead of time for
     a GPU target by aot.py from the very same arguments (so the two cannot drift apart)."""

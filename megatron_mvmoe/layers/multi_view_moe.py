@@ -81,7 +81,9 @@ class MultiViewMoELayer(LatentMoELayer):
         self.gamma_ramp = GammaRamp(config.multi_view.gamma_ramp_steps)
         self.register_buffer("gamma_ramp_state", torch.tensor(
             [self.gamma_ramp.ramp_steps, 0], dtype=torch.int64))
-        self.kernels = config.multi_view.kernels
+        self.kernel_backend = mvmoe_kernels.backend_at_build(config.multi_view.kernels)
+        """"triton" or "reference" for every forward (multi_view.kernels, else MVMOE_KERNELS,
+        on this process's device), resolved once here."""
         self._pending = None  # (mix_TSR, topk_idx_TS) from route, taken by preprocess
         self.mix_transforms: List[Callable[[torch.Tensor], torch.Tensor]] = []
         """Applied in order to the mixing weights mix_TSR before the blend, on every backend
@@ -141,7 +143,7 @@ class MultiViewMoELayer(LatentMoELayer):
         if self.config.moe_expert_capacity_factor is not None:
             rows_NL, row_token_N = self.capacity_rows(views_TRL, mix_TSR, topk_idx_TS,
                                                       routing_map)
-        elif self.kernel_backend(views_TRL.device) == "triton":
+        elif self.kernel_backend == "triton":
             rows_NL, row_token_N = self.permuted_expert_rows(views_TRL, mix_TSR, topk_idx_TS)
         else:
             rows_TSL = self.expert_rows(views_TRL, mix_TSR)
@@ -149,11 +151,6 @@ class MultiViewMoELayer(LatentMoELayer):
                 rows_TSL, routing_map, probs, token_shape)
         return self.token_dispatcher.dispatch_preprocess_permuted(
             rows_NL, row_token_N, routing_map, probs, token_shape)
-
-    def kernel_backend(self, device: torch.device) -> str:
-        """"triton" or "reference" for this call (multi_view.kernels, else MVMOE_KERNELS)."""
-        return mvmoe_kernels.resolve_backend(
-            None if self.kernels == "auto" else self.kernels, device)
 
     def expert_rows(self, views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor]):
         """rows_TSL: what the expert of slot s sees for token t (Eq. 5's inner sum).

@@ -57,6 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
+import mvmoe_kernels
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
@@ -130,6 +131,9 @@ class MultiRouter(RouterAuxLosses, MegatronModule):
         self.group_topk = config.moe_router_group_topk
         self.layer_number = None
         self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
+        self.kernel_backend = mvmoe_kernels.backend_at_build(mv.kernels)
+        """"triton" (the fused selection, without group-limited routing) or "reference",
+        resolved once here (multi_view.kernels, else MVMOE_KERNELS, on this device)."""
         self._set_groups(pg_collection)
 
         self.weight = torch.nn.Parameter(torch.empty(
@@ -206,7 +210,7 @@ class MultiRouter(RouterAuxLosses, MegatronModule):
         logits_TRE, z_value = self._attach_z_loss(logits_TRE, valid_T)
         scores_TRE = sigmoid_scores(logits_TRE)
         summed_TE = sum_over_routers(scores_TRE)  # also feeds the aux losses (autograd)
-        if self._kernel_backend(logits_TRE.device) == "triton" and not self.group_topk:
+        if self.kernel_backend == "triton" and not self.group_topk:
             topk_idx_TS, gates_TS, mix_TSR = self._fused_select(logits_TRE)
         else:
             topk_idx_TS = self._select(summed_TE)
@@ -251,18 +255,9 @@ class MultiRouter(RouterAuxLosses, MegatronModule):
             pad_to_capacity=self.config.moe_pad_expert_input_to_capacity)
         return probs_TE, routing_map_TE, kept_slots(routing_map_TE, topk_idx_TS)
 
-    def _kernel_backend(self, device: torch.device) -> str:
-        """"triton" or "reference" (multi_view.kernels; "auto" defers to MVMOE_KERNELS:
-        the fused kernel on CUDA, this module's torch code elsewhere)."""
-        import mvmoe_kernels
-
-        requested = self.config.multi_view.kernels
-        return mvmoe_kernels.resolve_backend(None if requested == "auto" else requested, device)
-
     def _fused_select(self, logits_TRE: torch.Tensor):
         """Selection, gates and mixing weights in one Triton pass (same math as the torch
         path: mvmoe_kernels' tests compare the two)."""
-        import mvmoe_kernels
 
         bias_E = self.expert_bias if self.enable_expert_bias else None
         out = mvmoe_kernels.fused_multi_router(

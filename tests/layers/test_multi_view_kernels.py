@@ -5,9 +5,9 @@ MultiRouter, mix-and-permute in the layer) vs the torch path.
 - kernels="triton" (Triton interpreter on CPU, TRITON_INTERPRET=1) equals kernels="reference":
   outputs, input and parameter gradients within 1e-5, for R = 2 (gamma = 1), the stop-grad
   ablation, k = 1 and R = K = 1; at gamma = 0 within 1e-6 (gate rounding only).
-- the backend is chosen per call: "auto" is the torch path on CPU (MVMOE_KERNELS can force
-  the kernel), a bad name is refused naming multi_view.kernels, and "triton" on CPU without
-  the interpreter fails with a fix.
+- the backend is resolved once, when the layer is built: "auto" is the torch path on CPU
+  (MVMOE_KERNELS can force the kernel), a bad name is refused naming multi_view.kernels, and
+  "triton" on CPU without the interpreter fails at build with a fix.
 The interpreter is slow, so sizes are tiny (12 tokens, 8 experts).
 """
 
@@ -70,7 +70,7 @@ def _run(pgs, kernels, device=None, **config_kwargs):
     (out * weight.to(out.device)).sum().backward()
     grads = {name: grad.cpu() for name, grad in named_grads(layer).items()}
     return {"out": out.detach().cpu(), "x_grad": x.grad.detach().cpu(), "grads": grads,
-            "fused": bool(seen), "backend": layer.kernel_backend(x.device)}
+            "fused": bool(seen), "backend": layer.kernel_backend}
 
 
 CASES = {
@@ -136,16 +136,14 @@ def _choice_worker(rank, world_size):
     import os
 
     pgs = initialize_layout(ParallelLayout())
-    cpu = torch.device("cpu")
-    out = {"auto": build_layer(mv_config("multi_view"), pgs).kernel_backend(cpu)}
+    out = {"auto": build_layer(mv_config("multi_view"), pgs).kernel_backend}
     os.environ["MVMOE_KERNELS"] = "reference"
-    out["env_reference"] = build_layer(mv_config("multi_view"), pgs).kernel_backend(cpu)
+    out["env_reference"] = build_layer(mv_config("multi_view"), pgs).kernel_backend
     del os.environ["MVMOE_KERNELS"]
     config = mv_config("multi_view")
     config.multi_view.kernels = "triton"
-    layer = build_layer(config, pgs)
-    try:
-        layer(global_input(config.hidden_size))
+    try:  # refused at build, before any forward
+        build_layer(config, pgs)
         out["triton_no_interpreter"] = None
     except ValueError as exc:
         out["triton_no_interpreter"] = str(exc)
