@@ -123,17 +123,6 @@ def plot_curves(curves: Mapping[str, Sequence[Sequence[float]]], path: str, titl
     return _save(plt, fig, path)
 
 
-def plot_volume(rows: Sequence[Dict], path: str, title: str) -> str:
-    """Bytes per layer and phase: rows of {'label', 'bytes'} as horizontal bars."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 0.35 * len(rows) + 1.2))
-    ax.barh([r["label"] for r in rows], [r["bytes"] for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("bytes per rank per step")
-    ax.set_title(title)
-    return _save(plt, fig, path)
-
-
 def plot_link_bytes(panels: Mapping[str, Sequence[Dict]], path: str, title: str,
                     columns: int = 3) -> str:
     """Stacked intra-node / inter-node bytes: panel title -> rows of {'label', 'intra',

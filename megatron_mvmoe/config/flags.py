@@ -107,16 +107,6 @@ def _metavar(flag: Flag) -> str:
     return {int: "N", float: "X", parse_bool: "BOOL", parse_moe_freq: "N|LIST"}.get(flag.type, "STR")
 
 
-def apply_flags(raw: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
-    """Set every flag given on the command line on its field of the run config mapping
-    `raw` (YAML's nesting; in place). An empty string clears an optional field (e.g.
-    --save "" turns saving off)."""
-    problems = _apply(raw, args)
-    if problems:
-        raise refusal_error(problems)
-    return raw
-
-
 def _apply(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     for flag in FLAGS:
         value = getattr(args, _dest(flag))

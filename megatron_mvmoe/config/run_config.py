@@ -464,8 +464,3 @@ def read_yaml(path: str) -> Dict[str, Any]:
 def load_yaml(path: str) -> RunConfig:
     """Read and load a run config YAML file."""
     return config_from_dict(read_yaml(path))
-
-
-def dump_yaml(config: RunConfig, path: str) -> None:
-    with open(path, "w") as fh:
-        yaml.safe_dump(config.to_dict(), fh, sort_keys=False)

@@ -29,7 +29,6 @@ Design choices:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -183,8 +182,3 @@ def get_preset(name: str, size: str = "paper", bitnet: bool = False,
 def all_presets(size: str = "paper", bitnet: bool = False) -> list[Seed2Preset]:
     """Every preset of one size."""
     return [get_preset(name, size, bitnet) for name in family_names()]
-
-
-def with_overrides(preset: Seed2Preset, **model_fields) -> Seed2Preset:
-    """A copy whose ParityModelDims fields are replaced (e.g. num_layers=2 for a quick test)."""
-    return dataclasses.replace(preset, model=dataclasses.replace(preset.model, **model_fields))

@@ -14,7 +14,7 @@ run on every routing step, whichever entry point was used.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 from megatron.core.transformer.moe import router_trace
 from megatron.core.utils import unwrap_model
@@ -57,7 +57,3 @@ def register_multi_router_hooks(tracer: router_trace.RouterTracer, model_chunks:
                 module.observers.append(_TraceObserver(tracer, module, name))
                 hooked += 1
     return hooked
-
-
-def active_tracer() -> Optional[router_trace.RouterTracer]:
-    return router_trace.get_moe_router_tracer()

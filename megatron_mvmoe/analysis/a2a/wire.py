@@ -22,7 +22,6 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from statistics import median
 from typing import Dict, List, Sequence
 
 import torch
@@ -111,12 +110,6 @@ def relative_error(measured: float, predicted: float) -> float:
     if predicted == 0:
         return 0.0 if measured == 0 else float("inf")
     return (measured - predicted) / predicted
-
-
-def median_of(dicts: List[Dict[str, int]]) -> Dict[str, float]:
-    """Key-wise median of counter deltas over repeats (Slurm's own rare messages, a few
-    hundred bytes, land in some windows: the median drops them)."""
-    return {k: median(d[k] for d in dicts) for k in dicts[0]}
 
 
 def minimal_replay_sizes(records: Sequence[WireRecord]) -> List[WireRecord]:
