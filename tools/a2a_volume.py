@@ -31,6 +31,7 @@ import sys
 import time
 
 from megatron_mvmoe.analysis import tool_common
+from megatron_mvmoe.config.variants import get_variant
 
 PRESETS = {"latent": "tiny_latent", "multi_router": "tiny_multi_router",
            "multi_view": "tiny_multi_view", "mh_moe": "tiny_mh_moe", "smoe": "tiny_smoe"}
@@ -146,7 +147,7 @@ def _measure_one(variant, dispatcher, semantics, ep, args, pg):
     overrides = {"model.seq_length": args.seq_length,
                  "model.extra": {"moe_token_dispatcher_type": dispatcher}}
     if semantics != "row":  # the registry's dedup dispatcher, chosen by the config
-        if variant == "mh_moe":
+        if get_variant(variant).multi_head:
             raise ValueError("semantics: no dedup model for MH-MoE sub-tokens")
         overrides.update({"model.moe_dispatcher": f"dedup_{semantics}",
                           "model.moe_dispatch_ranks_per_node": _counted_node(args, ep)})
@@ -242,7 +243,7 @@ def _combine(ep, per_rank, args):
         entry = {"ep": ep, "variant": variant, "dispatcher": dispatcher, "semantics": semantics}
         if "error" in first:
             entry["error"] = first["error"]
-            if variant == "multi_view" and dispatcher == "allgather":
+            if get_variant(variant).multi_view and dispatcher == "allgather":
                 entry["analytic_if_allowed"] = _refused_cost(per_rank[0], ep)
             results.append(entry)
             continue
@@ -250,7 +251,7 @@ def _combine(ep, per_rank, args):
         counts = [r[key]["counts"] for r in per_rank]
         found = checks(variant, dispatcher, shape, counts) if semantics == "row" else []
         links = {}
-        if dispatcher == "alltoall" and variant != "mh_moe":
+        if dispatcher == "alltoall" and not get_variant(variant).multi_head:
             extra, links = _link_checks(variant, semantics, ep, args, first, per_rank, key)
             found += extra
         volume = dispatch_bytes(variant, dispatcher, shape)

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from megatron_mvmoe.analysis import tool_common
+from megatron_mvmoe.config.variants import get_variant
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -141,7 +142,7 @@ def time_cases(args, ep: int) -> list:
     for item in args.time_cases:
         variant, _, semantics = item.partition(":")
         case = {"variant": variant, "semantics": semantics or "row"}
-        if variant == "multi_view" and case["semantics"] != "row":
+        if get_variant(variant).multi_view and case["semantics"] != "row":
             case.update(views_case=True, overrides=views_overrides(ep))
         out.append(case)
     return out

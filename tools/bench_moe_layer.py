@@ -136,7 +136,8 @@ def run_point(args, shape: lb.LayerShape, tokens: int, pgs, impls_wanted: str) -
     memory = {v: lb.memory_bytes(layer, x) for v, layer in layers.items()}  # + warm-up
     peaks: List[float] = []
     times = lb.timed_rounds(layers, x, impls, args.warmup, args.repeats, args.clock, peaks)
-    flops = {v: lb.layer_flops_per_token(layer.config) for v, layer in layers.items()}
+    flops = {v: lb.layer_flops_per_token(lb.variant_section(args.preset, shape, v))
+             for v in layers}
     rows = lb.summarize(times, flops, tokens, max(peaks))
     main_impl = impls[-1]
     variants = {}

@@ -16,7 +16,7 @@ Design choices:
 - Interleaved: each repeat runs every (variant, impl) once in turn, so machine noise (the
   cores are shared) hits all of them alike; ratios are per repeat (same round), reported as
   median with min and max, never a ratio of medians.
-- FLOPs are analytic matmul FLOPs of the config (`layer_flops_per_token`); achieved
+- FLOPs are the variant record's analytic FLOPs (`layer_flops_per_token`); achieved
   FLOP/s = 3 x forward FLOPs x T / time (backward ~ 2 x forward).
 - Memory on CPU: bytes autograd saves for backward (saved-tensor hooks), deterministic; on
   CUDA the allocator peak of one forward + backward. That pass runs before the timed rounds
@@ -64,14 +64,17 @@ class LayerShape:
 
 
 def variant_section(preset: str, shape: LayerShape, variant: str):
-    """The preset's model section for one variant at `shape` (one layer)."""
+    """The preset's model section for one variant at `shape` (one layer): the variant
+    record's routing heads and views (config/variants.py `head_counts`)."""
     from megatron_mvmoe.config.model_section import model_from_preset
     from megatron_mvmoe.config.presets import PRESETS
+    from megatron_mvmoe.config.variants import get_variant
 
-    R = 1 if variant == "latent" else shape.num_routers
+    record = get_variant(variant)
+    counts = record.head_counts(shape.num_routers)
     ramp = PRESETS[preset].get("multi_view", {}).get("gamma_ramp_steps", 0)
-    multi_view = dict(num_routers=R, num_views=R if variant == "multi_view" else 1,
-                      gamma_ramp_steps=ramp if variant == "multi_view" else 0)
+    multi_view = dict(num_routers=counts["num_routers"], num_views=counts["num_views"],
+                      gamma_ramp_steps=ramp if record.multi_view else 0)
     fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)
               if f.name != "num_routers"}
     return model_from_preset(preset, moe_variant=variant, num_layers=1,
@@ -91,20 +94,15 @@ def layer_config(section, use_bf16: bool, grouped: Optional[bool] = None):
     return config
 
 
-def layer_flops_per_token(config) -> int:
-    """Forward matmul FLOPs per token of one MoE layer of `config` (2 per multiply-add)."""
-    D, L, E, k, F = (config.hidden_size, config.latent_size, config.num_moe_experts,
-                     config.moe_router_topk, config.moe_ffn_hidden_size)
-    R, K = config.multi_view.num_routers, config.multi_view.num_views
-    matrices = 3 if config.gated_linear_unit else 2   # SwiGLU: gate, up, down
-    flops = 2 * D * E * max(R, 1)                     # router head(s)
-    flops += 2 * D * L + 2 * L * D                    # down and up projections
-    flops += k * matrices * 2 * L * F                 # k routed experts in latent space
-    flops += matrices * 2 * D * (config.moe_shared_expert_intermediate_size or 0)
-    if K > 1:
-        flops += (K - 1) * 2 * D * L                  # view perturbations dP_m h
-        flops += k * K * L * 2                        # per-(token, slot) blend of K views
-    return flops
+def layer_flops_per_token(section) -> int:
+    """Forward FLOPs per token of one MoE layer of a ModelSection (2 per multiply-add): the
+    variant record's matmul count (routers, projections, views, k experts, shared expert)
+    plus Multi-View's blend of K views per row (config/variants.py)."""
+    from megatron_mvmoe.config.variants import MoEDims
+
+    dims = MoEDims.of(section)
+    return section.variant.matmul_flops_per_token(dims) + \
+        section.variant.mixing_flops_per_token(dims)
 
 
 def build_layers(preset: str, shape: LayerShape, pgs, use_bf16: bool = False,

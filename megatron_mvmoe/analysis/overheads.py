@@ -1,7 +1,7 @@
 """Parameter overhead of every variant of a model's family against that family's baseline.
 
 Design choices:
-- Counts come from `analysis.plan.parameter_counts`, which tests/training/test_plan.py
+- Counts come from `config.model_costs.parameter_counts`, which tests/training/test_plan.py
   checks against the built models, so an overhead here is what the provider would add.
 - Latent family (latent, multi_router, multi_view): the baseline is the single-router latent
   MoE of the same shape; Multi-Router adds (R - 1) routing heads, Multi-View adds those and
@@ -20,25 +20,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional
 
-from megatron_mvmoe.analysis.plan import parameter_counts
+from megatron_mvmoe.config.model_costs import parameter_counts
 from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.variants import VARIANTS, get_variant
 
 PAPER_PERCENT = {"multi_router": 0.06, "multi_view": 0.19}
 """Seed 000, Efficiency: ~0.06 % (Multi-Router) and ~0.19 % (Multi-View) at 10B-A1B, R = 2."""
 PAPER_TOLERANCE_POINTS = 0.02
-LATENT_FAMILY = ("latent", "multi_router", "multi_view")
-SMOE_FAMILY = ("smoe", "mh_moe")
+FAMILIES = {family: tuple(name for name, v in VARIANTS.items() if v.family == family)
+            for family in ("latent", "smoe")}
+"""Baseline first: ("latent", "multi_router", "multi_view") and ("smoe", "mh_moe")."""
 
 
 def _variant(m: ModelSection, variant: str, heads: int) -> ModelSection:
     """`m` as `variant` with `heads` routing heads / views / sub-tokens (1 for baselines)."""
-    routers = heads if variant in ("multi_router", "multi_view") else 1
-    views = heads if variant == "multi_view" else 1
-    sub_tokens = heads if variant == "mh_moe" else 1
+    counts = get_variant(variant).head_counts(heads)
     return dataclasses.replace(
         m, moe_variant=variant,
-        multi_view=dataclasses.replace(m.multi_view, num_routers=routers, num_views=views),
-        multi_head=dataclasses.replace(m.multi_head, num_heads=sub_tokens))
+        multi_view=dataclasses.replace(m.multi_view, num_routers=counts["num_routers"],
+                                       num_views=counts["num_views"]),
+        multi_head=dataclasses.replace(m.multi_head, num_heads=counts["num_heads"]))
 
 
 def _row(total: int, base: int, paper: Optional[float]) -> Dict:
@@ -52,10 +53,11 @@ def _row(total: int, base: int, paper: Optional[float]) -> Dict:
 
 def parameter_overheads(m: ModelSection) -> Dict:
     """{'baseline', 'baseline_total', 'variants': {name: row}}; empty variants for dense."""
-    if m.moe_variant in LATENT_FAMILY:
-        family, heads = LATENT_FAMILY, max(2, m.multi_view.num_routers, m.multi_view.num_views)
-    elif m.moe_variant in SMOE_FAMILY:
-        family, heads = SMOE_FAMILY, max(2, m.multi_head.num_heads)
+    if m.variant.family == "latent":
+        family, heads = FAMILIES["latent"], max(2, m.multi_view.num_routers,
+                                                m.multi_view.num_views)
+    elif m.variant.family == "smoe":
+        family, heads = FAMILIES["smoe"], max(2, m.multi_head.num_heads)
     else:
         return {"baseline": m.moe_variant, "baseline_total": parameter_counts(m)["total"],
                 "variants": {}}

@@ -4,21 +4,18 @@ Legend: D hidden, L latent, E experts, F expert width, k top-k, R routing heads 
 H MH-MoE heads, V vocab, S sequence length, G query groups.
 
 Design choices:
-- Parameter counts are analytic, per module, mirroring what models/provider.py builds
-  (Megatron's local spec: RMSNorm weight only, no biases, SwiGLU fc1 of 2F rows, untied
-  embedding and LM head, RoPE). tests/training/test_plan.py checks them against the built
-  tiny models exactly, so the 10B-A1B numbers are the ones the provider would build.
-- "Active" = every non-expert parameter + k routed experts per MoE layer (embedding and
-  LM head included; `active_without_embeddings` is given too).
-- FLOPs per token: 2 x active matmul parameters (the embedding lookup excluded) + attention
-  scores/values 4 x S x D per layer (non-causal count); training = 3 x forward.
+- Parameters and FLOPs per token are config/model_costs.py's (re-exported here), which asks
+  each MoE layer's variant record (config/variants.py); tests/training/test_plan.py checks
+  them against the built tiny models exactly, so the 10B-A1B numbers are the ones the
+  provider would build. The trainer's MFU reads the same function.
 - Memory per GPU (bf16 weights, fp32 grad buffer, distributed optimizer: fp32 main params
   + two Adam moments = 12 bytes per parameter divided over the data-parallel ranks of that
   parameter, expert parameters over the expert-data-parallel ranks). Activations are an
   estimate (bf16, flash attention, no recompute, 1F1B keeps up to pp microbatches in
   flight on the first stage), stated as such.
-- All-to-all bytes use `analysis.a2a_analytic` (alltoall dispatcher): the bytes one rank
-  hands to the dispatch and combine collectives per optimizer step, forward and backward.
+- All-to-all bytes are the variant record's `a2a_bytes_per_token` (alltoall dispatcher,
+  the same rows analysis/a2a/analytic.py counts): the bytes one rank hands to the
+  dispatch and combine collectives per optimizer step, forward and backward.
 - Context parallelism (`plan_context_parallel`): tokens per rank S b / (cp tp), the
   gathered K/V the CP attention keeps, its K/V all-gather traffic and per-rank attention
   FLOPs; dense optimizer state over DP x CP.
@@ -31,11 +28,14 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Dict, Optional
 
-from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes
 from megatron_mvmoe.analysis.plan_context_parallel import (context_parallel_report,
                                                            gathered_kv_extra_elements,
                                                            local_tokens)
+from megatron_mvmoe.config.model_costs import (attention_params, flops_per_token,  # noqa: F401
+                                               mla_params, moe_params, mtp_num_layers,
+                                               mtp_params, parameter_counts, swiglu)
 from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.variants import MoEDims
 
 
 if TYPE_CHECKING:  # annotations only: plan.py stays importable without Megatron
@@ -106,123 +106,6 @@ def check_layout(m: ModelSection, target: PlanTarget) -> None:
                          f"{step}")
 
 
-# ------------------------------------------------------------------------- parameters
-def attention_params(m: ModelSection) -> int:
-    """One layer's attention (standard or MLA) plus its input and pre-MLP RMSNorm weights."""
-    if m.extra.get("multi_latent_attention"):
-        return mla_params(m) + 2 * m.hidden_size
-    kv_channels = m.hidden_size // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
-    qkv = (m.num_attention_heads + 2 * groups) * kv_channels * m.hidden_size
-    proj = m.hidden_size * m.num_attention_heads * kv_channels
-    qk_norms = 2 * kv_channels if m.extra.get("qk_layernorm") else 0
-    return qkv + proj + qk_norms + 2 * m.hidden_size
-
-
-def mla_params(m: ModelSection) -> int:
-    """Megatron's MLASelfAttention (config/mla_config.py's defaults for fields not set): query
-    projection (direct, or down to q_lora_rank and up), the kv down projection to the latent
-    plus the RoPE key part, the kv up projection to per-head keys and values, the output
-    projection, and the q/kv latent norms with --qk-layernorm."""
-    from megatron_mvmoe.config.mla_config import MVMoEMLATransformerConfig
-
-    defaults = MVMoEMLATransformerConfig.__dataclass_fields__
-
-    def field(name):
-        return m.extra.get(name, defaults[name].default)
-
-    D, h = m.hidden_size, m.num_attention_heads
-    qk, pos, v = field("qk_head_dim"), field("qk_pos_emb_head_dim"), field("v_head_dim")
-    q_rank, kv_rank, norms = field("q_lora_rank"), field("kv_lora_rank"), \
-        bool(m.extra.get("qk_layernorm"))
-    if q_rank is None:
-        query = D * h * (qk + pos)
-    else:
-        query = D * q_rank + q_rank * h * (qk + pos) + (q_rank if norms else 0)
-    kv = D * (kv_rank + pos) + kv_rank * h * (qk + v) + (kv_rank if norms else 0)
-    return query + kv + h * v * D
-
-
-def swiglu(d_in: int, width: int) -> int:
-    return 3 * d_in * width  # fc1 [2F, d_in] + fc2 [d_in, F]
-
-
-def moe_params(m: ModelSection) -> Dict[str, int]:
-    """One MoE layer's parameters split into expert and non-expert (per variant)."""
-    D, E, F, k = m.hidden_size, m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk
-    shared = swiglu(D, m.moe_shared_expert_intermediate_size or 0)
-    if m.moe_variant == "mh_moe":
-        sub = D // m.multi_head.num_heads
-        return {"expert_one": swiglu(sub, F), "router": E * sub,
-                "projections": 2 * D * D, "shared": shared}
-    if m.is_latent:
-        L = m.latent_size
-        views = (m.multi_view.num_views - 1) * L * D if m.moe_variant == "multi_view" else 0
-        return {"expert_one": swiglu(L, F), "router": m.multi_view.num_routers * E * D,
-                "projections": 2 * L * D + views, "shared": shared}
-    return {"expert_one": swiglu(D, F), "router": E * D, "projections": 0, "shared": shared}
-
-
-def mtp_num_layers(m: ModelSection) -> int:
-    """Multi-token prediction depth (Megatron's `mtp_num_layers`, given through `extra`)."""
-    return int(m.extra.get("mtp_num_layers") or 0)
-
-
-def _layer_mlp(m: ModelSection) -> Dict[str, int]:
-    """One decoder layer's MLP: all its parameters, its experts, and what one token uses."""
-    if not m.is_moe:
-        dense = swiglu(m.hidden_size, m.ffn_hidden_size)
-        return {"dense": dense, "non_expert": 0, "experts": 0, "active": dense}
-    per = moe_params(m)
-    active_slots = m.moe_router_topk * (m.multi_head.num_heads if m.moe_variant == "mh_moe"
-                                        else 1)  # MH-MoE: each of H sub-tokens selects k
-    non_expert = per["router"] + per["projections"] + per["shared"]
-    return {"dense": 0, "non_expert": non_expert, "experts": per["expert_one"] * m.num_experts,
-            "active": non_expert + per["expert_one"] * active_slots}
-
-
-def mtp_params(m: ModelSection) -> Dict[str, int]:
-    """The MTP block (models/mtp_spec.py: Megatron's MultiTokenPredictionLayer): per layer
-    enorm + hnorm + final norm (D each), eh_proj [D, 2D], and a copy of the last decoder
-    layer (attention + its MLP). Embedding and LM head are the main model's (shared)."""
-    n = mtp_num_layers(m)
-    D, mlp = m.hidden_size, _layer_mlp(m)
-    own = 3 * D + 2 * D * D + attention_params(m)
-    return {"total": n * (own + mlp["dense"] + mlp["non_expert"] + mlp["experts"]),
-            "active": n * (own + mlp["active"]), "experts": n * mlp["experts"],
-            "non_expert": n * (own + mlp["dense"] + mlp["non_expert"])}
-
-
-def parameter_counts(m: ModelSection) -> Dict[str, int]:
-    """Every parameter the provider builds, MTP layers included ("mtp": their share)."""
-    D, V = m.hidden_size, m.vocab_size
-    embedding, head, final_norm = V * D, V * D, D
-    attention = attention_params(m) * m.num_layers
-    mlp, mtp = _layer_mlp(m), mtp_params(m)
-    dense = mlp["dense"] * m.num_layers
-    non_expert_moe = mlp["non_expert"] * m.num_layers
-    experts = mlp["experts"] * m.num_layers
-    base = embedding + head + final_norm + attention + dense + non_expert_moe
-    active = base + (mlp["active"] - mlp["dense"] - mlp["non_expert"]) * m.num_layers \
-        + mtp["active"]
-    return {"total": base + experts + mtp["total"], "active": active,
-            "active_without_embeddings": active - embedding - head,
-            "embedding": embedding, "lm_head": head, "attention": attention,
-            "experts": experts, "expert_one": moe_params(m)["expert_one"] if m.is_moe else 0,
-            "non_expert_moe": non_expert_moe, "dense_mlp": dense, "mtp": mtp["total"]}
-
-
-def flops_per_token(m: ModelSection) -> Dict[str, float]:
-    """Each MTP layer adds its own active matmuls plus one more pass of the shared LM head,
-    and one more layer of attention scores."""
-    counts = parameter_counts(m)
-    n_mtp = mtp_num_layers(m)
-    matmul = counts["active"] - counts["embedding"] + n_mtp * counts["lm_head"]
-    attention_scores = 4 * m.seq_length * m.hidden_size * (m.num_layers + n_mtp)
-    forward = 2 * matmul + attention_scores
-    return {"forward": float(forward), "train": float(3 * forward)}
-
-
 # -------------------------------------------------------------------------- memory
 def _per_rank_params(m: ModelSection, lay: ParallelLayout) -> Dict[str, float]:
     """Parameters on the busiest pipeline stage (first or last), split by sharding."""
@@ -243,8 +126,9 @@ def _activation_bytes(m: ModelSection, target: PlanTarget) -> float:
     attention = 11 * s * b * D * 2 / lay.tp  # norms, qkv, attn out, proj in/out (bf16)
     attention += gathered_kv_extra_elements(m, b, lay) * 2  # CP: the other ranks' K/V
     if m.is_moe:
-        width = m.latent_size if m.is_latent else D // max(1, m.multi_head.num_heads)
-        slots = m.moe_router_topk * max(1, m.multi_head.num_heads)
+        heads = m.multi_head.num_heads
+        width = m.variant.expert_input(D, m.latent_size, heads)
+        slots = m.moe_router_topk * m.variant.routed_rows(heads)
         ffn = s * b * (2 * D + 3 * (m.moe_shared_expert_intermediate_size or 0)
                        + slots * (2 * width + 3 * m.moe_ffn_hidden_size)) * 2 / lay.tp
     else:
@@ -272,11 +156,7 @@ def a2a_bytes_per_step(m: ModelSection, target: PlanTarget,
     if not m.is_moe or lay.ep == 1:
         return {"per_layer_dispatch": 0.0, "per_rank_per_step": 0.0}
     tokens = local_tokens(m, target.micro_batch_size, lay)  # the CP and sequence-parallel slice
-    variant = "smoe" if m.moe_variant == "dense" else m.moe_variant
-    shape = CommShape(tokens=tokens, hidden=m.hidden_size, topk=m.moe_router_topk,
-                      latent=m.latent_size, heads=m.multi_head.num_heads, dtype_bytes=dtype_bytes,
-                      ep=lay.ep, tp=lay.tp)
-    one = dispatch_bytes(variant, "alltoall", shape).tokens_in
+    one = tokens * m.variant.a2a_bytes_per_token(MoEDims.of(m), dtype_bytes)  # alltoall rows
     microbatches = target.global_batch_size // (target.micro_batch_size * target.dp())
     layers = m.num_layers / lay.pp
     # dispatch + combine, forward + backward: four transfers of `one` bytes on average.

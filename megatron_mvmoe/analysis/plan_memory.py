@@ -70,8 +70,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from megatron_mvmoe.analysis.plan import (PlanTarget, attention_params, moe_params, mtp_num_layers,
-                                         mtp_params, swiglu)
+from megatron_mvmoe.analysis.plan import PlanTarget
+from megatron_mvmoe.config.model_costs import (attention_params, moe_params, mtp_num_layers,
+                                               mtp_params, swiglu)
 from megatron_mvmoe.analysis.plan_context_parallel import (cp_attention_correction_elements,
                                                            local_tokens)
 from megatron_mvmoe.config.model_section import ModelSection
@@ -171,7 +172,7 @@ def moe_elements(m: ModelSection, t: int, tp: int, grouped: bool = False) -> flo
     base = 3 * t * D
     if not m.is_moe:
         return base + 3 * t * m.ffn_hidden_size / tp
-    outside = _shared_expert_elements(m, t, tp) if m.moe_variant == "mh_moe" else 0
+    outside = _shared_expert_elements(m, t, tp) if m.variant.multi_head else 0
     return base + outside + moe_layer_elements(m, t, tp, grouped)
 
 
@@ -192,17 +193,23 @@ def moe_layer_elements(m: ModelSection, t: int, tp: int, grouped: bool = False) 
         return 0.0
     D = m.hidden_size
     k, F, E = m.moe_router_topk, m.moe_ffn_hidden_size, m.num_experts
-    heads = max(1, m.multi_head.num_heads) if m.moe_variant == "mh_moe" else 1
-    width = m.latent_size if m.is_latent else D // heads
+    heads, width = _routed_rows_and_width(m)
     routers = m.multi_view.num_routers if m.is_latent else 1
-    shared = 0 if m.moe_variant == "mh_moe" else _shared_expert_elements(m, t, tp)
+    shared = 0 if m.variant.multi_head else _shared_expert_elements(m, t, tp)
     latent = 2 * t * width if m.is_latent else 0  # down-projected input, up-projection input
     views = 0.0
-    if m.moe_variant == "multi_view":
+    if m.variant.multi_view:
         views = t * m.multi_view.num_views * width + t * k * width
     slots = t * k * heads
     per_slot = 2 * width + (5 if grouped else 3) * F
     return 3 * t * heads * E * routers + shared + latent + views + slots * per_slot
+
+
+def _routed_rows_and_width(m: ModelSection):
+    """(rows per token, row width) of the routed rows: the variant record's."""
+    heads = max(1, m.multi_head.num_heads)
+    return m.variant.routed_rows(heads), m.variant.expert_input(m.hidden_size, m.latent_size,
+                                                                heads)
 
 
 def recomputed_modules(m: ModelSection) -> frozenset:
@@ -235,8 +242,7 @@ def stacked_expert_elements(m: ModelSection, target: PlanTarget) -> Dict[str, in
     if not m.is_moe:
         return {"fc1": 0, "fc2": 0}
     lay = target.layout
-    heads = max(1, m.multi_head.num_heads) if m.moe_variant == "mh_moe" else 1
-    width = m.latent_size if m.is_latent else m.hidden_size // heads
+    _, width = _routed_rows_and_width(m)
     local = m.num_experts // lay.ep
     F = m.moe_ffn_hidden_size // lay.etp
     return {"fc1": local * 2 * F * width, "fc2": local * width * F}

@@ -1,5 +1,6 @@
-"""The model variants, once: what each one is made of, so code asks a variant's properties
-instead of comparing `moe_variant` strings. Pure Python (no Megatron, no torch).
+"""The model variants, once: what each one is made of, how it is built and what it costs, so
+code asks a variant's record instead of comparing `moe_variant` strings. Pure Python (no
+Megatron, no torch).
 
 | variant | routed experts | latent (D -> L) | router | per-(token, expert) rows | sub-tokens |
 |---|---|---|---|---|---|
@@ -10,16 +11,88 @@ instead of comparing `moe_variant` strings. Pure Python (no Megatron, no torch).
 | multi_view | yes | yes | MultiRouter (R heads) | yes (K views mixed) | no |
 | mh_moe | yes | no | Megatron TopKRouter, softmax + aux loss | no | yes (H per token) |
 
-models/specs.py maps these properties to layer classes; models/provider.py to routing
-defaults; analysis/plan.py and analysis/a2a/analytic.py to costs.
+Legend: D hidden, L latent, E experts, F expert width, k top-k, R routing heads, K views,
+H MH-MoE sub-tokens, S shared-expert width.
+
+Design choices:
+- A record names its MoE layer builder (`layer`) and router (`router`); models/specs.py
+  dispatches on those names, models/provider.py takes `routing_defaults`. A new variant is
+  one row here plus its builder (see docs/architecture.md, "Adding a variant").
+- Costs per MoE layer and token come from `MoEDims` (a ModelSection's sizes): parameters
+  (functional.parity's `LayerParams`: SMoE and MH-MoE ARE the parity shapes, the latent
+  family adds its projections, views and R router heads), the planner's matmul FLOPs
+  (2 x active parameters, router included), the paper's leading count (router excluded,
+  as seed 001's Eq. 6-7) and the alltoall bytes. Whole models: config/model_costs.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Tuple
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from megatron_mvmoe.errors import require
+from megatron_mvmoe.functional.parity import LayerParams, MoELayerShape, layer_params
+
+SWIGLU_MATRICES = 3
+"""Every expert (and shared expert) is SwiGLU: fc1 [2F, d_in] + fc2 [d_in, F]."""
+
+LAYER_BUILDERS = ("dense", "stock", "latent", "multi_view", "multi_head")
+"""`Variant.layer`: dense MLP, Megatron's own MoELayer, LatentMoELayer, MultiViewMoELayer,
+MultiHeadMoELayer (models/specs.py maps each name to its builder)."""
+
+ROUTERS = ("none", "topk", "multi_router")
+"""`Variant.router`: no router, Megatron's TopKRouter, our MultiRouter (R heads)."""
+
+SIGMOID_ROUTING: Mapping[str, Any] = MappingProxyType(dict(
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+    moe_router_bias_update_rate=1e-3))
+"""Seed 000's routing: sigmoid scores, the aux-loss-free expert bias."""
+
+SOFTMAX_ROUTING: Mapping[str, Any] = MappingProxyType(dict(
+    moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=1e-2))
+"""The classic SMoE (seed 001): softmax top-k with a small aux loss."""
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    """The sizes of one MoE layer that its costs depend on (`MoEDims.of(model_section)`)."""
+
+    hidden: int
+    """D."""
+    experts: int
+    """E."""
+    expert_ffn: int
+    """F: intermediate size of one routed expert."""
+    topk: int
+    """k: experts per routed row (per sub-token for MH-MoE)."""
+    shared_ffn: int = 0
+    """S: shared-expert width; 0 = none."""
+    latent: Optional[int] = None
+    """L: latent size (the latent family)."""
+    routers: int = 1
+    """R: routing heads (Multi-Router, Multi-View)."""
+    views: int = 1
+    """K: views (Multi-View)."""
+    heads: int = 1
+    """H: MH-MoE sub-tokens per token."""
+    head_projection: bool = True
+    """MH-MoE's D x D projection before the split."""
+    merge_projection: bool = True
+    """MH-MoE's D x D projection after the concatenation."""
+
+    @classmethod
+    def of(cls, section) -> "MoEDims":
+        """The MoE layer of a ModelSection (read by field name: config/ imports nothing)."""
+        mv, mh = section.multi_view, section.multi_head
+        return cls(hidden=section.hidden_size, experts=section.num_experts,
+                   expert_ffn=section.moe_ffn_hidden_size, topk=section.moe_router_topk,
+                   shared_ffn=section.moe_shared_expert_intermediate_size or 0,
+                   latent=section.latent_size, routers=mv.num_routers, views=mv.num_views,
+                   heads=mh.num_heads, head_projection=mh.head_projection,
+                   merge_projection=mh.merge_projection)
 
 
 @dataclass(frozen=True)
@@ -35,6 +108,19 @@ class Variant:
     """Each selected expert gets its own blended row of K views (per-row dispatch)."""
     multi_head: bool = False
     """Tokens split into H sub-tokens routed on their own (MH-MoE)."""
+    layer: str = "stock"
+    """The MoE layer builder models/specs.py dispatches on (one of LAYER_BUILDERS)."""
+    router: str = "topk"
+    """The router models/specs.py builds (one of ROUTERS)."""
+    routing_defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Megatron routing fields models/provider.py sets for the variant (a run's `extra`
+    overrides them)."""
+
+    def __post_init__(self) -> None:
+        require(self.layer in LAYER_BUILDERS, "Variant.layer", f"unknown {self.layer!r}",
+                f"use one of {LAYER_BUILDERS}")
+        require(self.router in ROUTERS, "Variant.router", f"unknown {self.router!r}",
+                f"use one of {ROUTERS}")
 
     @property
     def sigmoid_routing(self) -> bool:
@@ -42,17 +128,101 @@ class Variant:
         than softmax top-k with an aux loss (the classic SMoE, seed 001)."""
         return self.latent
 
+    @property
+    def family(self) -> str:
+        """The baseline this variant is measured against: "latent", "smoe" or "dense"."""
+        return "latent" if self.latent else ("smoe" if self.routed_experts else "dense")
+
+    def head_counts(self, heads: int) -> Dict[str, int]:
+        """num_routers / num_views / num_heads of this variant with `heads` routing heads,
+        views or sub-tokens (1 where the variant has none)."""
+        routers = heads if self.multi_router else 1
+        return {"num_routers": routers, "num_views": routers if self.multi_view else 1,
+                "num_heads": heads if self.multi_head else 1}
+
+    # ------------------------------------------------------------------- per-layer costs
+    def routed_rows(self, heads: int) -> int:
+        """Rows one token routes: its H sub-tokens (MH-MoE), else 1."""
+        return heads if self.multi_head else 1
+
+    def expert_input(self, hidden: int, latent: Optional[int], heads: int) -> int:
+        """Width of a routed row (what an expert sees and the all-to-all sends)."""
+        self._require_routed()
+        if self.multi_head:
+            require(hidden % heads == 0, "heads", f"{heads} does not divide hidden {hidden}",
+                    "choose a head count that divides hidden_size")
+            return hidden // heads
+        if self.latent:
+            require(bool(latent) and latent > 0, "latent",
+                    f"variant {self.name} needs a positive latent size", "set latent_size")
+            return latent
+        return hidden
+
+    def layer_params(self, d: MoEDims) -> LayerParams:
+        """Parameters of one MoE layer, by component."""
+        if not self.latent:
+            return layer_params(self._parity_shape(d))
+        L = self.expert_input(d.hidden, d.latent, d.heads)
+        expert = SWIGLU_MATRICES * L * d.expert_ffn
+        views = (d.views - 1) * L * d.hidden if self.multi_view else 0
+        routers = d.routers if self.multi_router else 1
+        return LayerParams(projections=2 * L * d.hidden + views, expert=expert,
+                           experts_total=d.experts * expert, experts_active=d.topk * expert,
+                           router=routers * d.experts * d.hidden,
+                           shared=SWIGLU_MATRICES * d.hidden * d.shared_ffn)
+
+    def matmul_flops_per_token(self, d: MoEDims) -> int:
+        """The planner's forward count: 2 x the active parameters (routers included)."""
+        return 2 * self.layer_params(d).active
+
+    def leading_flops_per_token(self, d: MoEDims) -> int:
+        """The paper's leading term (seed 001, Eq. 6-7): as above without the gating."""
+        params = self.layer_params(d)
+        return 2 * (params.active - params.router)
+
+    def mixing_flops_per_token(self, d: MoEDims) -> int:
+        """Multi-View's blend of K views into each of the k rows (a multiply-add per
+        element and view); 0 for the others."""
+        return 2 * d.topk * d.views * d.latent if self.multi_view else 0
+
+    def a2a_bytes_per_token(self, d: MoEDims, dtype_bytes: int = 2) -> int:
+        """Token bytes one token puts into the alltoall dispatch (one direction): H k rows
+        of the row width (Multi-View mixes first: one row per (token, expert), like the
+        baseline)."""
+        width = self.expert_input(d.hidden, d.latent, d.heads)
+        return self.routed_rows(d.heads) * d.topk * width * dtype_bytes
+
+    def _parity_shape(self, d: MoEDims) -> MoELayerShape:
+        self._require_routed()
+        mh = self.multi_head
+        return MoELayerShape(hidden_size=d.hidden, num_experts=d.experts,
+                             expert_ffn=d.expert_ffn, topk=d.topk,
+                             num_heads=d.heads if mh else 1,
+                             head_projection=mh and d.head_projection,
+                             merge_projection=mh and d.merge_projection,
+                             shared_expert_ffn=d.shared_ffn, expert_matrices=SWIGLU_MATRICES)
+
+    def _require_routed(self) -> None:
+        require(self.routed_experts, "moe_variant",
+                f"{self.name!r} has no MoE layer to count", "ask a routed variant")
+
 
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (
-    Variant("dense", routed_experts=False),
-    Variant("smoe", routed_experts=True),
-    Variant("latent", routed_experts=True, latent=True),
-    Variant("multi_router", routed_experts=True, latent=True, multi_router=True),
+    Variant("dense", routed_experts=False, layer="dense", router="none"),
+    Variant("smoe", routed_experts=True, routing_defaults=SOFTMAX_ROUTING),
+    Variant("latent", routed_experts=True, latent=True, layer="latent",
+            routing_defaults=SIGMOID_ROUTING),
+    Variant("multi_router", routed_experts=True, latent=True, multi_router=True,
+            layer="latent", router="multi_router", routing_defaults=SIGMOID_ROUTING),
     Variant("multi_view", routed_experts=True, latent=True, multi_router=True,
-            multi_view=True),
-    Variant("mh_moe", routed_experts=True, multi_head=True),
+            multi_view=True, layer="multi_view", router="multi_router",
+            routing_defaults=SIGMOID_ROUTING),
+    Variant("mh_moe", routed_experts=True, multi_head=True, layer="multi_head",
+            routing_defaults=SOFTMAX_ROUTING),
 )}
 VARIANT_NAMES: Tuple[str, ...] = tuple(VARIANTS)
+ROUTED_VARIANT_NAMES: Tuple[str, ...] = tuple(n for n, v in VARIANTS.items()
+                                              if v.routed_experts)
 
 
 def get_variant(name: str) -> Variant:

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_mvmoe.config.variants import get_variant
 from megatron_mvmoe.errors import require
 
 OURS = "MVMoEForCausalLM"
@@ -93,7 +94,7 @@ def stock_class(config, types: List[str]) -> Optional[str]:
 
 
 def _stock_candidate(config) -> Optional[str]:
-    if config.moe_variant == "dense":
+    if not get_variant(config.moe_variant).routed_experts:
         return "LlamaForCausalLM"
     if config.moe_router_score_function == "softmax":
         return "MixtralForCausalLM"
@@ -104,9 +105,10 @@ def _why_not_stock(config, types: List[str]) -> Optional[str]:
     """None when the stock candidate computes the model, else the reason it does not."""
     if config.bitnet.enabled:
         return "BitNet's quantized forward"
-    if config.moe_variant == "dense":
+    variant = get_variant(config.moe_variant)
+    if not variant.routed_experts:
         return None
-    if config.moe_variant != "smoe":
+    if variant.layer != "stock":  # our own MoE layers have no stock HF class
         return f"variant {config.moe_variant}"
     if "dense" in types:
         return "a mix of dense and MoE layers"

@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from megatron_mvmoe.config.variants import get_variant
+
 GROUPED_MM_MAX_EXPERT_ELEMENTS = 1 << 16
 """Largest I x F of one expert for which the grouped path beats SequentialMLP's loop on CPU.
 Measured (examples/results/grouped_experts.md: whole MoE layers, fwd + bwd, CPU time of one
@@ -42,8 +44,6 @@ round 1.9-3.3 at I x F = 512 and 0.84-1.53 (median 1.06-1.24) at 32768; 0.54-0.9
 131072 (two shapes) and 0.62-0.86 at the 10B-A1B's 1015808 (256 x 3968, 4096 tokens).
 The threshold sits between the last point where grouped wins and the first where it loses."""
 
-_PER_ROW_VARIANTS = ("multi_view",)
-_MULTI_HEAD_ROUTERS = ("multi_router", "multi_view")
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,12 @@ def expert_matrix_elements(section, etp: int = 1) -> Optional[int]:
     """I x F of one routed expert of a ModelSection: its input width (the latent size, else
     the hidden size per MH-MoE head) times its FFN width on one expert-TP rank; None for a
     model without routed experts (a dense model may leave moe_ffn_hidden_size unset)."""
-    if section.moe_variant == "dense" or section.moe_ffn_hidden_size is None:
+    if not section.is_moe or section.moe_ffn_hidden_size is None:
         return None
-    heads = max(1, section.multi_head.num_heads) if section.moe_variant == "mh_moe" else 1
-    width = section.latent_size if section.is_latent else section.hidden_size // heads
-    if not width:  # an unset latent size: validation names the field, not this rule
-        return None
+    if section.is_latent and not section.latent_size:
+        return None  # an unset latent size: validation names the field, not this rule
+    width = section.variant.expert_input(section.hidden_size, section.latent_size,
+                                         max(1, section.multi_head.num_heads))
     return width * (section.moe_ffn_hidden_size // max(1, etp))
 
 
@@ -93,13 +93,16 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
     gpu = target.cuda
     te = gpu and target.te and not bitnet
     no_te = _no_te_reason(target, bitnet)
+    record = get_variant(variant)
+    moe, per_row = record.routed_experts, record.multi_view  # per-(token, expert) rows
+    heads_router = record.router == "multi_router"
     return [
         _path("transformer_engine_specs", te, "TE layer specs (fused LN+linear, TE linears)",
               no_te),
-        _path("grouped_gemm", te and variant != "dense",
+        _path("grouped_gemm", te and moe,
               "TEGroupedMLP: one grouped GEMM over all local experts",
-              "dense model" if variant == "dense" else no_te + " (SequentialMLP loops over "
-              "local experts)", {"moe_grouped_gemm": te and variant != "dense"}),
+              no_te + " (SequentialMLP loops over local experts)" if moe else "dense model",
+              {"moe_grouped_gemm": te and moe}),
         _cpu_grouped_experts(target, variant, bitnet, expert_elements),
         _path("flash_attention", te, "TEDotProductAttention (flash/fused backend)",
               no_te + " (Megatron's DotProductAttention)"),
@@ -113,16 +116,16 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
         _path("gradient_accumulation_fusion", te, "weight-grad GEMM accumulates into fp32 main "
               "grads (TE linears)", no_te + " (separate accumulate)",
               {"gradient_accumulation_fusion": te}),
-        _path("moe_permute_fusion", te and variant not in _PER_ROW_VARIANTS,
+        _path("moe_permute_fusion", te and not per_row,
               "TE fused token permute/unpermute",
               "the per-row dispatcher gathers (token, slot) rows itself"
-              if te else no_te, {"moe_permute_fusion": te and variant not in _PER_ROW_VARIANTS}),
-        _path("fused_router", te and variant not in _MULTI_HEAD_ROUTERS,
-              "TE fused top-k router", _router_reason(te, variant, no_te),
-              {"moe_router_fusion": te and variant not in _MULTI_HEAD_ROUTERS}),
-        _path("multi_router_triton_kernel", gpu and variant in _MULTI_HEAD_ROUTERS,
+              if te else no_te, {"moe_permute_fusion": te and not per_row}),
+        _path("fused_router", te and not heads_router,
+              "TE fused top-k router", _router_reason(heads_router, no_te),
+              {"moe_router_fusion": te and not heads_router}),
+        _path("multi_router_triton_kernel", gpu and heads_router,
               "fused Triton routing (and mix+permute) kernels",
-              "not a multi-head router" if variant not in _MULTI_HEAD_ROUTERS else
+              "not a multi-head router" if not heads_router else
               "CPU: pure-torch reference path (Triton runs only under TRITON_INTERPRET)"),
         _path("overlap_grad_reduce", gpu, "DP grad reduce-scatter overlaps the backward",
               "CPU/gloo: synchronous collectives, nothing to overlap",
@@ -143,7 +146,7 @@ def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool,
     where the measured criterion says they are faster."""
     from megatron_mvmoe.layers.grouped_experts import grouped_mm_runs_here
 
-    if variant == "dense":
+    if not get_variant(variant).routed_experts:
         why_off = "dense model"
     elif target.cuda:
         why_off = "GPU: TEGroupedMLP with TE, else SequentialMLP (not validated on CUDA)"
@@ -179,8 +182,8 @@ def _no_te_reason(target: Target, bitnet: bool) -> str:
     return ""
 
 
-def _router_reason(te: bool, variant: str, no_te: str) -> str:
-    if variant in _MULTI_HEAD_ROUTERS:
+def _router_reason(heads_router: bool, no_te: str) -> str:
+    if heads_router:
         return "R routing heads: TE's fused router scores one head"
     return no_te
 

@@ -15,9 +15,10 @@ Design choices:
   `models/fast_paths.py` for the target machine: on a GPU with TE they are on, on CPU the
   local equivalents run; `tools/plan.py --fast-paths` prints the same decisions. Dropout is
   off everywhere (the CUDA RNG tracker cannot fork on CPU; the seeds' recipes use none).
-- Routing defaults per variant: smoe uses softmax top-k with a small aux loss (the classic
+- Routing defaults per variant are the variant record's (config/variants.py
+  `routing_defaults`): smoe and mh_moe use softmax top-k with a small aux loss (the classic
   SMoE); latent / multi_router / multi_view use sigmoid scores with the aux-loss-free expert
-  bias (seed 000), the alltoall dispatcher everywhere.
+  bias (seed 000); the alltoall dispatcher everywhere.
 """
 
 from __future__ import annotations
@@ -61,12 +62,7 @@ def _routing(model: ModelSection) -> Dict[str, Any]:
                   moe_router_topk=model.moe_router_topk, moe_token_dispatcher_type="alltoall",
                   moe_router_dtype="fp32",
                   moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size)
-    if model.variant.sigmoid_routing:
-        return dict(common, moe_router_score_function="sigmoid",
-                    moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none",
-                    moe_aux_loss_coeff=0.0, moe_router_bias_update_rate=1e-3)
-    return dict(common, moe_router_score_function="softmax",
-                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+    return dict(common, **model.variant.routing_defaults)  # config/variants.py
 
 
 def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,

@@ -5,7 +5,9 @@ Design choices:
   slices the layers of this pipeline stage / virtual stage) and swap ONLY the MoE MLP slots
   for the variant's layer. Spec objects are shared between layers (and module-level in
   Megatron): every change builds new objects with `dataclasses.replace`, nothing is mutated.
-- Variants: dense (no experts; Megatron's dense spec), smoe (stock MoELayer), latent
+- Variants: the record's `layer` and `router` names (config/variants.py) pick the slot's
+  builder (`_LAYER_BUILDERS`, `_ROUTERS`): dense (no experts; Megatron's dense spec), smoe
+  (stock MoELayer), latent
   (LatentMoELayer + Megatron's TopKRouter), multi_router (LatentMoELayer + MultiRouter),
   multi_view (MultiViewMoELayer + MultiRouter), mh_moe (the MH-MoE engineer's
   `megatron_mvmoe.layers.multi_head_moe.mh_moe_spec(config)`).
@@ -126,14 +128,45 @@ def moe_mlp_spec(config, moe_spec):
     (a builder or a ModuleSpec; the result has the same form)."""
     variant = get_variant(getattr(config, "moe_variant", "smoe"))
     moe_spec = with_grouped_experts(moe_spec, config)  # the CPU grouped-GEMM experts rule
-    if variant.multi_head:
-        return _mh_moe_spec(config, moe_spec)
-    if not variant.latent:
-        return moe_spec  # Megatron's own MoELayer and TopKRouter (smoe)
+    return _LAYER_BUILDERS[variant.layer](config, moe_spec, variant)
+
+
+def _stock_layer(config, moe_spec, variant: Variant):
+    return moe_spec  # Megatron's own MoELayer and TopKRouter (smoe)
+
+
+def _latent_layer(config, moe_spec, variant: Variant, layer=None):
+    """LatentMoELayer (or `layer`) around the variant's router."""
     submodules = parts(moe_spec).submodules
-    router = _router_for(variant, submodules.router)
-    layer = MultiViewMoELayer if variant.multi_view else LatentMoELayer
-    return rebuilt(moe_spec, module=layer, submodules=replace(submodules, router=router))
+    router = _ROUTERS[variant.router](submodules.router)
+    return rebuilt(moe_spec, module=layer or LatentMoELayer,
+                   submodules=replace(submodules, router=router))
+
+
+def _multi_view_layer(config, moe_spec, variant: Variant):
+    return _latent_layer(config, moe_spec, variant, layer=MultiViewMoELayer)
+
+
+def _multi_head_layer(config, moe_spec, variant: Variant):
+    from megatron_mvmoe.layers.multi_head_moe import mh_moe_spec
+
+    return mh_moe_spec(config, moe_spec=moe_spec)
+
+
+def _multi_router(stock_router):
+    from megatron_mvmoe.routing.router import MultiRouter
+
+    return MultiRouter
+
+
+_LAYER_BUILDERS = {"stock": _stock_layer, "latent": _latent_layer,
+                   "multi_view": _multi_view_layer, "multi_head": _multi_head_layer}
+"""Variant.layer -> the MoE slot's builder (config/variants.py names them; "dense" has no
+MoE slot)."""
+
+_ROUTERS = {"topk": lambda stock_router: stock_router,  # TopKRouter (sigmoid via the config)
+            "multi_router": _multi_router}
+"""Variant.router -> the router class of the slot."""
 
 
 def build_moe_layer(config, pg_collection, layer_number: int = 1, use_te: bool = False):
@@ -153,20 +186,6 @@ def stock_moe_spec(config, use_te: bool = False):
 
     return get_moe_module_spec(use_te=use_te, num_experts=config.num_moe_experts,
                                moe_grouped_gemm=config.moe_grouped_gemm)
-
-
-def _router_for(variant: Variant, stock_router):
-    if not variant.multi_router:
-        return stock_router  # Megatron's TopKRouter (sigmoid + expert bias via the config)
-    from megatron_mvmoe.routing.router import MultiRouter
-
-    return MultiRouter
-
-
-def _mh_moe_spec(config, moe_spec):
-    from megatron_mvmoe.layers.multi_head_moe import mh_moe_spec
-
-    return mh_moe_spec(config, moe_spec=moe_spec)
 
 
 def _swap_moe_slot(layer_spec: ModuleSpec, config) -> ModuleSpec:

@@ -33,7 +33,8 @@ from typing import Dict, List
 
 import torch
 
-_LATENT_VARIANTS = ("latent", "multi_router", "multi_view")
+from megatron_mvmoe.config.variants import get_variant
+
 _FC1, _FC2 = "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
 _EXPERT = "mlp.experts.local_experts."
 # MoE-only keys that keep the target's initialisation (routers, biases, views, gamma).
@@ -56,11 +57,12 @@ class UpcycleReport:
 def upcycle_problems(dense, target, new_heads: str = "fresh") -> List[str]:
     """Why `dense` (a dense ModelSection) cannot be upcycled into `target` (one line each)."""
     problems = []
-    if new_heads == "copy" and target.moe_variant == "multi_router":
+    variant = target.variant
+    if new_heads == "copy" and variant.multi_router and not variant.multi_view:
         problems.append("warm_start_new_heads: 'copy' gives a Multi-Router layer without views "
                         "R identical heads, whose gradients stay identical forever; use "
                         "'fresh', or moe_variant multi_view (its views tell the heads apart)")
-    if target.moe_variant == "mh_moe":
+    if variant.multi_head:
         problems.append("moe_variant: mh_moe experts see D/H-wide sub-tokens, so no expert can "
                         "hold the dense MLP (which mixes all D inputs); upcycle into smoe, "
                         "latent, multi_router or multi_view")
@@ -181,7 +183,7 @@ def upcycle_chunk(moe_chunk: torch.nn.Module, dense_chunk: torch.nn.Module, vari
     Multi-View gamma ramps restart at step 0 so the views start neutral. Router heads keep
     their init ("fresh") or are copies of head 0 ("copy"); either way the gates of a token
     sum to 1, so the first forward is the dense model's."""
-    if variant not in _LATENT_VARIANTS:
+    if not get_variant(variant).latent:
         return megatron_upcycle(moe_chunk, dense_chunk)
     from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
 

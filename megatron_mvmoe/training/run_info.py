@@ -3,7 +3,7 @@ config, and the efficiency figures of each progress line (MFU, peak memory, ETA)
 
 Design choices:
 - MFU = achieved model FLOP/s / peak FLOP/s of the ranks. Model FLOPs are the planner's
-  analytic training count (`analysis.plan.flops_per_token`: 3 x forward, active parameters
+  analytic training count (`config.model_costs.flops_per_token`: 3 x forward, active parameters
   only, attention scores included), so MFU compares variants by the work they are meant
   to do, not by what a kernel happens to spend. The peak is the datasheet dense bf16 peak
   for known GPUs, else the measured fp32/bf16 matmul rate of this process (on CPU: with
@@ -187,7 +187,7 @@ class Efficiency:
 
     def __init__(self, run, model, world_size: int, use_bf16: bool,
                  measure: Optional[Callable[[], float]] = None) -> None:
-        from megatron_mvmoe.analysis.plan import flops_per_token, parameter_counts
+        from megatron_mvmoe.config.model_costs import flops_per_token, parameter_counts
 
         self.world_size = world_size
         self.train_iters = run.training.train_iters

@@ -39,14 +39,18 @@ from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.weights import model_sharded_state_dict, set_model_weights
 from megatron_mvmoe.config.model_section import ModelSection
 from megatron_mvmoe.config.run_config import RunConfig, saved_config_from_dict
+from megatron_mvmoe.config.variants import VARIANTS
 from megatron_mvmoe.models.build import model_config
 from megatron_mvmoe.models.provider import build_model_chunks
 from megatron_mvmoe.models.upcycling import upcycle_chunk, upcycle_problems
 from megatron_mvmoe.models.warm_start import WarmStartReport, warm_start_multi_view
 from megatron_mvmoe.training.build import Trainer
 
-TARGET_VARIANTS = ("multi_view", "multi_router")
-UPCYCLE_VARIANTS = ("smoe", "latent", "multi_router", "multi_view")
+TARGET_VARIANTS = tuple(n for n, v in VARIANTS.items() if v.multi_router)
+"""("multi_router", "multi_view"): the variants whose extra router heads (and views) start
+from a baseline checkpoint."""
+UPCYCLE_VARIANTS = tuple(n for n, v in VARIANTS.items() if v.routed_experts and not v.multi_head)
+"""("smoe", "latent", "multi_router", "multi_view"): experts that can hold the dense MLP."""
 # A dense checkpoint and its upcycled MoE model share everything but the MLPs.
 _UPCYCLE_SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads",
                           "num_query_groups", "vocab_size")

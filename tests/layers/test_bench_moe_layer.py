@@ -2,7 +2,7 @@
 
 - The layers are the trainer's: the preset's section through provider.transformer_config
   (SwiGLU, the shared expert, sigmoid routing) and the decoder block's MoE builder; the
-  FLOP count follows that config (checked against a count by hand).
+  FLOP count (the variant record's) follows that section (checked against a count by hand).
 - One tiny point runs end to end: both expert implementations on the same weights, per-round
   ratio spreads, the fast-path decision printed, CPU-time clock with the peak measured on
   the same clock every round; bad flags fail with one line.
@@ -34,8 +34,8 @@ def _tool(*argv):
 
 def test_variant_configs_are_the_trainers_and_flops_follow_them():
     shape = lb.LayerShape(64, 16, 8, 2, 32, 24, 2)
-    configs = {v: lb.layer_config(lb.variant_section("mvmoe_10b_a1b", shape, v), False)
-               for v in lb.VARIANTS}
+    sections = {v: lb.variant_section("mvmoe_10b_a1b", shape, v) for v in lb.VARIANTS}
+    configs = {v: lb.layer_config(section, False) for v, section in sections.items()}
     for variant, config in configs.items():
         assert config.gated_linear_unit and config.moe_shared_expert_intermediate_size == 24
         assert config.moe_router_score_function == "sigmoid" and config.num_layers == 1
@@ -44,9 +44,9 @@ def test_variant_configs_are_the_trainers_and_flops_follow_them():
     assert configs["multi_view"].multi_view.num_views == 2
     D, L, E, k, F, S = 64, 16, 8, 2, 32, 24
     latent = 2 * D * E + 4 * D * L + k * 3 * 2 * L * F + 3 * 2 * D * S
-    assert lb.layer_flops_per_token(configs["latent"]) == latent
-    assert lb.layer_flops_per_token(configs["multi_router"]) == latent + 2 * D * E
-    assert lb.layer_flops_per_token(configs["multi_view"]) == (
+    assert lb.layer_flops_per_token(sections["latent"]) == latent
+    assert lb.layer_flops_per_token(sections["multi_router"]) == latent + 2 * D * E
+    assert lb.layer_flops_per_token(sections["multi_view"]) == (
         latent + 2 * D * E + 2 * D * L + k * 2 * L * 2)
 
 

@@ -46,9 +46,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from megatron_mvmoe.config.variants import ROUTED_VARIANT_NAMES, get_variant
 from megatron_mvmoe.functional.mixing import views_are_cheaper
 
-VARIANTS = ("smoe", "latent", "multi_router", "multi_view", "mh_moe")
+VARIANTS = ROUTED_VARIANT_NAMES
 DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -106,18 +107,13 @@ class CommVolume:
 
 
 def row_shape(variant: str, shape: CommShape):
-    """(rows per token and slot multiplier, row width) of the dispatched rows."""
+    """(rows per token and slot multiplier, row width) of the dispatched rows: the variant
+    record's routed rows and row width (config/variants.py)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: unknown {variant!r}. Fix: use one of {VARIANTS}")
-    if variant == "smoe":
-        return shape.tokens, shape.hidden
-    if variant == "mh_moe":
-        if shape.hidden % shape.heads:
-            raise ValueError(f"heads: {shape.heads} does not divide hidden {shape.hidden}")
-        return shape.tokens * shape.heads, shape.hidden // shape.heads
-    if not shape.latent or shape.latent <= 0:
-        raise ValueError(f"latent: variant {variant} needs a positive latent size")
-    return shape.tokens, shape.latent
+    record = get_variant(variant)
+    width = record.expert_input(shape.hidden, shape.latent, shape.heads)
+    return shape.tokens * record.routed_rows(shape.heads), width
 
 
 def expert_capacity(units: int, shape: CommShape) -> int:
@@ -189,9 +185,10 @@ def dispatch_bytes(variant: str, dispatcher: str, shape: CommShape) -> CommVolum
                           rows * shape.probs_bytes, rows, width, note)
     if dispatcher == "allgather":
         group = shape.tp * shape.ep
-        rows = units * shape.topk if variant == "multi_view" else units
+        per_row = get_variant(variant).multi_view  # per-(token, expert) rows
+        rows = units * shape.topk if per_row else units
         note = ("refused: per-(token, expert) rows would be gathered as expanded tokens, "
-                f"{shape.topk}x the baseline") if variant == "multi_view" else ""
+                f"{shape.topk}x the baseline") if per_row else ""
         token_bytes = rows * width * shape.dtype_bytes
         probs = rows * shape.experts * shape.probs_bytes
         return CommVolume(token_bytes, token_bytes * group, probs, rows, width, note)

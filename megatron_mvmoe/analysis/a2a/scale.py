@@ -11,7 +11,7 @@ Design choices:
   each rank routes); EP placement: `EpPlacement.for_layout` (ETP = 1).
 - One routing map set per cluster size, shared by every variant: the comparison is of what
   each variant must send for the same routing, not of routers' choices.
-- Compute per GPU and micro-batch: analytic training FLOPs per token (analysis.plan) x
+- Compute per GPU and micro-batch: analytic training FLOPs per token (config.model_costs) x
   seq x micro-batch / (TP x PP) at the stated achieved TFLOP/s; all-to-all per GPU and
   micro-batch: (layers / PP) x the layer's four collectives (dispatch and combine, forward
   and backward), each the max over ranks (analysis.link_time); no overlap.
@@ -31,7 +31,7 @@ from megatron_mvmoe.analysis.a2a.semantics import (SEMANTICS, allgather_link_byt
 from megatron_mvmoe.analysis.a2a.link_time import LinkSpec, a2a_share, compute_time_s, \
     layer_a2a_time_s
 from megatron_mvmoe.analysis.a2a.placement import EpPlacement
-from megatron_mvmoe.analysis.plan import flops_per_token
+from megatron_mvmoe.config.model_costs import flops_per_token
 from megatron_mvmoe.analysis.routing.rank_load import max_over_mean, rank_loads, routing_maps
 from megatron_mvmoe.config.model_section import ModelSection, model_from_preset
 from megatron_mvmoe.config.presets import LAYOUTS_10B

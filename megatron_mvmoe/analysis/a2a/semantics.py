@@ -38,6 +38,7 @@ from typing import Dict, Tuple
 import torch
 
 from megatron_mvmoe.analysis.a2a.placement import LINKS, EpPlacement
+from megatron_mvmoe.config.variants import VARIANTS, get_variant
 from megatron_mvmoe.functional.mixing import views_are_cheaper
 
 SEMANTICS = ("row", "rank", "node")
@@ -198,12 +199,13 @@ def received_by_link(matrix_PP: torch.Tensor, placement: EpPlacement) -> Dict[st
 def payload_for_variant(variant: str, hidden: int, latent, views: int = 1,
                         dtype_bytes: int = 2, naive: bool = False) -> PayloadShape:
     """The PayloadShape of a model variant (smoe, latent, multi_router, multi_view)."""
-    if variant == "smoe":
-        return PayloadShape(hidden, dtype_bytes=dtype_bytes)
-    if variant not in ("latent", "multi_router", "multi_view"):
+    record = get_variant(variant) if variant in VARIANTS else None
+    if record is None or record.multi_head or not record.routed_experts:
         raise ValueError(f"variant: no dispatch-semantics model for {variant!r}. Fix: use "
                          "smoe, latent, multi_router or multi_view")
-    if variant != "multi_view" or views == 1:
+    if not record.latent:
+        return PayloadShape(hidden, dtype_bytes=dtype_bytes)
+    if not record.multi_view or views == 1:
         return PayloadShape(latent, dtype_bytes=dtype_bytes)
     return PayloadShape(latent, "naive_multi_view" if naive else "multi_view", views,
                         dtype_bytes=dtype_bytes)

@@ -1,0 +1,128 @@
+"""Whole-model parameters and FLOPs per token of a ModelSection: what the planner prints and
+the trainer's MFU divides by. Below training and analysis (config/: counting only; Megatron
+is imported only to read MLA's defaults), so both ask the same numbers.
+
+Design choices:
+- Parameter counts are analytic, per module, mirroring what models/provider.py builds
+  (Megatron's local spec: RMSNorm weight only, no biases, SwiGLU fc1 of 2F rows, untied
+  embedding and LM head, RoPE); an MoE layer's count is its variant record's
+  (config/variants.py, `Variant.layer_params`). tests/training/test_plan.py checks them
+  against the built tiny models exactly.
+- "Active" = every non-expert parameter + k routed experts per MoE layer (H k for MH-MoE;
+  embedding and LM head included; `active_without_embeddings` is given too).
+- FLOPs per token: 2 x active matmul parameters (the embedding lookup excluded) + attention
+  scores/values 4 x S x D per layer (non-causal count); training = 3 x forward.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.variants import SWIGLU_MATRICES, MoEDims
+
+
+def attention_params(m: ModelSection) -> int:
+    """One layer's attention (standard or MLA) plus its input and pre-MLP RMSNorm weights."""
+    if m.extra.get("multi_latent_attention"):
+        return mla_params(m) + 2 * m.hidden_size
+    kv_channels = m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    qkv = (m.num_attention_heads + 2 * groups) * kv_channels * m.hidden_size
+    proj = m.hidden_size * m.num_attention_heads * kv_channels
+    qk_norms = 2 * kv_channels if m.extra.get("qk_layernorm") else 0
+    return qkv + proj + qk_norms + 2 * m.hidden_size
+
+
+def mla_params(m: ModelSection) -> int:
+    """Megatron's MLASelfAttention (config/mla_config.py's defaults for fields not set): query
+    projection (direct, or down to q_lora_rank and up), the kv down projection to the latent
+    plus the RoPE key part, the kv up projection to per-head keys and values, the output
+    projection, and the q/kv latent norms with --qk-layernorm."""
+    from megatron_mvmoe.config.mla_config import MVMoEMLATransformerConfig
+
+    defaults = MVMoEMLATransformerConfig.__dataclass_fields__
+
+    def field(name):
+        return m.extra.get(name, defaults[name].default)
+
+    D, h = m.hidden_size, m.num_attention_heads
+    qk, pos, v = field("qk_head_dim"), field("qk_pos_emb_head_dim"), field("v_head_dim")
+    q_rank, kv_rank, norms = field("q_lora_rank"), field("kv_lora_rank"), \
+        bool(m.extra.get("qk_layernorm"))
+    if q_rank is None:
+        query = D * h * (qk + pos)
+    else:
+        query = D * q_rank + q_rank * h * (qk + pos) + (q_rank if norms else 0)
+    kv = D * (kv_rank + pos) + kv_rank * h * (qk + v) + (kv_rank if norms else 0)
+    return query + kv + h * v * D
+
+
+def swiglu(d_in: int, width: int) -> int:
+    return SWIGLU_MATRICES * d_in * width  # fc1 [2F, d_in] + fc2 [d_in, F]
+
+
+def moe_params(m: ModelSection) -> Dict[str, int]:
+    """One MoE layer's parameters split into expert and non-expert (the variant's count)."""
+    per = m.variant.layer_params(MoEDims.of(m))
+    return {"expert_one": per.expert, "router": per.router, "projections": per.projections,
+            "shared": per.shared}
+
+
+def mtp_num_layers(m: ModelSection) -> int:
+    """Multi-token prediction depth (Megatron's `mtp_num_layers`, given through `extra`)."""
+    return int(m.extra.get("mtp_num_layers") or 0)
+
+
+def _layer_mlp(m: ModelSection) -> Dict[str, int]:
+    """One decoder layer's MLP: all its parameters, its experts, and what one token uses."""
+    if not m.is_moe:
+        dense = swiglu(m.hidden_size, m.ffn_hidden_size)
+        return {"dense": dense, "non_expert": 0, "experts": 0, "active": dense}
+    per = m.variant.layer_params(MoEDims.of(m))
+    non_expert = per.router + per.projections + per.shared
+    return {"dense": 0, "non_expert": non_expert, "experts": per.experts_total,
+            "active": per.active}
+
+
+def mtp_params(m: ModelSection) -> Dict[str, int]:
+    """The MTP block (models/mtp_spec.py: Megatron's MultiTokenPredictionLayer): per layer
+    enorm + hnorm + final norm (D each), eh_proj [D, 2D], and a copy of the last decoder
+    layer (attention + its MLP). Embedding and LM head are the main model's (shared)."""
+    n = mtp_num_layers(m)
+    D, mlp = m.hidden_size, _layer_mlp(m)
+    own = 3 * D + 2 * D * D + attention_params(m)
+    return {"total": n * (own + mlp["dense"] + mlp["non_expert"] + mlp["experts"]),
+            "active": n * (own + mlp["active"]), "experts": n * mlp["experts"],
+            "non_expert": n * (own + mlp["dense"] + mlp["non_expert"])}
+
+
+def parameter_counts(m: ModelSection) -> Dict[str, int]:
+    """Every parameter the provider builds, MTP layers included ("mtp": their share)."""
+    D, V = m.hidden_size, m.vocab_size
+    embedding, head, final_norm = V * D, V * D, D
+    attention = attention_params(m) * m.num_layers
+    mlp, mtp = _layer_mlp(m), mtp_params(m)
+    dense = mlp["dense"] * m.num_layers
+    non_expert_moe = mlp["non_expert"] * m.num_layers
+    experts = mlp["experts"] * m.num_layers
+    base = embedding + head + final_norm + attention + dense + non_expert_moe
+    active = base + (mlp["active"] - mlp["dense"] - mlp["non_expert"]) * m.num_layers \
+        + mtp["active"]
+    return {"total": base + experts + mtp["total"], "active": active,
+            "active_without_embeddings": active - embedding - head,
+            "embedding": embedding, "lm_head": head, "attention": attention,
+            "experts": experts, "expert_one": moe_params(m)["expert_one"] if m.is_moe else 0,
+            "non_expert_moe": non_expert_moe, "dense_mlp": dense, "mtp": mtp["total"]}
+
+
+def flops_per_token(m: ModelSection) -> Dict[str, float]:
+    """Forward and training (3 x forward) FLOPs per token. Each MTP layer adds its own active
+    matmuls plus one more pass of the shared LM head, and one more layer of attention
+    scores."""
+    counts = parameter_counts(m)
+    n_mtp = mtp_num_layers(m)
+    matmul = counts["active"] - counts["embedding"] + n_mtp * counts["lm_head"]
+    attention_scores = 4 * m.seq_length * m.hidden_size * (m.num_layers + n_mtp)
+    forward = 2 * matmul + attention_scores
+    return {"forward": float(forward), "train": float(3 * forward)}
