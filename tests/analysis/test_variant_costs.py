@@ -115,3 +115,14 @@ def test_record_counts_equal_the_built_layers():
     for name, preset in TINY.items():
         section = model_from_preset(preset)
         assert section.variant.layer_params(MoEDims.of(section)).total == built[name], name
+
+
+@pytest.mark.parametrize("variant", ROUTED)
+def test_analytic_alltoall_rows_are_the_records_bytes(variant):
+    """analysis/a2a/analytic.py (tools/a2a_volume.py) and the planner count the same bytes."""
+    from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes
+
+    tokens = 12
+    shape = CommShape(tokens=tokens, hidden=D, topk=k, latent=L, heads=H, dtype_bytes=2)
+    assert dispatch_bytes(variant, "alltoall", shape).tokens_in == \
+        tokens * get_variant(variant).a2a_bytes_per_token(DIMS, dtype_bytes=2)
