@@ -8,8 +8,12 @@ included), so the layering cannot erode silently:
   models, training, analysis or data (so nothing it needs can import it back);
 - platform imports no other part of megatron_mvmoe (everything else builds on it);
 - mvmoe_kernels uses only functional from megatron_mvmoe (its references ARE the math);
-- analysis never imports training; models, layers, checkpointing (reading a checkpoint
-  without a trainer) and data never import analysis or training;
+- training never imports analysis (what the trainer needs, e.g. the router-diversity math,
+  lives below it) nor toolkit; analysis never imports training;
+- toolkit (the tools' one front door: open a run or checkpoint, tool flags, generation)
+  imports neither training nor analysis (analysis and the tools build on it);
+- models, layers, checkpointing (reading a checkpoint without a trainer) and data never
+  import analysis, toolkit or training;
 - only tests (and testing itself) import megatron_mvmoe.testing (tools launch local ranks
   through megatron_mvmoe.launch.local_ranks);
 - dev_cluster (the root-only Slurm test cluster) imports no other part of megatron_mvmoe,
@@ -28,21 +32,23 @@ from typing import Dict, Set, Tuple
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("megatron_mvmoe", "mvmoe_kernels")
 
-KNOWN_VIOLATIONS: Set[Tuple[str, str]] = set()
-# Empty since the renovation: analysis opens models through models.build + checkpointing
-# and reads run configs from megatron_mvmoe.config.run_config.
+KNOWN_VIOLATIONS: Set[Tuple[str, str]] = {
+    # The start-up fit check asks the memory planner (analysis.plan_memory.fit_error);
+    # it goes when the planner's memory model moves below training.
+    ("megatron_mvmoe.training.memory_report", "megatron_mvmoe.analysis"),
+}
 
 
-def module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: pathlib.Path) -> Set[str]:
+def imports_of(path: pathlib.Path, root: pathlib.Path = ROOT) -> Set[str]:
     """Every module a file imports, at any depth (relative imports resolved)."""
     found = set()
-    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" \
-        else module_name(path)
+    package = module_name(path, root).rsplit(".", 1)[0] if path.name != "__init__.py" \
+        else module_name(path, root)
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
@@ -55,9 +61,10 @@ def imports_of(path: pathlib.Path) -> Set[str]:
     return found
 
 
-def graph() -> Dict[str, Set[str]]:
-    return {module_name(p): imports_of(p) for pkg in PACKAGES
-            for p in sorted((ROOT / pkg).rglob("*.py"))}
+def graph(root: pathlib.Path = ROOT) -> Dict[str, Set[str]]:
+    """module -> what it imports, for every module of PACKAGES under `root`."""
+    return {module_name(p, root): imports_of(p, root) for pkg in PACKAGES
+            for p in sorted((root / pkg).rglob("*.py"))}
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -76,14 +83,14 @@ RULES = [
     ("megatron_mvmoe.config", "megatron_mvmoe", CONFIG_MAY_IMPORT),
     ("mvmoe_kernels", "megatron_mvmoe", ("megatron_mvmoe.functional",)),
     ("megatron_mvmoe.analysis", "megatron_mvmoe.training", ()),
-    ("megatron_mvmoe.models", "megatron_mvmoe.analysis", ()),
-    ("megatron_mvmoe.models", "megatron_mvmoe.training", ()),
-    ("megatron_mvmoe.layers", "megatron_mvmoe.analysis", ()),
-    ("megatron_mvmoe.layers", "megatron_mvmoe.training", ()),
-    ("megatron_mvmoe.checkpointing", "megatron_mvmoe.analysis", ()),
-    ("megatron_mvmoe.checkpointing", "megatron_mvmoe.training", ()),
-    ("megatron_mvmoe.data", "megatron_mvmoe.analysis", ()),
-    ("megatron_mvmoe.data", "megatron_mvmoe.training", ()),
+    ("megatron_mvmoe.training", "megatron_mvmoe.analysis", ()),
+    ("megatron_mvmoe.training", "megatron_mvmoe.toolkit", ()),
+    ("megatron_mvmoe.toolkit", "megatron_mvmoe.training", ()),
+    ("megatron_mvmoe.toolkit", "megatron_mvmoe.analysis", ()),
+    *[(below, above, ()) for below in ("megatron_mvmoe.models", "megatron_mvmoe.layers",
+                                       "megatron_mvmoe.checkpointing", "megatron_mvmoe.data")
+      for above in ("megatron_mvmoe.analysis", "megatron_mvmoe.toolkit",
+                    "megatron_mvmoe.training")],
     ("", "megatron_mvmoe.testing", ()),  # testing itself is exempt (see violations)
     ("megatron_mvmoe.dev_cluster", "megatron_mvmoe", ("megatron_mvmoe.dev_cluster",)),
     ("", "megatron_mvmoe.dev_cluster", ()),  # dev_cluster itself is exempt
@@ -136,24 +143,27 @@ def test_a_forbidden_import_is_caught():
 
 
 # ------------------------------------------------------------------------- tools/
-TOOL_NAMES = frozenset(p.stem for p in (ROOT / "tools").glob("*.py"))
+def tool_names(root: pathlib.Path = ROOT) -> frozenset:
+    return frozenset(p.stem for p in (root / "tools").glob("*.py"))
 TOOLS_ALLOWED_TESTING = {
     "tools.megatron_moe_tests": "runs Megatron-Core's own MoE tests through the test adapter",
 }
 
 
-def tool_graph() -> Dict[str, Set[str]]:
-    return {f"tools.{p.stem}": imports_of(p) for p in sorted((ROOT / "tools").glob("*.py"))}
+def tool_graph(root: pathlib.Path = ROOT) -> Dict[str, Set[str]]:
+    return {f"tools.{p.stem}": imports_of(p, root) for p in sorted((root / "tools").glob("*.py"))}
 
 
-def tool_violations(edges: Dict[str, Set[str]]) -> Set[Tuple[str, str]]:
+def tool_violations(edges: Dict[str, Set[str]],
+                    names: frozenset = frozenset()) -> Set[Tuple[str, str]]:
     """Tools are leaves: none imports another tool (shared logic lives in the package), and
     only the listed ones import megatron_mvmoe.testing (tools launch ranks through
-    megatron_mvmoe.launch.local_ranks)."""
+    megatron_mvmoe.launch.local_ranks). `names`: the tools' module names (default: ours)."""
+    names = names or tool_names()
     out = set()
     for tool, targets in edges.items():
         for target in targets:
-            if target.split(".")[0] in TOOL_NAMES:
+            if target.split(".")[0] in names:
                 out.add((tool, f"tool {target}"))
             if _within(target, "megatron_mvmoe.testing") and tool not in TOOLS_ALLOWED_TESTING:
                 out.add((tool, "megatron_mvmoe.testing"))
@@ -169,3 +179,37 @@ def test_a_tool_importing_a_tool_or_testing_is_caught():
     edges["tools.plan"] = edges["tools.plan"] | {"a2a_volume", "megatron_mvmoe.testing.spawn"}
     assert tool_violations(edges) == {("tools.plan", "tool a2a_volume"),
                                       ("tools.plan", "megatron_mvmoe.testing")}
+
+
+# ------------------------------------------------------------ the checker on files on disk
+def _write(root: pathlib.Path, relative: str, text: str) -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_checker_reads_an_upward_import_from_files_on_disk(tmp_path):
+    """Must show (issue 24): the rules fail on a deliberate upward import written as source
+    files: training/ importing analysis/ (inside a function, as the old diversity metrics
+    did), and a tool importing another tool. A clean copy of the same tree passes."""
+    _write(tmp_path, "megatron_mvmoe/__init__.py", "")
+    _write(tmp_path, "megatron_mvmoe/analysis/__init__.py", "")
+    _write(tmp_path, "megatron_mvmoe/analysis/stats.py", "import torch\n")
+    _write(tmp_path, "megatron_mvmoe/training/__init__.py", "")
+    _write(tmp_path, "megatron_mvmoe/training/metrics.py",
+           "def watch():\n    from ..analysis.stats import nanmean\n    return nanmean\n")
+    _write(tmp_path, "megatron_mvmoe/toolkit/__init__.py", "")
+    _write(tmp_path, "megatron_mvmoe/toolkit/flags.py",
+           "from megatron_mvmoe.training import metrics\n")
+    _write(tmp_path, "tools/plan.py", "from megatron_mvmoe.toolkit import flags\n")
+    _write(tmp_path, "tools/report.py", "def main():\n    import plan\n    return plan\n")
+    assert violations(graph(tmp_path)) == {
+        ("megatron_mvmoe.training.metrics", "megatron_mvmoe.analysis"),
+        ("megatron_mvmoe.toolkit.flags", "megatron_mvmoe.training")}
+    assert tool_violations(tool_graph(tmp_path), tool_names(tmp_path)) == {
+        ("tools.report", "tool plan")}
+    _write(tmp_path, "megatron_mvmoe/training/metrics.py", "import torch\n")
+    _write(tmp_path, "megatron_mvmoe/toolkit/flags.py", "import argparse\n")
+    _write(tmp_path, "tools/report.py", "from megatron_mvmoe.toolkit import flags\n")
+    assert violations(graph(tmp_path)) == set()
+    assert tool_violations(tool_graph(tmp_path), tool_names(tmp_path)) == set()

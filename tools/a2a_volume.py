@@ -30,8 +30,8 @@ from __future__ import annotations
 import sys
 import time
 
-from megatron_mvmoe.analysis import tool_common
 from megatron_mvmoe.config.variants import get_variant
+from megatron_mvmoe.toolkit import flags, output
 
 PRESETS = {"latent": "tiny_latent", "multi_router": "tiny_multi_router",
            "multi_view": "tiny_multi_view", "mh_moe": "tiny_mh_moe", "smoe": "tiny_smoe"}
@@ -39,7 +39,7 @@ ROUTING = ("checkpoint", "balanced", "skewed")
 
 
 def parse_args(argv=None):
-    p = tool_common.tool_parser(__doc__)
+    p = flags.tool_parser(__doc__)
     p.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="counted: EP sizes (= ranks)")
     p.add_argument("--variants", nargs="+", default=list(PRESETS), choices=list(PRESETS),
                    help="counted: model variants")
@@ -140,7 +140,7 @@ def _measure_one(variant, dispatcher, semantics, ep, args, pg):
     """Forward + backward of one model on this rank under the counter."""
     import torch
 
-    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.toolkit import checkpoint, heldout
     from megatron_mvmoe.analysis.a2a.counter import count_collectives
     from megatron_mvmoe.models.build import build_model
 
@@ -151,12 +151,12 @@ def _measure_one(variant, dispatcher, semantics, ep, args, pg):
             raise ValueError("semantics: no dedup model for MH-MoE sub-tokens")
         overrides.update({"model.moe_dispatcher": f"dedup_{semantics}",
                           "model.moe_dispatch_ranks_per_node": _counted_node(args, ep)})
-    run = model_access.run_config(PRESETS[variant], overrides=overrides)
+    run = checkpoint.run_config(PRESETS[variant], overrides=overrides)
     run.parallel.ep = ep
     model = build_model(run, pg)[0].train()  # the trainer's chunk, without DDP/optimizer
     rank = torch.distributed.get_rank()
-    batch = model_access.synthetic_batches(1, args.batch_size, args.seq_length,
-                                           run.model.vocab_size, seed=rank)[0]
+    batch = heldout.synthetic_batches(1, args.batch_size, args.seq_length,
+                                      run.model.vocab_size, seed=rank)[0]
     with count_collectives(model) as counter:
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         loss.float().mean().backward()
@@ -347,7 +347,7 @@ def main_counted(args) -> int:
                "command": " ".join(["python", "tools/a2a_volume.py", *sys.argv[1:]])}
     if args.plot:
         payload["plot"] = _counted_plot(results, args.plot, args)
-    tool_common.emit(payload, args.json, _summary(payload))
+    output.emit(payload, args.json, _summary(payload))
     return 0 if payload["all_exact"] else 1
 
 
@@ -376,7 +376,7 @@ def main_scale(args) -> int:
         payload["plot"] = a2a_report.plot(payload, args.plot)
     if args.markdown:
         payload["markdown"] = a2a_report.write_page(payload, args.markdown, args.counted_json)
-    tool_common.emit(payload, args.json, a2a_report.text_summary(payload))
+    output.emit(payload, args.json, a2a_report.text_summary(payload))
     return 0
 
 

@@ -39,8 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_mvmoe.analysis import tool_common
 from megatron_mvmoe.config.variants import get_variant
+from megatron_mvmoe.toolkit import output
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
                                    for f in args.analyse], "timing": None}
         else:
             if os.geteuid() != 0 or not shutil.which("slurmctld"):
-                return tool_common.fail("the namespaced cluster needs root and slurm-wlm. "
+                return output.fail("the namespaced cluster needs root and slurm-wlm. "
                                         "Fix: run as root with slurm-wlm and munge installed, "
                                         "or --analyse a real cluster's worker output")[0]
             out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="a2a_wire_"))
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
             payload["out_dir"] = str(out_dir)
         payload = analyse(payload, args)
     except (ValueError, RuntimeError, subprocess.TimeoutExpired, Terminated) as err:
-        return tool_common.fail(str(err))[0]
+        return output.fail(str(err))[0]
     payload["command"] = "python tools/a2a_wire.py " + " ".join(argv or sys.argv[1:])
     payload["wall_s"] = round(time.time() - started, 1)
     if args.markdown or args.plot:
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
             payload["plot"] = write_plot(payload, args.plot)
         if args.markdown:
             payload["markdown"] = write_page(payload, args.markdown)
-    tool_common.emit(payload, args.json, text_summary(payload))
+    output.emit(payload, args.json, text_summary(payload))
     return 0 if payload["all_within_tolerance"] else 1
 
 

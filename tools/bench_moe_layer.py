@@ -178,7 +178,7 @@ def main(argv: List[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads or os.cpu_count() or 1))
     if args.threads:
         torch.set_num_threads(args.threads)
-    from megatron_mvmoe.analysis.tool_common import emit
+    from megatron_mvmoe.toolkit.output import emit
 
     shape = base_shape(args)
     with single_rank_layout() as pgs:

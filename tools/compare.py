@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from megatron_mvmoe.analysis import tool_common
+from megatron_mvmoe.toolkit import output, specs
 from megatron_mvmoe.analysis.compare.suites import REFERENCES, SUITES
 
 
@@ -138,7 +138,7 @@ def run_config(variant, seed: int, args):
 def _train(rank, world_size, run):
     from megatron_mvmoe.training.pretrain import pretrain
 
-    pg = tool_common.in_rank_setup()
+    pg = specs.in_rank_setup()
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # the trainer's step lines: progress, and
         result = pretrain(run, pg)                 # stdout stays pure JSON under --json
@@ -156,7 +156,7 @@ def _write(out_dir, suite, payload, results, variants, smooth=25):
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"compare_{suite}")
     payload["orderings"] = ordering_rows(results, ORDERINGS[suite])
-    tool_common.write_json_atomic(base + ".json", payload)
+    output.write_json_atomic(base + ".json", payload)
     if not any(results.values()):
         return base
     plot = plot_curves(loss_curves(results), base + "_loss.png",
@@ -219,7 +219,7 @@ def _data_line(payload) -> str:
 def _render_only(args, chosen) -> int:
     path = os.path.join(args.out_dir, f"compare_{args.suite}.json")
     if not os.path.isfile(path):
-        return tool_common.fail(f"--render-only: {path} not found. Fix: run the suite first")[0]
+        return output.fail(f"--render-only: {path} not found. Fix: run the suite first")[0]
     with open(path) as fh:
         payload = json.load(fh)
     for key, run in payload["runs"].items():  # tables written before runs carried a seed
@@ -228,7 +228,7 @@ def _render_only(args, chosen) -> int:
                                if key.split("/")[0] == v.name), key=lambda r: r["seed"])
                for v in chosen}
     base = _write(args.out_dir, args.suite, payload, results, chosen, args.smooth)
-    tool_common.emit(payload, args.json, open(base + ".md").read())
+    output.emit(payload, args.json, open(base + ".md").read())
     return 0
 
 
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         start = time.time()
         data = prepare_data(args)
     except ValueError as err:
-        return tool_common.fail(str(err))[0]
+        return output.fail(str(err))[0]
     import megatron_mvmoe.training.pretrain  # noqa: F401  (import once, before forking ranks)
 
     from megatron_mvmoe.analysis.compare.store import RunStore, run_key
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
             payload.update(wall_s=round(time.time() - start, 1), runs_done=len(payload["runs"]))
             base = _write(args.out_dir, args.suite, payload, results, chosen, args.smooth)
     summary = open(base + ".md").read() if os.path.exists(base + ".md") else "(no runs)"
-    tool_common.emit(payload, args.json, summary)
+    output.emit(payload, args.json, summary)
     return 0 if not payload["errors"] else 1
 
 
@@ -306,8 +306,8 @@ def run_one(variant, seed, args, store, key, results, payload) -> None:
         return
     else:
         try:
-            run = dict(tool_common.single_rank(_train, run_config(variant, seed, args),
-                                               timeout_s=args.timeout), seed=seed, key=key)
+            run = dict(specs.single_rank(_train, run_config(variant, seed, args),
+                                         timeout_s=args.timeout), seed=seed, key=key)
             store.save(key, run)
             print(f"[compare] {name}: eval {run['eval']} ({run['wall_s']} s)",
                   file=sys.stderr, flush=True)

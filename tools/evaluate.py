@@ -27,8 +27,8 @@ import warnings
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-from megatron_mvmoe.analysis.tool_common import existing_path, tool_parser  # noqa: E402
-from megatron_mvmoe.training.tool_flags import add_checkpoint_flags, run_from_flags  # noqa: E402
+from megatron_mvmoe.toolkit.flags import (add_checkpoint_flags, existing_path,  # noqa: E402
+                                          run_from_flags, tool_parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 
     from megatron_mvmoe.checkpointing.errors import CheckpointError
     from megatron_mvmoe.data.run_data import RunData
-    from megatron_mvmoe.training.from_checkpoint import load_model, tool_session
+    from megatron_mvmoe.toolkit.checkpoint import load_model, tool_session
     from megatron_mvmoe.training.step import evaluate
 
     args = parse_args(argv)

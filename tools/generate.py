@@ -21,8 +21,8 @@ import warnings
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-from megatron_mvmoe.analysis.tool_common import tool_parser  # noqa: E402
-from megatron_mvmoe.training.tool_flags import add_checkpoint_flags, run_from_flags  # noqa: E402
+from megatron_mvmoe.toolkit.flags import (add_checkpoint_flags, run_from_flags,  # noqa: E402
+                                          tool_parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron_mvmoe.checkpointing.errors import CheckpointError
-    from megatron_mvmoe.training.from_checkpoint import load_model, run_tokenizer, tool_session
-    from megatron_mvmoe.training.generation import SamplingConfig, generate
+    from megatron_mvmoe.toolkit.checkpoint import load_model, run_tokenizer, tool_session
+    from megatron_mvmoe.toolkit.generation import SamplingConfig, generate
 
     args = parse_args(argv)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from megatron_mvmoe.analysis.tool_common import existing_path, tool_parser
+from megatron_mvmoe.toolkit.flags import existing_path, tool_parser
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task data is local; never the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

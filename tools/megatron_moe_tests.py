@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import List, Optional
 
-from megatron_mvmoe.analysis.tool_common import tool_parser
+from megatron_mvmoe.toolkit.flags import tool_parser
 from megatron_mvmoe.testing import megatron_suite as suite
 
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from megatron_mvmoe.analysis import tool_common
+from megatron_mvmoe.toolkit import flags, output, specs
 from megatron_mvmoe.analysis.routing.interventions import POLICIES
 
 
@@ -25,27 +25,27 @@ def parse_args(argv=None):
     p.add_argument("--layer", type=int, default=None,
                    help="MoE layer number (default: the last MoE layer, as the paper)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
-    tool_common.add_heldout_args(p)
+    flags.add_heldout_args(p)
     p.add_argument("--plot", default=None, help="PNG of ΔNLL per policy and domain")
     return p.parse_args(argv)
 
 
 def _rank(rank, world_size, spec, args):
-    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.toolkit import heldout
     from megatron_mvmoe.analysis.routing import probe as moe_probe
     from megatron_mvmoe.analysis.routing.interventions import run_interventions
 
-    opened = tool_common.open_for_rank(spec, args)
+    opened = specs.open_for_rank(spec, args)
     layers = moe_probe.moe_layers(opened.model)
     number = max(layers) if args.layer is None else args.layer
     if number not in layers:
         raise ValueError(f"--layer {number}: not an MoE layer. Fix: use one of {sorted(layers)}")
-    batches = model_access.heldout_batches(opened.run, args.batches, args.batch_size, args.seed)
+    batches = heldout.heldout_batches(opened.run, args.batches, args.batch_size, args.seed)
     results = run_interventions(opened.model, layers[number], batches,
-                                model_access.gpt_token_nll, args.policies)
+                                heldout.gpt_token_nll, args.policies)
     return {"label": spec.label, "source": opened.source, "layer": number,
             "gamma": float(layers[number].gamma()),
-            "data": model_access.SYNTHETIC if "random" in batches else sorted(batches),
+            "data": heldout.SYNTHETIC if "random" in batches else sorted(batches),
             "policies": [r.as_dict() for r in results]}
 
 
@@ -62,14 +62,14 @@ def _summary(res) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        spec = tool_common.parse_model_spec(args.model)
+        spec = specs.parse_model_spec(args.model)
         unknown = [p for p in args.policies if p not in POLICIES and not p.startswith("view")]
         if unknown:
             raise ValueError(f"--policies: unknown {unknown}. Fix: use {list(POLICIES)}")
     except ValueError as err:
-        return tool_common.fail(str(err))[0]
+        return output.fail(str(err))[0]
     start = time.time()
-    res = tool_common.single_rank(_rank, spec, args)
+    res = specs.single_rank(_rank, spec, args)
     res["wall_s"] = round(time.time() - start, 1)
     res["command"] = " ".join(["python", "tools/mixing_intervention.py", *sys.argv[1:]])
     fixed = all(p["selection_fixed"] and p["max_gate_diff"] == 0.0 for p in res["policies"])
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                 for p in res["policies"]}
         res["plot"] = plot_bars(bars, args.plot, f"mixing interventions, layer {res['layer']}",
                                 "ΔNLL (nats/token)")
-    tool_common.emit(res, args.json, _summary(res))
+    output.emit(res, args.json, _summary(res))
     return 0 if fixed and identity_zero else 1
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_mvmoe.analysis import tool_common
+from megatron_mvmoe.toolkit import flags, output, specs
 
 
 def parse_args(argv=None):
@@ -22,24 +22,24 @@ def parse_args(argv=None):
                    help="[label=]preset | run.yaml | checkpoint dir (repeatable)")
     p.add_argument("--ep-size", type=int, default=1,
                    help="EP size whose per-rank load to report (contiguous expert blocks)")
-    tool_common.add_heldout_args(p)
+    flags.add_heldout_args(p)
     return p.parse_args(argv)
 
 
 def _rank(rank, world_size, spec, args):
     import torch
 
-    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.toolkit import heldout
     from megatron_mvmoe.analysis.routing import probe as moe_probe
-    from megatron_mvmoe.analysis.routing.diversity import diversity_report
+    from megatron_mvmoe.functional.diversity import diversity_report
     from megatron_mvmoe.analysis.routing.expert_load import load_report
 
-    opened = tool_common.open_for_rank(spec, args)
+    opened = specs.open_for_rank(spec, args)
     layers = moe_probe.moe_layers(opened.model)
-    by_domain = model_access.heldout_batches(opened.run, args.batches, args.batch_size,
-                                             args.seed)
+    by_domain = heldout.heldout_batches(opened.run, args.batches, args.batch_size,
+                                        args.seed)
     probes = moe_probe.probe_batches(opened.model, layers, by_domain,
-                                     model_access.gpt_token_nll)
+                                     heldout.gpt_token_nll)
     diversity, maps = {}, {}
     for key, chunks in probes.items():
         mix = None if chunks[0].mix_TSR is None else torch.cat([c.mix_TSR for c in chunks])
@@ -49,7 +49,7 @@ def _rank(rank, world_size, spec, args):
         maps[key] = torch.cat([c.routing_map_TE for c in chunks])
     return {"label": spec.label, "source": opened.source,
             "variant": opened.config.moe_variant,
-            "data": model_access.SYNTHETIC if "random" in by_domain else sorted(by_domain),
+            "data": heldout.SYNTHETIC if "random" in by_domain else sorted(by_domain),
             "diversity": diversity,
             "load": [entry.as_dict() for entry in load_report(maps, args.ep_size)]}
 
@@ -74,10 +74,10 @@ def _summary(results) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    results, payload = tool_common.run_per_model("tools/router_report.py", args, _rank)
+    results, payload = specs.run_per_model("tools/router_report.py", args, _rank)
     if results is None:
-        return tool_common.fail(payload["error"])[0]
-    tool_common.emit(payload, args.json, _summary(results))
+        return output.fail(payload["error"])[0]
+    output.emit(payload, args.json, _summary(results))
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_mvmoe.analysis import tool_common
+from megatron_mvmoe.toolkit import flags, output, specs
 
 
 def parse_args(argv=None):
@@ -25,7 +25,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True,
                    help="[label=]preset | run.yaml | checkpoint dir (repeatable)")
-    tool_common.add_heldout_args(p)
+    flags.add_heldout_args(p)
     p.add_argument("--loss-utility", action="store_true",
                    help="also the loss-change utility (E extra forwards per layer and batch)")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
@@ -35,16 +35,16 @@ def parse_args(argv=None):
 
 
 def _analyse(rank, world_size, spec, args):
-    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.toolkit import heldout
     from megatron_mvmoe.analysis.routing import alignment_run
 
-    opened = tool_common.open_for_rank(spec, args)
-    by_domain = model_access.heldout_batches(opened.run, args.batches, args.batch_size,
-                                             args.seed)
+    opened = specs.open_for_rank(spec, args)
+    by_domain = heldout.heldout_batches(opened.run, args.batches, args.batch_size,
+                                        args.seed)
     batches = [b for domain in sorted(by_domain) for b in by_domain[domain]]
     say = (lambda m: print(f"[{spec.label}] {m}", file=sys.stderr, flush=True)) \
         if rank == 0 else None
-    data = alignment_run.collect(opened.model, batches, model_access.gpt_token_nll,
+    data = alignment_run.collect(opened.model, batches, heldout.gpt_token_nll,
                                  loss_utility=args.loss_utility, progress=say)
     if say is not None:
         say(f"bootstrap confidence intervals ({args.resamples} resamples)")
@@ -54,7 +54,7 @@ def _analyse(rank, world_size, spec, args):
         "label": spec.label, "source": opened.source,
         "variant": config.moe_variant, "num_routers": config.multi_view.num_routers,
         "num_experts": config.num_moe_experts, "topk": config.moe_router_topk,
-        "data": sorted(by_domain) if "random" not in by_domain else model_access.SYNTHETIC,
+        "data": sorted(by_domain) if "random" not in by_domain else heldout.SYNTHETIC,
         "tokens": int(sum(t.numel() for t in data.scores[min(data.scores)])
                       // config.num_moe_experts),
         "utilities": {name: report.as_dict() for name, report in reports.items()},
@@ -80,9 +80,9 @@ def _summary(results) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    results, payload = tool_common.run_per_model("tools/routing_alignment.py", args, _analyse)
+    results, payload = specs.run_per_model("tools/routing_alignment.py", args, _analyse)
     if results is None:
-        return tool_common.fail(payload["error"])[0]
+        return output.fail(payload["error"])[0]
     if args.plot:
         from megatron_mvmoe.analysis.plots import plot_alignment
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             plot_alignment({r["label"]: r["utilities"][name] for r in results}, path,
                            f"router score vs {name} utility")
             payload.setdefault("plots", []).append(path)
-    tool_common.emit(payload, args.json, _summary(results))
+    output.emit(payload, args.json, _summary(results))
     return 0
 
 

@@ -35,9 +35,7 @@ from typing import Dict, List, Optional
 from megatron_mvmoe.analysis.plan import PlanTarget
 from megatron_mvmoe.analysis.plan_memory import rank_memory
 from megatron_mvmoe.config.run_config import load_yaml
-
-MEMORY_DIR = "memory"
-"""Where a run writes its per-rank memory census (training/memory_report.py writes it)."""
+from megatron_mvmoe.config.run_dir import MEMORY_DIR
 
 
 def load_records(run_dir: str) -> List[Dict]:

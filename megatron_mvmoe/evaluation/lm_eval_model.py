@@ -4,7 +4,7 @@ Legend: S tokens of a window, V vocabulary (padded).
 
 Design choices:
 - The checkpoint is rebuilt exactly as tools/generate.py and tools/evaluate.py rebuild it
-  (training/from_checkpoint.py): the run's own model and tokenizer, any layout it reshards
+  (toolkit/checkpoint.py): the run's own model and tokenizer, any layout it reshards
   to. Every process answers every request (so EP/TP ranks run their forwards together) and
   tells lm-eval it is rank 0 of 1; only global rank 0 should print the results.
 - loglikelihood: context and continuation are tokenized separately (the continuation keeps
@@ -26,7 +26,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from megatron_mvmoe.training.generation import SamplingConfig, generate, sequence_logits
+from megatron_mvmoe.toolkit.generation import SamplingConfig, generate, sequence_logits
 
 
 @register_model("megatron_mvmoe")
@@ -39,9 +39,9 @@ class MVMoELM(LM):
         super().__init__()
         import argparse
 
-        from megatron_mvmoe.training.from_checkpoint import (load_model, run_tokenizer,
-                                                             tool_session)
-        from megatron_mvmoe.training.tool_flags import run_from_flags
+        from megatron_mvmoe.toolkit.checkpoint import (load_model, run_tokenizer,
+                                                       tool_session)
+        from megatron_mvmoe.toolkit.flags import run_from_flags
 
         flags = argparse.Namespace(load=load, tp=int(tp), pp=1, ep=int(ep), etp=int(etp),
                                    tokenizer_type=None, vocab_file=None, merge_file=None,

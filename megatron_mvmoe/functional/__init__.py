@@ -10,6 +10,9 @@ kernels' references and the analysis tools all compute Eq. 2-5 with the same cod
   (token, slot) rows, dropless or after the expert capacity)
 - parity, parity_model (seed 001, Eq. 6-9): MH-MoE FLOPs and parameter parity, whole-model
   counts (pure python)
+- diversity (seed 000, router diversity): inter-head rank correlation, top-k overlap,
+  mixing entropy (the trainer logs two of them; tools/router_report.py all)
+- ranks: average ranks, Pearson / Spearman per row, nanmean (diversity and the analyses)
 - quantize (seed 001, BitNet b1.58): ternary_weight, absmax_activation, rms_normalize,
   bitlinear_input, straight-through quantizers
 """

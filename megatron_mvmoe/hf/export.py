@@ -1,7 +1,7 @@
 """A trained checkpoint (any TP/PP/EP layout) -> a self-contained Hugging Face directory.
 
 Design choices:
-- The checkpoint is read the way every tool reads one (`training/from_checkpoint.py`): its
+- The checkpoint is read the way every tool reads one (`toolkit/checkpoint.py`): its
   run config, the model built by `models/build.build_model` and filled by
   dist-checkpointing, verified and fingerprint-checked, but on ONE process at TP = PP = EP = 1:
   Megatron's dist-checkpointing gathers every TP/PP/EP shard of a torch_dist checkpoint into
@@ -40,9 +40,9 @@ class LoadedCheckpoint:
 
 def read_checkpoint(load: str) -> LoadedCheckpoint:
     """Collective over a world of one: the checkpoint's whole model on this process."""
-    from megatron_mvmoe.training.from_checkpoint import (checkpoint_run_config, load_model,
-                                                         run_tokenizer, tool_session,
-                                                         with_layout)
+    from megatron_mvmoe.toolkit.checkpoint import (checkpoint_run_config, load_model,
+                                                   run_tokenizer, tool_session,
+                                                   with_layout)
 
     run = with_layout(checkpoint_run_config(load), dict(tp=1, pp=1, ep=1, etp=1))
     require(dist.is_initialized() is False or dist.get_world_size() == 1, "world size",

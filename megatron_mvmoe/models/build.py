@@ -4,9 +4,8 @@ these chunks for training; the analysis and checkpoint tools use them as they ar
 
 Design choices:
 - The one code path for making a run's chunks: the trainer (`training/build.build_trainer`),
-  warm start, and the tools that open a checkpoint (`analysis/model_access.py`,
-  `training/from_checkpoint.py`) all call `build_model` / `model_config`, so a tool sees
-  the very modules the trainer trains.
+  warm start, and the tools that open a checkpoint (`toolkit/checkpoint.py`) all call
+  `build_model` / `model_config`, so a tool sees the very modules the trainer trains.
 - Takes the run's `RunConfig` (config/run_config.py, imported for annotations only). What is
   read from it: `run.model` (the resolved model section), `run.parallel` (tp, pp, ep, etp, vpp),
   `run.training.precision` and `run.training.seed`.

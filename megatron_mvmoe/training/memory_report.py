@@ -38,10 +38,10 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from megatron_mvmoe.analysis.plan_validate import MEMORY_DIR  # the reader owns the layout
 from megatron_mvmoe.platform.resident_memory import (available_bytes, peak_rss_bytes,
                                                      reset_peak_rss, rss_bytes)
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
+from megatron_mvmoe.config.run_dir import memory_record_path
 
 SKIP_CHECK_ENV = "MVMOE_MEMORY_CHECK"
 """Set to "off" to skip the start-up fit check (e.g. when the memory of other jobs on the
@@ -147,9 +147,9 @@ class MemoryRecorder:
         run_dir = self.run.logging.run_dir
         if run_dir is None:
             return
-        os.makedirs(os.path.join(run_dir, MEMORY_DIR), exist_ok=True)
-        write_json_atomic(os.path.join(run_dir, MEMORY_DIR, f"rank{self.rank}.json"),
-                          self.record)
+        path = memory_record_path(run_dir, self.rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json_atomic(path, self.record)
 
 
 def _layout_ranks() -> Dict[str, int]:

@@ -72,7 +72,7 @@ class RoutingMonitor:
     def _watch_heads(self, number: int, router) -> None:
         """Router diversity while training: mean inter-head Spearman over experts and the
         normalised entropy of the view blends, accumulated per routed microbatch."""
-        from megatron_mvmoe.analysis.routing.diversity import head_rank_correlation, mixing_entropy
+        from megatron_mvmoe.functional.diversity import head_rank_correlation, mixing_entropy
 
         self.heads[number] = torch.zeros(3, dtype=torch.float64)  # corr, entropy, batches
         self.head_views[number] = router.num_views > 1

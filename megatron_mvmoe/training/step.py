@@ -160,7 +160,7 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
 def evaluate(trainer: Trainer, data, num_microbatches: int) -> Dict[str, float]:
     """Mean held-out loss per domain over `num_microbatches` microbatches per DP rank
     (the same ones every time). Reads only `trainer.run`, `.model_section` and `.model`, so a
-    checkpoint opened without a trainer (from_checkpoint.CheckpointModel) evaluates too."""
+    checkpoint opened without a trainer (toolkit/checkpoint.CheckpointModel) evaluates too."""
     for chunk in trainer.model:
         chunk.eval()
     results = {}

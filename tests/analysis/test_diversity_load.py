@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.routing.diversity import (
+from megatron_mvmoe.functional.diversity import (
     diversity_report, head_argmax_disagreement, head_rank_correlation, head_topk_overlap,
     mixing_entropy)
 from megatron_mvmoe.analysis.routing.expert_load import (

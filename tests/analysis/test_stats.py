@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.stats import (
-    average_ranks, bootstrap_ci, mean_std, spearman, spearman_rows)
+from megatron_mvmoe.analysis.stats import bootstrap_ci, mean_std
+from megatron_mvmoe.functional.ranks import average_ranks, spearman, spearman_rows
 
 
 def naive_ranks(values):

@@ -63,7 +63,7 @@ def test_bad_model_spec_is_a_clear_error(capsys):
 
 
 def test_bad_override_rejected():
-    from megatron_mvmoe.analysis.tool_common import parse_overrides
+    from megatron_mvmoe.toolkit.flags import parse_overrides
 
     assert parse_overrides(["model.num_layers=2"]) == {"model.num_layers": 2}
     with pytest.raises(ValueError, match="section.field=value"):

@@ -5,7 +5,7 @@ in memory at the moment it saved.
 One module-scoped run: the trainer trains a tiny Multi-View MoE 2 steps at EP = 2 on two
 gloo ranks and saves; each test then reads that checkpoint in fresh processes (a fresh
 process group): at the same layout every local tensor is bit-identical; the analysis route
-(`model_access.open_model`, EP = 1 on one rank) gets the same dense weights; a corrupt or
+(`checkpoint.open_model`, EP = 1 on one rank) gets the same dense weights; a corrupt or
 mismatched checkpoint is one CheckpointError naming the problem and the fix.
 """
 
@@ -64,11 +64,11 @@ def _read(rank, world_size, raw, root):
 
 
 def _open_for_analysis(rank, world_size, root):
-    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.toolkit import checkpoint
     from megatron_mvmoe.parallel import initialize_layout
 
-    run = model_access.run_config(checkpoint=root)  # the stored config, at EP = 1
-    opened = model_access.open_model(run, initialize_layout(run.parallel.layout()), root)
+    run = checkpoint.run_config(checkpoint=root)  # the stored config, at EP = 1
+    opened = checkpoint.open_model(run, initialize_layout(run.parallel.layout()), root)
     return {"source": opened.source, "variant": opened.config.moe_variant,
             "tensors": _tensors([opened.model])}
 

@@ -51,9 +51,9 @@ def export_and_run_ours(rank, world_size, root: str, out: str, hf_class: str,
     ids[:8] with the generation code tools/generate.py runs (the checkpoint resharded to one
     rank, as tools/generate.py --load does without layout flags on one process)."""
     from megatron_mvmoe.hf.export import export_checkpoint
-    from megatron_mvmoe.training.from_checkpoint import (checkpoint_run_config, load_model,
-                                                         tool_session, with_layout)
-    from megatron_mvmoe.training.generation import SamplingConfig, generate, sequence_logits
+    from megatron_mvmoe.toolkit.checkpoint import (checkpoint_run_config, load_model,
+                                                   tool_session, with_layout)
+    from megatron_mvmoe.toolkit.generation import SamplingConfig, generate, sequence_logits
 
     summary = export_checkpoint(root, out, hf_class)
     run = with_layout(checkpoint_run_config(root), dict(tp=1, pp=1, ep=1, etp=1))

@@ -172,7 +172,7 @@ def test_hf_dense_decoder_seeds_an_upcycled_warm_start_or_is_refused(data, tmp_p
     naming the field."""
     from harness import train
     from megatron_mvmoe.config.model_section import model_from_preset
-    from megatron_mvmoe.training.from_checkpoint import checkpoint_run_config
+    from megatron_mvmoe.toolkit.checkpoint import checkpoint_run_config
     from megatron_mvmoe.training.warm_start import check_dense_source
 
     dense = train_checkpoint(str(tmp_path / "dense"), data, "tiny_dense")

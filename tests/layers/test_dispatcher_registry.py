@@ -25,9 +25,9 @@ EXPECTED = {  # written out by hand: the reference the registry is checked again
 
 def _config(variant, dispatcher, **overrides):
     """The launcher's check of a run (models.build.validate_run, errors in run names)."""
-    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.toolkit import checkpoint
 
-    run = model_access.run_config(f"tiny_{variant}", overrides={
+    run = checkpoint.run_config(f"tiny_{variant}", overrides={
         "model.moe_dispatcher": dispatcher, **overrides})
     return validate_run(run)
 

@@ -14,7 +14,7 @@ from textdata import build_megatron_prefixes
 
 from megatron_mvmoe.config.flags import config_from_args
 from megatron_mvmoe.testing.spawn import free_port
-from megatron_mvmoe.training.generation import top_p_filter
+from megatron_mvmoe.toolkit.generation import top_p_filter
 
 pytestmark = pytest.mark.timeout(600)
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -100,7 +100,7 @@ def _generate_every_variant(rank, world_size, presets):
     from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.parallel import initialize_layout
     from megatron_mvmoe.training.build import build_trainer
-    from megatron_mvmoe.training.generation import SamplingConfig, generate
+    from megatron_mvmoe.toolkit.generation import SamplingConfig, generate
 
     out = {}
     for preset in presets:

@@ -92,7 +92,7 @@ class Link:
 
 
 def build(case: dict, spec: dict, world: int, ranks_per_node: int):
-    from megatron_mvmoe.analysis import model_access
+    from megatron_mvmoe.toolkit import checkpoint, heldout
     from megatron_mvmoe.models.build import build_model
     from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 
@@ -102,13 +102,13 @@ def build(case: dict, spec: dict, world: int, ranks_per_node: int):
         overrides.update({"model.moe_dispatcher": f"dedup_{case['semantics']}",
                           "model.moe_dispatch_ranks_per_node": ranks_per_node})
     overrides.update(case.get("overrides") or {})
-    run = model_access.run_config(f"tiny_{case['variant']}", overrides=overrides)
+    run = checkpoint.run_config(f"tiny_{case['variant']}", overrides=overrides)
     run.parallel.ep = world
     pg = initialize_layout(ParallelLayout(ep=world))
     model = build_model(run, pg)[0].train()
     rank = dist.get_rank()
-    batch = model_access.synthetic_batches(1, spec["batch_size"], spec["seq_length"],
-                                           run.model.vocab_size, seed=spec.get("seed", 0)
+    batch = heldout.synthetic_batches(1, spec["batch_size"], spec["seq_length"],
+                                      run.model.vocab_size, seed=spec.get("seed", 0)
                                            + rank)[0]
     return model, batch
 

@@ -17,7 +17,7 @@ import json
 import os
 from typing import Dict, Mapping, Optional
 
-from megatron_mvmoe.analysis.tool_common import write_json_atomic
+from megatron_mvmoe.toolkit.output import write_json_atomic
 
 
 def run_key(variant_name: str, model: Mapping, seed: int, setup: Mapping) -> str:

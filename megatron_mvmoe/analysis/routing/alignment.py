@@ -31,7 +31,8 @@ from typing import Dict, List, Mapping, Union
 
 import torch
 
-from megatron_mvmoe.analysis.stats import Interval, bootstrap_ci, nanmean, spearman, spearman_rows
+from megatron_mvmoe.analysis.stats import Interval, bootstrap_ci
+from megatron_mvmoe.functional.ranks import nanmean, spearman, spearman_rows
 from megatron_mvmoe.functional import gate_denominator
 
 

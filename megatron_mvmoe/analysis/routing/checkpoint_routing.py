@@ -2,7 +2,7 @@
 load profile the scale model draws from (`checkpoint_routing`, `load_profile`).
 
 Design choices:
-- The model is opened by the analysis plumbing (`tool_common.open_spec`: the run's own
+- The model is opened by the tools' front door (`toolkit/specs.open_spec`: the run's own
   `models.build.build_model` and `checkpointing.weights.load_weights`), routed on the
   run's held-out batches (real text when the run has a data path) and probed with
   `moe_probe.probe_routing`, i.e. with the layer's own router (MultiRouter's `route()` for
@@ -19,18 +19,18 @@ import torch
 
 
 def _rank(rank, world_size, checkpoint: str, batches: int, batch_size: int, seed: int):
-    from megatron_mvmoe.analysis import model_access, tool_common
+    from megatron_mvmoe.toolkit import heldout, specs
     from megatron_mvmoe.analysis.routing import probe as moe_probe
 
-    spec = tool_common.parse_model_spec(checkpoint)
-    opened = tool_common.open_spec(spec, tool_common.in_rank_setup())
+    spec = specs.parse_model_spec(checkpoint)
+    opened = specs.open_spec(spec, specs.in_rank_setup())
     layers = moe_probe.moe_layers(opened.model)
-    by_domain = model_access.heldout_batches(opened.run, batches, batch_size, seed)
+    by_domain = heldout.heldout_batches(opened.run, batches, batch_size, seed)
     probes = moe_probe.probe_batches(opened.model, layers, by_domain,
-                                     model_access.gpt_token_nll)
+                                     heldout.gpt_token_nll)
     config = opened.config
     return {"source": opened.source, "variant": config.moe_variant,
-            "data": model_access.SYNTHETIC if "random" in by_domain else sorted(by_domain),
+            "data": heldout.SYNTHETIC if "random" in by_domain else sorted(by_domain),
             "hidden": config.hidden_size, "latent": config.latent_size,
             "views": config.multi_view.num_views,
             "maps": {str(k): torch.cat([p.routing_map_TE for p in chunks])
@@ -40,9 +40,9 @@ def _rank(rank, world_size, checkpoint: str, batches: int, batch_size: int, seed
 def checkpoint_routing(checkpoint: str, batches: int = 4, batch_size: int = 2,
                        seed: int = 0) -> dict:
     """{source, variant, data, hidden, latent, views, maps: {layer: bool [T, E]}}."""
-    from megatron_mvmoe.analysis import tool_common
+    from megatron_mvmoe.toolkit import specs
 
-    return tool_common.single_rank(_rank, checkpoint, batches, batch_size, seed)
+    return specs.single_rank(_rank, checkpoint, batches, batch_size, seed)
 
 
 def load_profile(maps_by_layer: Dict[str, torch.Tensor]) -> List[float]:

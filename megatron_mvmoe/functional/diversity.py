@@ -22,7 +22,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_mvmoe.analysis.stats import nanmean, spearman_rows
+from megatron_mvmoe.functional.ranks import nanmean, spearman_rows
 
 
 def head_rank_correlation(scores_TRE: torch.Tensor) -> Dict[str, float]:
