@@ -30,18 +30,17 @@ from __future__ import annotations
 import sys
 import time
 
-from megatron_mvmoe.config.variants import get_variant
+from megatron_mvmoe.analysis.a2a.counted import VARIANT_PRESETS, counted_problem
 from megatron_mvmoe.toolkit import flags, output
 
-PRESETS = {"latent": "tiny_latent", "multi_router": "tiny_multi_router",
-           "multi_view": "tiny_multi_view", "mh_moe": "tiny_mh_moe", "smoe": "tiny_smoe"}
 ROUTING = ("checkpoint", "balanced", "skewed")
 
 
 def parse_args(argv=None):
     p = flags.tool_parser(__doc__)
     p.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="counted: EP sizes (= ranks)")
-    p.add_argument("--variants", nargs="+", default=list(PRESETS), choices=list(PRESETS),
+    p.add_argument("--variants", nargs="+", default=list(VARIANT_PRESETS),
+                   choices=list(VARIANT_PRESETS),
                    help="counted: model variants")
     p.add_argument("--dispatchers", nargs="+", default=["alltoall", "allgather"],
                    choices=["alltoall", "allgather"], help="counted: Megatron dispatchers")
@@ -114,190 +113,11 @@ def _scale_flag_problem(args):
     return None
 
 
-def _counted_problem(args):
-    """EP sizes the tiny models cannot use, or a selection that measures nothing."""
-    from megatron_mvmoe.config.presets import PRESETS as MODEL_PRESETS
-
-    experts = {MODEL_PRESETS[PRESETS[v]]["num_experts"] for v in args.variants}
-    bad = sorted({ep for ep in args.ep for e in experts if ep < 1 or e % ep})
-    if bad:
-        fits = [d for d in range(1, min(experts) + 1) if all(e % d == 0 for e in experts)]
-        return (f"--ep {' '.join(map(str, bad))}: the tiny models have {min(experts)} experts, "
-                f"which do not divide over {bad[0]} ranks. Fix: use --ep from {fits}")
-    if not list(_runs(args)):
-        return (f"--semantics {' '.join(args.semantics)}: the dedup semantics (rank, node) run "
-                "only with the alltoall dispatcher. Fix: add alltoall to --dispatchers or row "
-                "to --semantics")
-    return None
-
-
 def _progress(message: str) -> None:
     print(f"[a2a_volume] {message}", file=sys.stderr, flush=True)
 
 
 # ---- counted mode ----------------------------------------------------------------------------
-def _measure_one(variant, dispatcher, semantics, ep, args, pg):
-    """Forward + backward of one model on this rank under the counter."""
-    import torch
-
-    from megatron_mvmoe.toolkit import checkpoint, heldout
-    from megatron_mvmoe.analysis.a2a.counter import count_collectives
-    from megatron_mvmoe.models.build import build_model
-
-    overrides = {"model.seq_length": args.seq_length,
-                 "model.extra": {"moe_token_dispatcher_type": dispatcher}}
-    if semantics != "row":  # the registry's dedup dispatcher, chosen by the config
-        if get_variant(variant).multi_head:
-            raise ValueError("semantics: no dedup model for MH-MoE sub-tokens")
-        overrides.update({"model.moe_dispatcher": f"dedup_{semantics}",
-                          "model.moe_dispatch_ranks_per_node": _counted_node(args, ep)})
-    run = checkpoint.run_config(PRESETS[variant], overrides=overrides)
-    run.parallel.ep = ep
-    model = build_model(run, pg)[0].train()  # the trainer's chunk, without DDP/optimizer
-    rank = torch.distributed.get_rank()
-    batch = heldout.synthetic_batches(1, args.batch_size, args.seq_length,
-                                      run.model.vocab_size, seed=rank)[0]
-    with count_collectives(model) as counter:
-        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        loss.float().mean().backward()
-    config = model.config
-    shape = dict(tokens=args.batch_size * args.seq_length, hidden=config.hidden_size,
-                 topk=config.moe_router_topk, latent=config.latent_size,
-                 heads=config.multi_head.num_heads, dtype_bytes=loss.new_empty(
-                     0, dtype=config.params_dtype).element_size(),
-                 ep=ep, tp=1, experts=config.num_moe_experts)
-    maps = {name: module.token_dispatcher.routing_map.clone()
-            for name, module in model.named_modules()
-            if getattr(getattr(module, "token_dispatcher", None), "routing_map", None)
-            is not None}
-    return counter.records, shape, maps, config.multi_view.num_views
-
-
-def _counted_node(args, ep) -> int:
-    return min(ep, args.gpus_per_node or 2)
-
-
-def _runs(args):
-    for dispatcher in args.dispatchers:
-        for semantics in args.semantics:
-            if semantics != "row" and dispatcher != "alltoall":
-                continue
-            for variant in args.variants:
-                yield variant, dispatcher, semantics
-
-
-def _rank(rank, world_size, args):
-    from megatron_mvmoe.analysis.a2a.volume import peer_counts, rank_counts
-    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
-    from megatron_mvmoe.platform import apply_cpu_patches
-
-    apply_cpu_patches()
-    out = {}
-    for key in _runs(args):
-        if rank == 0:
-            _progress(f"EP={world_size} {key[1]} {key[2]} {key[0]}")
-        pg = initialize_layout(ParallelLayout(ep=world_size))
-        try:
-            records, shape, maps, views = _measure_one(*key, world_size, args, pg)
-            out[key] = {"counts": rank_counts(records), "peers": peer_counts(records),
-                        "shape": shape, "maps": maps, "views": views}
-        except (ValueError, NotImplementedError) as err:
-            out[key] = {"error": f"{type(err).__name__}: {err}"}
-        finally:
-            destroy_layout()
-    return out
-
-
-def _link_checks(variant, semantics, ep, args, first, per_rank, key):
-    import torch
-
-    from megatron_mvmoe.analysis.a2a.semantics import (link_bytes, payload_for_variant,
-                                                            sent_by_link)
-    from megatron_mvmoe.analysis.a2a.placement import EpPlacement
-    from megatron_mvmoe.analysis.a2a.volume import semantic_checks
-
-    s = first["shape"]
-    placement = EpPlacement(ep, _counted_node(args, ep), s["experts"])
-    payload = payload_for_variant(variant, s["hidden"], s["latent"], first["views"],
-                                  s["dtype_bytes"])
-    found, links = [], {}
-    for layer in sorted(first["maps"]):
-        maps = torch.stack([r[key]["maps"][layer] for r in per_rank])
-        analytic = link_bytes(maps, placement, payload, semantics)
-        found += semantic_checks(analytic, placement,
-                                 [r[key]["peers"].get(layer, {}) for r in per_rank], layer)
-        fwd = analytic[("token_dispatch", "fwd", "tokens")] + analytic[
-            ("token_dispatch", "fwd", "probs")]
-        split = sent_by_link(fwd, placement)
-        links[layer] = {k: float(v.double().mean()) for k, v in split.items()}
-    return found, links
-
-
-def _combine(ep, per_rank, args):
-    from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes
-    from megatron_mvmoe.analysis.a2a.volume import checks, per_layer_rows
-
-    results = []
-    for key, first in per_rank[0].items():
-        variant, dispatcher, semantics = key
-        entry = {"ep": ep, "variant": variant, "dispatcher": dispatcher, "semantics": semantics}
-        if "error" in first:
-            entry["error"] = first["error"]
-            if get_variant(variant).multi_view and dispatcher == "allgather":
-                entry["analytic_if_allowed"] = _refused_cost(per_rank[0], ep)
-            results.append(entry)
-            continue
-        shape = CommShape(**first["shape"])
-        counts = [r[key]["counts"] for r in per_rank]
-        found = checks(variant, dispatcher, shape, counts) if semantics == "row" else []
-        links = {}
-        if dispatcher == "alltoall" and not get_variant(variant).multi_head:
-            extra, links = _link_checks(variant, semantics, ep, args, first, per_rank, key)
-            found += extra
-        volume = dispatch_bytes(variant, dispatcher, shape)
-        entry.update(shape=first["shape"], analytic_tokens_in=volume.tokens_in,
-                     analytic_probs_in=volume.probs_in, rows=per_layer_rows(counts),
-                     link_bytes_mean=links, checks=[c.as_dict() for c in found],
-                     checks_total=len(found), checks_exact=sum(c.ok for c in found),
-                     all_exact=bool(found) and all(c.ok for c in found))
-        if args.brief:  # keep the failures only
-            entry["checks"] = [c for c in entry["checks"] if not c["ok"]]
-            entry.pop("rows")
-        results.append(entry)
-    return results
-
-
-def _refused_cost(rank0, ep):
-    from megatron_mvmoe.analysis.a2a.analytic import CommShape, dispatch_bytes
-
-    base = rank0.get(("latent", "allgather", "row"), {}).get("shape")
-    if base is None:
-        return None
-    volume = dispatch_bytes("multi_view", "allgather", CommShape(**base))
-    return {"tokens_in": volume.tokens_in, "note": volume.note}
-
-
-def _ratios(results):
-    """Counted forward-dispatch token bytes of each variant / the latent baseline."""
-    def fwd(entry):
-        return sum(r["bytes_per_rank"] for r in entry.get("rows", [])
-                   if r["phase"] == "token_dispatch" and r["direction"] == "fwd"
-                   and r["payload"] == "tokens")
-
-    out = {}
-    for entry in results:
-        if entry["dispatcher"] != "alltoall":
-            continue
-        base = next((e for e in results if e["variant"] == "latent" and e["ep"] == entry["ep"]
-                     and e["dispatcher"] == entry["dispatcher"] and "rows" in e
-                     and e["semantics"] == entry["semantics"]), None)
-        if base and "rows" in entry and fwd(base):
-            sem = "" if entry["semantics"] == "row" else f"/{entry['semantics']}"
-            out[f"ep{entry['ep']}/{entry['dispatcher']}{sem}/{entry['variant']}"] = round(
-                fwd(entry) / fwd(base), 6)
-    return out
-
-
 def _summary(payload) -> str:
     lines = []
     for e in payload["results"]:
@@ -318,35 +138,25 @@ def _summary(payload) -> str:
     return "\n".join(lines)
 
 
-def _counted_plot(results, path, args):
-    from megatron_mvmoe.analysis.plots import plot_link_bytes
+def _counted_config(args):
+    from megatron_mvmoe.analysis.a2a.counted import CountedConfig
 
-    panels = {}
-    for e in results:
-        per_layer = e.get("link_bytes_mean") or {}
-        if per_layer:
-            first = per_layer[sorted(per_layer)[0]]
-            title = f"EP={e['ep']}, {_counted_node(args, e['ep'])} ranks per node"
-            panels.setdefault(title, []).append(
-                {"label": f"{e['semantics']} {e['variant']}", **first})
-    return plot_link_bytes(panels, path, "tiny GPT, first MoE layer: forward dispatch bytes "
-                           "per rank (analytic = counted)")
+    return CountedConfig(ep=tuple(args.ep), variants=tuple(args.variants),
+                         dispatchers=tuple(args.dispatchers), semantics=tuple(args.semantics),
+                         gpus_per_node=args.gpus_per_node, batch_size=args.batch_size,
+                         seq_length=args.seq_length, brief=args.brief)
 
 
 def main_counted(args) -> int:
-    from megatron_mvmoe.launch.local_ranks import run_distributed
+    from megatron_mvmoe.analysis.a2a.counted import counted_plot, measure_counted
 
     start = time.time()
-    results = []
-    for ep in args.ep:
-        per_rank = run_distributed(_rank, ep, timeout_s=args.timeout, args=(args,))
-        results += _combine(ep, per_rank, args)
-    payload = {"results": results, "ratios": _ratios(results),
-               "all_exact": all(e.get("all_exact", True) for e in results),
-               "wall_s": round(time.time() - start, 1),
-               "command": " ".join(["python", "tools/a2a_volume.py", *sys.argv[1:]])}
+    cfg = _counted_config(args)
+    payload = measure_counted(cfg, timeout_s=args.timeout)
+    payload.update(wall_s=round(time.time() - start, 1),
+                   command=" ".join(["python", "tools/a2a_volume.py", *sys.argv[1:]]))
     if args.plot:
-        payload["plot"] = _counted_plot(results, args.plot, args)
+        payload["plot"] = counted_plot(payload["results"], args.plot, cfg)
     output.emit(payload, args.json, _summary(payload))
     return 0 if payload["all_exact"] else 1
 
@@ -403,7 +213,8 @@ def _fail(message: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    problem = _scale_flag_problem(args) or (None if args.scale else _counted_problem(args))
+    problem = _scale_flag_problem(args) or (None if args.scale else counted_problem(
+        _counted_config(args)))
     if problem:  # one line, before any rank is spawned
         return _fail(problem)
     args.routing = args.routing or ["skewed"]
