@@ -35,8 +35,8 @@ import os
 import sys
 import time
 
-from megatron_mvmoe.toolkit import output, specs
 from megatron_mvmoe.analysis.compare.suites import REFERENCES, SUITES
+from megatron_mvmoe.toolkit import output, specs
 
 
 def parse_args(argv=None):

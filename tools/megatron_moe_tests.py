@@ -40,8 +40,8 @@ from collections import Counter
 from dataclasses import asdict
 from typing import List, Optional
 
-from megatron_mvmoe.toolkit.flags import tool_parser
 from megatron_mvmoe.testing import megatron_suite as suite
+from megatron_mvmoe.toolkit.flags import tool_parser
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

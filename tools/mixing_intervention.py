@@ -15,8 +15,8 @@ import argparse
 import sys
 import time
 
-from megatron_mvmoe.toolkit import flags, output, specs
 from megatron_mvmoe.analysis.routing.interventions import POLICIES
+from megatron_mvmoe.toolkit import flags, output, specs
 
 
 def parse_args(argv=None):
@@ -31,9 +31,9 @@ def parse_args(argv=None):
 
 
 def _rank(rank, world_size, spec, args):
-    from megatron_mvmoe.toolkit import heldout
     from megatron_mvmoe.analysis.routing import probe as moe_probe
     from megatron_mvmoe.analysis.routing.interventions import run_interventions
+    from megatron_mvmoe.toolkit import heldout
 
     opened = specs.open_for_rank(spec, args)
     layers = moe_probe.moe_layers(opened.model)

@@ -29,10 +29,10 @@ def parse_args(argv=None):
 def _rank(rank, world_size, spec, args):
     import torch
 
-    from megatron_mvmoe.toolkit import heldout
     from megatron_mvmoe.analysis.routing import probe as moe_probe
-    from megatron_mvmoe.functional.diversity import diversity_report
     from megatron_mvmoe.analysis.routing.expert_load import load_report
+    from megatron_mvmoe.functional.diversity import diversity_report
+    from megatron_mvmoe.toolkit import heldout
 
     opened = specs.open_for_rank(spec, args)
     layers = moe_probe.moe_layers(opened.model)

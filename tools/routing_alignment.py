@@ -35,8 +35,8 @@ def parse_args(argv=None):
 
 
 def _analyse(rank, world_size, spec, args):
-    from megatron_mvmoe.toolkit import heldout
     from megatron_mvmoe.analysis.routing import alignment_run
+    from megatron_mvmoe.toolkit import heldout
 
     opened = specs.open_for_rank(spec, args)
     by_domain = heldout.heldout_batches(opened.run, args.batches, args.batch_size,

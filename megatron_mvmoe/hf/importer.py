@@ -206,9 +206,9 @@ def import_directory(hf_dir: str, save: str, layout: Optional[Dict] = None) -> D
 def _save(hf_dir, save, cfg, arch, section, hf) -> Dict:
     from megatron_mvmoe.checkpointing.weights import set_model_weights
     from megatron_mvmoe.config.run_config import config_from_dict
+    from megatron_mvmoe.toolkit.checkpoint import tool_session
     from megatron_mvmoe.training.build import build_trainer
     from megatron_mvmoe.training.checkpoint import ResumeState, save_checkpoint
-    from megatron_mvmoe.toolkit.checkpoint import tool_session
 
     tokenizer_json = _copy_tokenizer(hf_dir, save)
     run = config_from_dict(run_mapping(section, {}, tokenizer_json))

@@ -64,8 +64,8 @@ def _read(rank, world_size, raw, root):
 
 
 def _open_for_analysis(rank, world_size, root):
-    from megatron_mvmoe.toolkit import checkpoint
     from megatron_mvmoe.parallel import initialize_layout
+    from megatron_mvmoe.toolkit import checkpoint
 
     run = checkpoint.run_config(checkpoint=root)  # the stored config, at EP = 1
     opened = checkpoint.open_model(run, initialize_layout(run.parallel.layout()), root)

@@ -99,8 +99,8 @@ def test_top_p_filter_matches_a_naive_nucleus():
 def _generate_every_variant(rank, world_size, presets):
     from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.parallel import initialize_layout
-    from megatron_mvmoe.training.build import build_trainer
     from megatron_mvmoe.toolkit.generation import SamplingConfig, generate
+    from megatron_mvmoe.training.build import build_trainer
 
     out = {}
     for preset in presets:

@@ -92,9 +92,9 @@ class Link:
 
 
 def build(case: dict, spec: dict, world: int, ranks_per_node: int):
-    from megatron_mvmoe.toolkit import checkpoint, heldout
     from megatron_mvmoe.models.build import build_model
     from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
+    from megatron_mvmoe.toolkit import checkpoint, heldout
 
     overrides = {"model.seq_length": spec["seq_length"],
                  "model.extra": {"moe_token_dispatcher_type": "alltoall"}}

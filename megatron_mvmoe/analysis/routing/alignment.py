@@ -32,8 +32,8 @@ from typing import Dict, List, Mapping, Union
 import torch
 
 from megatron_mvmoe.analysis.stats import Interval, bootstrap_ci
-from megatron_mvmoe.functional.ranks import nanmean, spearman, spearman_rows
 from megatron_mvmoe.functional import gate_denominator
+from megatron_mvmoe.functional.ranks import nanmean, spearman, spearman_rows
 
 
 def normalised_output_norm(expert_out_TEL: torch.Tensor) -> torch.Tensor:

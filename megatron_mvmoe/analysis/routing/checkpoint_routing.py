@@ -19,8 +19,8 @@ import torch
 
 
 def _rank(rank, world_size, checkpoint: str, batches: int, batch_size: int, seed: int):
-    from megatron_mvmoe.toolkit import heldout, specs
     from megatron_mvmoe.analysis.routing import probe as moe_probe
+    from megatron_mvmoe.toolkit import heldout, specs
 
     spec = specs.parse_model_spec(checkpoint)
     opened = specs.open_spec(spec, specs.in_rank_setup())
