@@ -71,8 +71,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from megatron_mvmoe.analysis.plan import PlanTarget
-from megatron_mvmoe.config.model_costs import (attention_params, moe_params, mtp_num_layers,
-                                               mtp_params, swiglu)
+from megatron_mvmoe.config.model_costs import (attention_params, moe_layer_pattern, moe_params,
+                                               mtp_num_layers, mtp_params, swiglu)
 from megatron_mvmoe.analysis.plan_context_parallel import (cp_attention_correction_elements,
                                                            local_tokens)
 from megatron_mvmoe.config.model_section import ModelSection
@@ -109,15 +109,16 @@ def stage_parameters(m: ModelSection, target: PlanTarget, stage: int) -> Dict[st
     D, V = m.hidden_size, m.vocab_size
     dense = attention_params(m) // lay.tp * layers  # norms are tiny: split like the rest
     experts = largest = fp32_only = 0
+    moe_layers = sum(moe_layer_pattern(m)[stage * layers:(stage + 1) * layers])
     if m.is_moe:
         per = moe_params(m)
-        dense += (per["router"] + per["projections"] + per["shared"] // lay.tp) * layers
-        fp32_only = per["projections"] * layers
-        experts = per["expert_one"] * (m.num_experts // lay.ep) // lay.etp * layers
+        dense += (per["router"] + per["projections"] + per["shared"] // lay.tp) * moe_layers
+        fp32_only = per["projections"] * moe_layers
+        experts = per["expert_one"] * (m.num_experts // lay.ep) // lay.etp * moe_layers
         width = m.latent_size if m.is_latent else D
         largest = 2 * m.moe_ffn_hidden_size * width // lay.etp
-    else:
-        dense += swiglu(D, m.ffn_hidden_size) // lay.tp * layers
+    if layers > moe_layers:  # dense FFN layers (all of a dense model's; moe_layer_freq)
+        dense += swiglu(D, m.ffn_hidden_size) // lay.tp * (layers - moe_layers)
     if stage == 0:
         dense += V * D // lay.tp
     if stage == lay.pp - 1:

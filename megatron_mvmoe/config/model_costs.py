@@ -8,6 +8,8 @@ Design choices:
   embedding and LM head, RoPE); an MoE layer's count is its variant record's
   (config/variants.py, `Variant.layer_params`). tests/training/test_plan.py checks them
   against the built tiny models exactly.
+- Layer placement is Megatron's `moe_layer_freq` (`moe_layer_pattern`): the seed-2 family's
+  MoE layers alternate with dense SwiGLU FFNs of `ffn_hidden_size`.
 - "Active" = every non-expert parameter + k routed experts per MoE layer (H k for MH-MoE;
   embedding and LM head included; `active_without_embeddings` is given too).
 - FLOPs per token: 2 x active matmul parameters (the embedding lookup excluded) + attention
@@ -16,10 +18,11 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 from megatron_mvmoe.config.model_section import ModelSection
 from megatron_mvmoe.config.variants import SWIGLU_MATRICES, MoEDims
+from megatron_mvmoe.errors import require
 
 
 def attention_params(m: ModelSection) -> int:
@@ -74,11 +77,30 @@ def mtp_num_layers(m: ModelSection) -> int:
     return int(m.extra.get("mtp_num_layers") or 0)
 
 
-def _layer_mlp(m: ModelSection) -> Dict[str, int]:
-    """One decoder layer's MLP: all its parameters, its experts, and what one token uses."""
+def moe_layer_pattern(m: ModelSection) -> Tuple[bool, ...]:
+    """Which decoder layers are MoE, Megatron's `moe_layer_freq` (in `extra`; default 1):
+    an int N makes layer i (0-based) MoE when i % N == 0, a list gives 1/0 per layer."""
     if not m.is_moe:
-        dense = swiglu(m.hidden_size, m.ffn_hidden_size)
-        return {"dense": dense, "non_expert": 0, "experts": 0, "active": dense}
+        return (False,) * m.num_layers
+    freq = m.extra.get("moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return tuple(i % freq == 0 for i in range(m.num_layers))
+    require(len(freq) == m.num_layers, "extra.moe_layer_freq",
+            f"a pattern of {len(freq)} layers for num_layers {m.num_layers}",
+            "give one 0/1 entry per layer")
+    return tuple(bool(x) for x in freq)
+
+
+def _dense_mlp(m: ModelSection) -> Dict[str, int]:
+    dense = swiglu(m.hidden_size, m.ffn_hidden_size)
+    return {"dense": dense, "non_expert": 0, "experts": 0, "active": dense}
+
+
+def _layer_mlp(m: ModelSection, moe: bool = True) -> Dict[str, int]:
+    """One decoder layer's MLP (an MoE one when `moe` and the model has experts): all its
+    parameters, its experts, and what one token uses."""
+    if not (moe and m.is_moe):
+        return _dense_mlp(m)
     per = m.variant.layer_params(MoEDims.of(m))
     non_expert = per.router + per.projections + per.shared
     return {"dense": 0, "non_expert": non_expert, "experts": per.experts_total,
@@ -90,7 +112,7 @@ def mtp_params(m: ModelSection) -> Dict[str, int]:
     enorm + hnorm + final norm (D each), eh_proj [D, 2D], and a copy of the last decoder
     layer (attention + its MLP). Embedding and LM head are the main model's (shared)."""
     n = mtp_num_layers(m)
-    D, mlp = m.hidden_size, _layer_mlp(m)
+    D, mlp = m.hidden_size, _layer_mlp(m, moe=moe_layer_pattern(m)[-1])  # the last layer's
     own = 3 * D + 2 * D * D + attention_params(m)
     return {"total": n * (own + mlp["dense"] + mlp["non_expert"] + mlp["experts"]),
             "active": n * (own + mlp["active"]), "experts": n * mlp["experts"],
@@ -102,12 +124,13 @@ def parameter_counts(m: ModelSection) -> Dict[str, int]:
     D, V = m.hidden_size, m.vocab_size
     embedding, head, final_norm = V * D, V * D, D
     attention = attention_params(m) * m.num_layers
-    mlp, mtp = _layer_mlp(m), mtp_params(m)
-    dense = mlp["dense"] * m.num_layers
-    non_expert_moe = mlp["non_expert"] * m.num_layers
-    experts = mlp["experts"] * m.num_layers
+    pattern, mtp = moe_layer_pattern(m), mtp_params(m)
+    mlps = [_layer_mlp(m, moe) for moe in pattern]
+    dense = sum(mlp["dense"] for mlp in mlps)
+    non_expert_moe = sum(mlp["non_expert"] for mlp in mlps)
+    experts = sum(mlp["experts"] for mlp in mlps)
     base = embedding + head + final_norm + attention + dense + non_expert_moe
-    active = base + (mlp["active"] - mlp["dense"] - mlp["non_expert"]) * m.num_layers \
+    active = base + sum(mlp["active"] - mlp["dense"] - mlp["non_expert"] for mlp in mlps) \
         + mtp["active"]
     return {"total": base + experts + mtp["total"], "active": active,
             "active_without_embeddings": active - embedding - head,

@@ -15,7 +15,10 @@ from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
 
 TINY = ["tiny_dense", "tiny_smoe", "tiny_latent", "tiny_multi_router", "tiny_multi_view",
-        "tiny_mh_moe"]
+        "tiny_mh_moe", "seed2_tiny_smoe", "seed2_tiny_mh_moe_h2", "seed2_tiny_mh_moe_h2_head_only",
+        "seed2_tiny_mh_moe_h2_no_proj", "seed2_tiny_smoe_head_merge"]
+"""Every variant; the seed-2 family alternates MoE and dense layers (moe_layer_freq 2) and
+ablates MH-MoE's projections (the count includes only what the layers build)."""
 
 
 def test_10b_a1b_budget():
