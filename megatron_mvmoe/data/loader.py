@@ -15,13 +15,16 @@ Design choices:
   group is created for the build only and destroyed afterwards.
 - Microbatches follow Megatron's pretraining sampler: consecutive global sample ids,
   each data-parallel rank taking its `micro_batch_size` slice of every
-  `micro_batch_size * dp_size` block, resumable from `consumed_samples`.
+  `micro_batch_size * dp_size` block, resumable from `consumed_samples`. This is the one
+  sampler: the trainer's train and eval iterators (run_data.RunData) are `microbatches`
+  with `wrap=True` (past the end, sample ids continue modulo the dataset size).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -200,10 +203,14 @@ def _build_bundle(config: DataConfig, tokenizer: Tokenizer) -> DataBundle:
 
 
 class PretrainingSampler:
-    """Megatron's pretraining order: consecutive samples, each DP rank its slice."""
+    """Megatron's pretraining order: consecutive samples, each DP rank its slice.
+
+    `wrap`: endless; past the end of the dataset the sample ids continue modulo its size
+    (what a run whose steps need more samples than the dataset holds reads, and the
+    held-out iterators of an evaluation longer than the held-out set)."""
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, drop_last: bool = True):
+                 dp_rank: int, dp_size: int, drop_last: bool = True, wrap: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} not in [0, dp_size={dp_size})")
         if total_samples <= 0:
@@ -211,21 +218,29 @@ class PretrainingSampler:
                              "more data, or a shorter seq_length")
         self.total, self.consumed = total_samples, consumed_samples
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
-        self.drop_last = drop_last
+        self.drop_last, self.wrap = drop_last, wrap
 
     def __len__(self) -> int:
+        if self.wrap:
+            raise TypeError("a wrapping PretrainingSampler is endless: it has no length")
         return (self.total - self.consumed) // (self.mbs * self.dp_size)
 
     def batch_at(self, k: int) -> Optional[List[int]]:
-        """This rank's k-th microbatch of sample ids (None past the last full block)."""
+        """This rank's k-th microbatch of sample ids (None past the last full block,
+        unless `wrap`)."""
         block = self.mbs * self.dp_size
         first = self.consumed + k * block
+        start = first + self.dp_rank * self.mbs
+        if self.wrap:
+            return [(start + i) % self.total for i in range(self.mbs)]
         if first + block > self.total:
             return None
-        start = first + self.dp_rank * self.mbs
         return list(range(start, start + self.mbs))
 
     def __iter__(self) -> Iterator[List[int]]:
+        if self.wrap:
+            yield from map(self.batch_at, itertools.count())
+            return
         for k in range(len(self)):
             yield self.batch_at(k)
         block = self.mbs * self.dp_size
@@ -256,14 +271,20 @@ def collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
 
 def microbatches(dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  consumed_samples: int = 0, num_workers: int = 0,
-                 drop_last: bool = True) -> Iterator[Dict[str, torch.Tensor]]:
+                 drop_last: bool = True, wrap: bool = False
+                 ) -> Iterator[Dict[str, torch.Tensor]]:
     """Microbatches of `dataset` for one DP rank: dicts of [B, S] tensors (and the
     [B, 1, S, S] bool attention_mask, True = masked, when the dataset makes one; it may
-    be a zero-copy expand of one shared mask: clone it before writing into it)."""
+    be a zero-copy expand of one shared mask: clone it before writing into it).
+    `wrap`: endless, past the end the sample ids continue modulo len(dataset)."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
-                                 dp_rank, dp_size, drop_last)
+                                 dp_rank, dp_size, drop_last, wrap)
+    # A private generator: starting a DataLoader iterator draws a worker base seed, which
+    # from torch's global generator would shift the run's random stream (dropout, and the
+    # bit-identity of a resumed run, whose iterators start at a different point).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
-                                         num_workers=num_workers, collate_fn=collate)
+                                         num_workers=num_workers, collate_fn=collate,
+                                         generator=torch.Generator())
     return iter(loader)
 
 

@@ -16,8 +16,9 @@ Design choices:
   same order); evaluation always reads through torch.
 - `tokens` (tests, tiny demos): `<domain>_<split>.npy` int token arrays cut into
   consecutive seq_length + 1 windows; the train blend interleaves domains round-robin.
-  Same batch dict as GPTDataset, same sampler order (each DP rank its slice of every
-  micro_batch_size * dp block), so the loop cannot tell the two apart.
+  Same batch dict as GPTDataset, and the same one sampler (`loader.microbatches`, wrapping
+  past the end: each DP rank its slice of every micro_batch_size * dp block), so the loop
+  cannot tell the two apart.
 - Every pipeline stage draws the same microbatches (first stage reads tokens, last stage
   labels), so no batch broadcast between stages is needed.
 """
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
+
+from megatron_mvmoe.data.loader import microbatches
 
 if TYPE_CHECKING:
     from megatron_mvmoe.config.run_config import RunConfig
@@ -110,18 +113,6 @@ class TokenWindows(torch.utils.data.Dataset):
         return {"tokens": chunk[:-1], "labels": chunk[1:],
                 "loss_mask": torch.ones(self.seq_length),
                 "position_ids": torch.arange(self.seq_length)}
-
-
-def _cycle(dataset, mbs: int, dp_rank: int, dp_size: int, consumed: int) -> Iterator:
-    """Megatron's pretraining order, wrapping around at the end of the dataset."""
-    total = len(dataset)
-    block = mbs * dp_size
-    index = consumed
-    while True:
-        ids = [(index + dp_rank * mbs + i) % total for i in range(mbs)]
-        # default_collate: GPTDataset/BlendedDataset samples mix tensors and numpy scalars.
-        yield torch.utils.data.default_collate([dataset[i] for i in ids])
-        index += block
 
 
 class RunData:
@@ -213,12 +204,13 @@ class RunData:
 
             return dali_microbatches(self.train, mbs, self.dp_rank, self.dp_size,
                                      consumed_samples)
-        return _cycle(self.train, mbs, self.dp_rank, self.dp_size, consumed_samples)
+        return microbatches(self.train, mbs, self.dp_rank, self.dp_size, consumed_samples,
+                            wrap=True)
 
     def eval_iterator(self, domain: str) -> Iterator:
         """Always the same held-out microbatches (from the start of the domain's set)."""
-        return _cycle(self.valid[domain], self.run.training.micro_batch_size, self.dp_rank,
-                      self.dp_size, 0)
+        return microbatches(self.valid[domain], self.run.training.micro_batch_size,
+                            self.dp_rank, self.dp_size, wrap=True)
 
 
 def to_device(batch: Dict[str, Optional[torch.Tensor]], device) -> Dict[str, torch.Tensor]:

@@ -123,6 +123,33 @@ def test_sampler_splits_each_block_across_data_parallel_ranks():
     assert flat == list(range(4, 20))
 
 
+def _naive_wrapping_order(total, consumed, mbs, dp_rank, dp_size, steps):
+    """Megatron's order written out: block k starts at consumed + k * mbs * dp_size, this
+    rank reads its mbs ids of it, every id taken modulo the dataset size."""
+    return [[(consumed + k * mbs * dp_size + dp_rank * mbs + i) % total for i in range(mbs)]
+            for k in range(steps)]
+
+
+def test_wrapping_sampler_continues_past_the_end_like_the_naive_order():
+    for consumed, dp_rank in ((0, 0), (14, 1), (37, 0)):
+        sampler = PretrainingSampler(10, consumed, 3, dp_rank, 2, wrap=True)
+        got = [batch for batch, _ in zip(sampler, range(12))]
+        assert got == _naive_wrapping_order(10, consumed, 3, dp_rank, 2, 12)
+    with pytest.raises(TypeError, match="endless"):
+        len(PretrainingSampler(10, 0, 3, 0, 2, wrap=True))
+    # Without wrap the same sampler stops at the last full block.
+    assert list(PretrainingSampler(10, 0, 3, 0, 1)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def test_wrapping_microbatches_leave_the_global_random_stream_alone(bundle):
+    state = torch.get_rng_state()
+    batches = microbatches(bundle.valid["tech"], 2, wrap=True)
+    first = [next(batches)["tokens"] for _ in range(len(bundle.valid["tech"]) // 2 + 1)]
+    assert torch.equal(torch.get_rng_state(), state)  # a DataLoader draws a seed on iter()
+    last_first_id = 2 * (len(first) - 1) % len(bundle.valid["tech"])  # past the end: wrapped
+    assert torch.equal(first[-1][0], torch.as_tensor(bundle.valid["tech"][last_first_id]["tokens"]))
+
+
 def test_preprocess_cli_json(corpus_dir, tmp_path, capsys, load_tool):
     main = load_tool("preprocess_data").main
     assert main(["--corpus", corpus_dir, "--out", str(tmp_path), "--tokenizer", "gpt2",
