@@ -96,7 +96,6 @@ def apply_data_flags(run, args, say) -> None:
 
 def main(argv=None) -> int:
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from megatron_mvmoe.checkpointing.errors import CheckpointError
     from megatron_mvmoe.data.run_data import RunData
@@ -113,14 +112,13 @@ def main(argv=None) -> int:
         with tool_session(run) as pgs:
             start = time.time()
             loaded = load_model(run, args.load, pgs)
-            data = RunData(run, loaded.model_section.seq_length, loaded.model_section.vocab_size,
-                           parallel_state.get_data_parallel_rank(),
-                           parallel_state.get_data_parallel_world_size())
+            model = loaded.model_section
+            data = RunData(run, model.seq_length, model.vocab_size, pgs.dp.rank(), pgs.dp.size())
             if dist.get_rank() == 0:
                 say(f"evaluating step {loaded.step} on "
                     f"{list(data.valid)}, {run.training.eval_iters} global batches each")
             microbatches = run.training.eval_iters * run.num_microbatches(dist.get_world_size())
-            losses = evaluate(loaded, data, microbatches)
+            losses = evaluate(loaded, data, microbatches, pgs)
             rank = dist.get_rank()
     except (ValueError, CheckpointError) as err:
         say(f"error: {err}")

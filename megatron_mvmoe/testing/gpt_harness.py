@@ -64,12 +64,12 @@ def _microbatches(tokens_BS1: torch.Tensor, micro_batch: int) -> List[Dict[str, 
     return batches
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(cp_group, data_iterator, model):
     # The trainer's own CP split and CP loss reduction (training/step.py), so a CP layout
     # here is the one the trainer runs.
-    batch = this_cp_rank_part(next(data_iterator))
+    batch = this_cp_rank_part(next(data_iterator), cp_group)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(token_mean_loss, batch["loss_mask"])
+    return output, partial(token_mean_loss, cp_group, batch["loss_mask"])
 
 
 def train_step_losses_and_grads(model: DistributedDataParallel, config, tokens_BS1: torch.Tensor,
@@ -81,7 +81,7 @@ def train_step_losses_and_grads(model: DistributedDataParallel, config, tokens_B
     config.finalize_model_grads_func = finalize_model_grads
     forward_backward = get_forward_backward_func()
     losses = forward_backward(
-        forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
+        forward_step_func=partial(_forward_step, pg_collection.cp), data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro_batch,
         forward_only=False)
     loss = _global_mean_loss(losses)

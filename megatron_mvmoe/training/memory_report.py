@@ -152,14 +152,11 @@ class MemoryRecorder:
         write_json_atomic(path, self.record)
 
 
-def _layout_ranks() -> Dict[str, int]:
-    from megatron.core import parallel_state as ps
-
-    return {"pp_rank": ps.get_pipeline_model_parallel_rank(),
-            "ep_rank": ps.get_expert_model_parallel_rank(),
-            "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "dp_rank": ps.get_data_parallel_rank(),
-            "expert_dp_rank": ps.get_expert_data_parallel_rank()}
+def _layout_ranks(pg_collection) -> Dict[str, int]:
+    """This rank's place in each group of `pg_collection` (Megatron's ProcessGroupCollection)."""
+    return {"pp_rank": pg_collection.pp.rank(), "ep_rank": pg_collection.ep.rank(),
+            "tp_rank": pg_collection.tp.rank(), "dp_rank": pg_collection.dp.rank(),
+            "expert_dp_rank": pg_collection.expt_dp.rank()}
 
 
 def check_fits(run) -> None:
@@ -181,14 +178,14 @@ def check_fits(run) -> None:
                          "does not fit in the memory of its node (see its error line)")
 
 
-def memory_hook(run, on_step: Optional[Callable]) -> Callable:
+def memory_hook(run, on_step: Optional[Callable], pg_collection) -> Callable:
     """pretrain's one call: check the fit, then return an `on_step` that records memory
-    (and still calls the caller's `on_step`)."""
+    (and still calls the caller's `on_step`); ranks are read from `pg_collection`."""
     import torch.distributed as dist
 
     check_fits(run)
     recorder = MemoryRecorder(run, dist.get_rank() if dist.is_initialized() else 0,
-                              _layout_ranks())
+                              _layout_ranks(pg_collection))
 
     def hook(step: int, trainer) -> None:
         recorder(step, trainer)

@@ -17,7 +17,9 @@ Design choices:
   decoder layers), so their token counts never merge into a decoder layer's.
 - MTP losses come from Megatron's `MTPLossLoggingHelper` (recorded on the last stage per
   training micro-batch), reduced at log time like the aux losses.
-- Only global rank 0 writes; every rank takes part in the reductions.
+- Only global rank 0 writes; every rank takes part in the reductions, over the groups of
+  the run's `pg_collection` (Megatron's ProcessGroupCollection), passed in: nothing here
+  reads `parallel_state`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import (MoEMetricsTracker,
                                                        get_moe_metrics_tracker,
@@ -38,10 +39,11 @@ from megatron_mvmoe import platform
 
 
 class RoutingMonitor:
-    """Counts tokens per expert for every MoE layer on this rank."""
+    """Counts tokens per expert for every MoE layer on this rank; reduces them over the
+    groups of `pg_collection`."""
 
-    def __init__(self, chunks: List[torch.nn.Module], num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self, chunks: List[torch.nn.Module], num_experts: int, pg_collection) -> None:
+        self.num_experts, self.pgs = num_experts, pg_collection
         self.layers: Dict[int, MoELayer] = {}
         self.counts: Dict[int, torch.Tensor] = {}
         self.handles = []
@@ -98,25 +100,25 @@ class RoutingMonitor:
         mine = {}
         for number, sums in sorted(self.heads.items()):
             total = sums.clone()
-            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(total, group=self.pgs.dp)
             batches = max(1.0, float(total[2]))
             mine[number] = {"head_rank_correlation": float(total[0]) / batches}
             if self.head_views[number]:
                 mine[number]["mixing_entropy"] = float(total[1]) / batches
             sums.zero_()
-        return _merge_over_pipeline(mine)
+        return _merge_over_pipeline(mine, self.pgs.pp)
 
     def reduce(self) -> Dict[int, List[float]]:
         """Global tokens per expert per layer since the last call (collective)."""
         mine = {}
-        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        etp = self.pgs.expt_tp.size()
         for number, counts in sorted(self.counts.items()):
             total = counts.clone()
-            dist.all_reduce(total, group=parallel_state.get_expert_model_parallel_group())
-            dist.all_reduce(total, group=parallel_state.get_expert_data_parallel_group())
+            dist.all_reduce(total, group=self.pgs.ep)
+            dist.all_reduce(total, group=self.pgs.expt_dp)
             mine[number] = (total / etp).tolist()
             counts.zero_()
-        return _merge_over_pipeline(mine)
+        return _merge_over_pipeline(mine, self.pgs.pp)
 
     def close(self) -> None:
         for handle in self.handles:
@@ -134,7 +136,7 @@ def tracker_layer_number(layer: MoELayer) -> int:
     return number
 
 
-def mtp_losses(num_microbatch_steps: int, config) -> Dict[str, float]:
+def mtp_losses(num_microbatch_steps: int, config, pg_collection) -> Dict[str, float]:
     """Per MTP layer: the mean MTP loss per micro-batch since the last call (what Megatron's
     `MTPLossLoggingHelper` recorded on the last stage), averaged over the data-parallel
     ranks, and its next-token acceptance rate (%), both broadcast over the pipeline group;
@@ -149,10 +151,9 @@ def mtp_losses(num_microbatch_steps: int, config) -> Dict[str, float]:
     for row, key in enumerate(("loss_values", "correct_values", "total_values")):
         if key in tracker:  # loss, correct, total
             values[row] = tracker[key].detach().to(values.device, torch.float64)
-    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dist.all_reduce(values, group=dp_group)
-    values[0] /= dist.get_world_size(dp_group) * max(1, num_microbatch_steps)
-    dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    dist.all_reduce(values, group=pg_collection.dp_cp)
+    values[0] /= pg_collection.dp_cp.size() * max(1, num_microbatch_steps)
+    dist.all_reduce(values, group=pg_collection.pp)
     values = values.cpu()
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     out = {}
@@ -162,11 +163,10 @@ def mtp_losses(num_microbatch_steps: int, config) -> Dict[str, float]:
     return out
 
 
-def _merge_over_pipeline(mine: Dict) -> Dict:
-    """Every pipeline stage's per-layer entries, merged (collective over the PP group)."""
-    gathered: List[Optional[dict]] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(gathered, mine,
-                           group=parallel_state.get_pipeline_model_parallel_group())
+def _merge_over_pipeline(mine: Dict, pp_group: dist.ProcessGroup) -> Dict:
+    """Every pipeline stage's per-layer entries, merged (collective over `pp_group`)."""
+    gathered: List[Optional[dict]] = [None] * pp_group.size()
+    dist.all_gather_object(gathered, mine, group=pp_group)
     merged: Dict = {}
     for part in gathered:
         merged.update(part or {})
@@ -205,14 +205,17 @@ def install_moe_metrics_tracker() -> PerLayerMoEMetricsTracker:
     return tracker
 
 
-def aux_losses(num_microbatch_steps: int, config) -> Dict[str, List[float]]:
-    """Per-layer aux/z losses, reduced by Megatron's tracker and averaged per micro-batch
-    (collective). Stages without MoE layers still join the reductions (force_initialize)."""
+def aux_losses(num_microbatch_steps: int, config, pg_collection) -> Dict[str, List[float]]:
+    """Per-layer aux/z losses, reduced by Megatron's tracker over the groups of
+    `pg_collection` and averaged per micro-batch (collective). Stages without MoE layers
+    still join the reductions (force_initialize)."""
     tracker = install_moe_metrics_tracker()
-    names = sorted(_merge_over_pipeline({name: None for name in tracker.metrics}))
+    names = sorted(_merge_over_pipeline({name: None for name in tracker.metrics},
+                                        pg_collection.pp))
     tracker.report(loss_scale=1.0 / max(1, num_microbatch_steps), iteration=0,
                    force_initialize=True, track_names=names, num_layers=config.num_layers,
-                   moe_layer_freq=config.moe_layer_freq, mtp_num_layers=config.mtp_num_layers)
+                   moe_layer_freq=config.moe_layer_freq, mtp_num_layers=config.mtp_num_layers,
+                   pg_collection=pg_collection)
     return dict(tracker.last_per_layer)
 
 

@@ -9,8 +9,9 @@ The loop, in order, each step:
 
 Design choices:
 - `pretrain(run, pg_collection)` is a function of its inputs (no module-level state beyond
-  Megatron's parallel state), so tests call it in-process on gloo ranks; `main()` adds the
-  launcher: `launch.init_distributed` with the run's collective timeout (a dead rank makes
+  Megatron's parallel state, which only the launcher initialises; every collective here
+  runs on a group of `pg_collection`), so tests call it in-process on gloo ranks; `main()`
+  adds the launcher: `launch.init_distributed` with the run's collective timeout (a dead rank makes
   the survivors fail within `distributed_timeout_seconds`) and `initialize_layout`.
 - bf16 on GPU, fp32 on CPU (`training.precision = auto`).
 - `on_step` (tests only) is called with (step, trainer) before each step, e.g. to corrupt
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_mvmoe import platform
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
@@ -98,23 +98,20 @@ class _Loop:
         self.trainer = build_trainer(run, pg_collection, config)
         world = dist.get_world_size()
         self.num_microbatches = run.num_microbatches(world)  # of the full global batch (eval)
-        t = run.training
+        t, dp_group = run.training, pg_collection.dp
         self.batches = batch_calculator(t.rampup_batch_size, t.global_batch_size,
-                                        t.micro_batch_size,
-                                        parallel_state.get_data_parallel_world_size(),
-                                        dist.get_rank())
+                                        t.micro_batch_size, dp_group.size(), dist.get_rank())
         self.window = {"samples": 0, "microbatches": 0}  # since the last progress line
         model = self.trainer.model_section
-        self.data = RunData(run, model.seq_length, model.vocab_size,
-                            parallel_state.get_data_parallel_rank(),
-                            parallel_state.get_data_parallel_world_size())
+        self.data = RunData(run, model.seq_length, model.vocab_size, dp_group.rank(),
+                            dp_group.size())
         self.log = RunLog(run.logging.run_dir, run.logging.tensorboard, dist.get_rank() == 0,
                           tensorboard_dir=run.logging.tensorboard_dir,
                           wandb=run.logging if run.logging.wandb_project else None)
         self.efficiency = Efficiency(run, model, world,
                                      self.trainer.config.bf16)
         self.watch = NonFiniteWatch(self.trainer.unwrapped())
-        self.routing = (RoutingMonitor(self.trainer.unwrapped(), model.num_experts)
+        self.routing = (RoutingMonitor(self.trainer.unwrapped(), model.num_experts, pg_collection)
                         if run.logging.routing_metrics and model.is_moe else None)
         self.advance_gamma, self.gamma = _gamma_controls(self.trainer)
         install_moe_metrics_tracker()  # before the first forward records into it
@@ -247,10 +244,10 @@ class _Loop:
                                                self.state.step))
         if self.routing is not None:
             metrics["routing"] = routing_summary(self.routing.reduce(),
-                                                 aux_losses(microbatches,
-                                                            self.trainer.config),
+                                                 aux_losses(microbatches, self.trainer.config,
+                                                            self.trainer.pg_collection),
                                                  self.routing.reduce_diversity())
-        metrics.update(mtp_losses(microbatches, self.trainer.config))
+        metrics.update(mtp_losses(microbatches, self.trainer.config, self.trainer.pg_collection))
         self.log.record("train", self.state.step, metrics)
         gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
         skipped = (f" | skipped iterations {self.state.skipped_iters}"
@@ -267,7 +264,8 @@ class _Loop:
     def evaluate(self) -> Dict[str, float]:
         # eval_iters global batches: the same samples whatever the layout.
         losses = evaluate(self.trainer, self.data,
-                          self.run.training.eval_iters * self.num_microbatches)
+                          self.run.training.eval_iters * self.num_microbatches,
+                          self.trainer.pg_collection)
         values = {d: {"loss": v, "ppl": _ppl(v)} for d, v in losses.items()}
         self.log.record("eval", self.state.step, values)
         self.log.line(f"eval step {self.state.step}: " + ", ".join(
@@ -351,7 +349,7 @@ def pretrain(run: RunConfig, pg_collection,
         config = validate_run(run, dist.get_world_size(), model.num_layers, model.num_experts)
     if run.training.warm_start_from is not None:  # before any weight is built
         check_target(model, run.training.moe_use_upcycling)
-    on_step = memory_hook(run, on_step)  # fit check before building; memory/rank<R>.json
+    on_step = memory_hook(run, on_step, pg_collection)  # fit check; memory/rank<R>.json
     # One writer per --save (refused with the holder's name), and this rank's record for
     # the job-end summary (rank_reports.py), written only while the lock is held.
     with hold_save_lock(run.training.save), recording(run.training.save, dist.get_rank(),

@@ -14,6 +14,9 @@ Design choices:
   those of the whole sequence's mean.
 - The reported loss lives on the last pipeline stage; it is averaged over the DP ranks and
   broadcast over the pipeline group, so every rank sees the same number.
+- Process groups come from the run's `pg_collection` (Megatron's ProcessGroupCollection),
+  passed in, and are handed to Megatron's schedule too: nothing here reads
+  `parallel_state`, so a step runs on whatever groups its caller built.
 - Before the optimizer step, one all-reduce over the world ORs "loss or grad norm is
   NaN/inf" with the preemption flags (stopping.py): a non-finite step is never applied,
   and every rank skips or stops at the same step.
@@ -27,22 +30,24 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from megatron_mvmoe import platform
 from megatron_mvmoe.data.run_data import to_device
 from megatron_mvmoe.training.build import Trainer
 
 
-def token_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def token_mean_loss(cp_group: dist.ProcessGroup, loss_mask: torch.Tensor,
+                    output_tensor: torch.Tensor):
     """Megatron's loss-function contract: (mean token loss, {"lm loss": ...}) from the
-    per-token losses [B, S/CP] GPTModel returns given labels (the sequence mean over CP)."""
+    per-token losses [B, S/CP] GPTModel returns given labels (the sequence mean over the
+    context-parallel group `cp_group`)."""
     losses = output_tensor.float()
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses.reshape(-1) * mask)
-    cp_group = parallel_state.get_context_parallel_group()
     if cp_group.size() == 1:
         loss = loss_sum / mask.sum().clamp(min=1)
         return loss, {"lm loss": loss.detach().clone()}
@@ -55,10 +60,10 @@ def token_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": (sum_and_count[0] / count).clone()}
 
 
-def this_cp_rank_part(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """This CP rank's load-balanced sequence chunks of a [B, S] microbatch (Megatron's split;
-    attention is causal, so no mask travels)."""
-    cp_group = parallel_state.get_context_parallel_group()
+def this_cp_rank_part(batch: Dict[str, torch.Tensor], cp_group: dist.ProcessGroup
+                      ) -> Dict[str, torch.Tensor]:
+    """This CP rank's load-balanced sequence chunks of a [B, S] microbatch over `cp_group`
+    (Megatron's split; attention is causal, so no mask travels)."""
     if cp_group.size() == 1:
         return batch
     keys = ("tokens", "labels", "loss_mask", "position_ids")
@@ -67,11 +72,12 @@ def this_cp_rank_part(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]
     return {key: split[key] for key in keys}
 
 
-def forward_step(data_iterator: Iterator, model: torch.nn.Module):
-    batch = this_cp_rank_part(to_device(next(data_iterator), platform.device()))
+def forward_step(cp_group: dist.ProcessGroup, data_iterator: Iterator, model: torch.nn.Module):
+    """Megatron's forward-step contract once `cp_group` is bound (functools.partial)."""
+    batch = this_cp_rank_part(to_device(next(data_iterator), platform.device()), cp_group)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
-    return output, partial(token_mean_loss, batch["loss_mask"])
+    return output, partial(token_mean_loss, cp_group, batch["loss_mask"])
 
 
 def _iterators(trainer: Trainer, make) -> List[Iterator]:
@@ -79,29 +85,40 @@ def _iterators(trainer: Trainer, make) -> List[Iterator]:
     return [make() for _ in trainer.model]
 
 
-def _mean_loss(trainer: Trainer, losses: List[Dict[str, torch.Tensor]]) -> float:
+def _mean_loss(pgs, losses: List[Dict[str, torch.Tensor]]) -> float:
     """Mean microbatch loss, averaged over DP and broadcast over the pipeline group."""
     value = torch.zeros(1, dtype=torch.float64)
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and losses:
+    if is_pp_last_stage(pgs.pp) and losses:
         value[0] = torch.stack([d["lm loss"].double().cpu() for d in losses]).mean()
     value = value.to(platform.device())
-    dp_group = parallel_state.get_data_parallel_group()
-    dist.all_reduce(value, group=dp_group)
-    value /= dist.get_world_size(dp_group)
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    last = parallel_state.get_pipeline_model_parallel_last_rank()
-    dist.broadcast(value, src=last, group=pp_group)
+    dist.all_reduce(value, group=pgs.dp)
+    value /= pgs.dp.size()
+    last_stage = dist.get_global_rank(pgs.pp, pgs.pp.size() - 1)
+    dist.broadcast(value, src=last_stage, group=pgs.pp)
     return float(value.item())
 
 
-def _run_schedule(trainer: Trainer, iterators, num_microbatches: int, forward_only: bool):
+def _schedule_groups(model_chunks, pgs) -> Dict:
+    """The groups Megatron's schedules take explicitly: the collection and, with a
+    pipeline, a P2P communicator over its PP group (they take both or neither)."""
+    if pgs.pp.size() == 1:
+        return {"pg_collection": pgs}
+    return {"pg_collection": pgs,
+            "p2p_communicator": P2PCommunicator(pp_group=pgs.pp,
+                                                config=get_model_config(model_chunks[0]))}
+
+
+def _run_schedule(trainer: Trainer, pgs, iterators, num_microbatches: int,
+                  forward_only: bool):
     run = trainer.run
-    schedule = get_forward_backward_func()
-    return schedule(forward_step_func=forward_step,
+    schedule = get_forward_backward_func(pp_size=pgs.pp.size(), vp_size=run.parallel.vpp)
+    return schedule(forward_step_func=partial(forward_step, pgs.cp),
                     data_iterator=iterators if len(iterators) > 1 else iterators[0],
                     model=trainer.model if len(trainer.model) > 1 else trainer.model[0],
-                    num_microbatches=num_microbatches, seq_length=trainer.model_section.seq_length,
-                    micro_batch_size=run.training.micro_batch_size, forward_only=forward_only)
+                    num_microbatches=num_microbatches,
+                    seq_length=trainer.model_section.seq_length,
+                    micro_batch_size=run.training.micro_batch_size, forward_only=forward_only,
+                    **_schedule_groups(trainer.model, pgs))
 
 
 def _verdict_all_ranks(loss: float, grad_norm: float, stop_flags: Sequence[float]
@@ -138,9 +155,10 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
-    losses = _run_schedule(trainer, iterators, num_microbatches, forward_only=False)
+    pgs = trainer.pg_collection
+    losses = _run_schedule(trainer, pgs, iterators, num_microbatches, forward_only=False)
     _end_phase(trainer, "backward")
-    loss = _mean_loss(trainer, losses)
+    loss = _mean_loss(pgs, losses)
     _assert_no_grad_scaler(trainer.optimizer)
     trainer.optimizer.prepare_grads()
     grad_norm = float(trainer.optimizer.get_grad_norm() or 0.0)
@@ -157,18 +175,20 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, data, num_microbatches: int) -> Dict[str, float]:
+def evaluate(trainer: Trainer, data, num_microbatches: int, pg_collection) -> Dict[str, float]:
     """Mean held-out loss per domain over `num_microbatches` microbatches per DP rank
-    (the same ones every time). Reads only `trainer.run`, `.model_section` and `.model`, so a
-    checkpoint opened without a trainer (toolkit/checkpoint.CheckpointModel) evaluates too."""
+    (the same ones every time), on the groups of `pg_collection`. Reads only
+    `trainer.run`, `.model_section` and `.model`, so a checkpoint opened without a trainer
+    (toolkit/checkpoint.CheckpointModel) evaluates too."""
     for chunk in trainer.model:
         chunk.eval()
     results = {}
     try:
         for domain in data.domains:
             iterators = _iterators(trainer, partial(data.eval_iterator, domain))
-            losses = _run_schedule(trainer, iterators, num_microbatches, forward_only=True)
-            results[domain] = _mean_loss(trainer, losses)
+            losses = _run_schedule(trainer, pg_collection, iterators, num_microbatches,
+                                   forward_only=True)
+            results[domain] = _mean_loss(pg_collection, losses)
     finally:
         for chunk in trainer.model:
             chunk.train()
