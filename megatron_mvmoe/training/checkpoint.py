@@ -3,7 +3,9 @@
 The layout of a checkpoint root and everything a reader needs (resolving, manifests, the
 model fingerprint, the model weights) live in `megatron_mvmoe/checkpointing/`; this module
 adds what only the trainer has: saving, and restoring the optimizer, scheduler, RNG and
-data position.
+data position. What a checkpoint holds is a set of named parts, each with
+state_dict()/load_state_dict() (checkpoint_parts.py: model, optimizer, scheduler, rng,
+position, run metadata); save and load go through them.
 
 Design choices:
 - A save writes into `.tmp_iter_N`, then renames it to `iter_N`, then replaces `latest`
@@ -24,42 +26,28 @@ Design choices:
 from __future__ import annotations
 
 import os
-import random
 import shutil
-from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_mvmoe.checkpointing import integrity
-from megatron_mvmoe.checkpointing.directory import FORMAT, LATEST, RUN_STATE
+from megatron_mvmoe.checkpointing.directory import LATEST, RUN_STATE
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.fingerprint import model_fingerprint
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
-from megatron_mvmoe.checkpointing.weights import (model_sharded_state_dict, open_checkpoint,
-                                                  read_tensors, set_model_weights)
-from megatron_mvmoe.platform import is_cuda
+from megatron_mvmoe.checkpointing.weights import open_checkpoint, read_tensors
 from megatron_mvmoe.platform import dist_ckpt_writer_queue as writer_queue
 from megatron_mvmoe.training.build import Trainer
-from megatron_mvmoe.training.resume_groups import align_saved_groups, apply_schedule_rule
-from megatron_mvmoe.training.schedule_rule import restore_scheduler
+from megatron_mvmoe.training.checkpoint_parts import (JsonPart, ModelPart, OptimizerPart,
+                                                      ResumeState, RngPart, RunMetadata,
+                                                      SchedulerPart, read_part, run_state_of,
+                                                      tensor_state)
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
-
-
-@dataclass
-class ResumeState:
-    """What the loop needs besides tensors to continue exactly."""
-
-    step: int = 0
-    consumed_samples: int = 0
-    gamma: Optional[float] = None
-    skipped_iters: int = 0
-    """Updates skipped so far because the loss or gradient norm was NaN/inf."""
 
 
 def fingerprint(trainer: Trainer) -> Dict:
@@ -67,27 +55,27 @@ def fingerprint(trainer: Trainer) -> Dict:
     return model_fingerprint(trainer.run.model)
 
 
-def _sharded_state_dict(trainer: Trainer, is_loading: bool, optimizer_format: Optional[str]
-                        ) -> Dict:
-    state = model_sharded_state_dict(trainer.unwrapped())
+def _optimizer_part(trainer: Trainer, optimizer_format: Optional[str]
+                    ) -> Optional[OptimizerPart]:
+    """The optimizer part in `optimizer_format`; None: the checkpoint has (or gets) none."""
     if optimizer_format is None:
-        return state
-    metadata = {"distrib_optim_sharding_type": optimizer_format}
-    if not is_cuda():
-        # fully_reshardable gathers over NCCL with `.cuda()` unless asked to use the gloo
-        # data-parallel group (Megatron's memory-efficient variant): the CPU route.
-        metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
-    state["optimizer"] = trainer.optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata=metadata)
-    return state
+        return None
+    return OptimizerPart(trainer.optimizer, optimizer_format,
+                         bool(trainer.run.training.override_opt_param_scheduler))
+
+
+def _rng_path(directory: str) -> str:
+    return os.path.join(directory, "rng", f"rank_{dist.get_rank()}.pt")
 
 
 # ------------------------------------------------------------------------------- save
-def _rng_state() -> Dict:
-    np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-            "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "numpy_pos": int(np_state[2])}
+def _json_parts(trainer: Trainer, state: ResumeState, optimizer_format: Optional[str]
+                ) -> List[JsonPart]:
+    """The parts run_state.json holds, as this trainer saves them."""
+    metadata = RunMetadata(world_size=dist.get_world_size(), layout=_layout(trainer),
+                           optimizer_format=optimizer_format, fingerprint=fingerprint(trainer),
+                           config=trainer.run.to_dict())
+    return [metadata, state, SchedulerPart(trainer.scheduler, trainer.run.training)]
 
 
 def _refuse_nonfinite(trainer: Trainer, step: int, root: str) -> None:
@@ -106,31 +94,23 @@ def _kept(root: str) -> str:
     return "no earlier checkpoint exists"
 
 
-def _run_state(trainer: Trainer, state: ResumeState, optimizer_format: Optional[str]) -> Dict:
-    return {"format": FORMAT, "step": state.step, "consumed_samples": state.consumed_samples,
-            "gamma": state.gamma, "skipped_iters": state.skipped_iters,
-            "world_size": dist.get_world_size(),
-            "layout": _layout(trainer), "optimizer_format": optimizer_format,
-            "scheduler": trainer.scheduler.state_dict(), "fingerprint": fingerprint(trainer),
-            "config": trainer.run.to_dict()}
-
-
 def _start_shards(trainer: Trainer, tmp: str, state: ResumeState, background: bool):
-    """Write (or, with `background`, stage and start writing) the tensors and RNG states;
-    returns (Megatron's AsyncRequest or None, the run_state payload as of now)."""
+    """Write (or, with `background`, stage and start writing) the tensor parts and the rng
+    part; returns (Megatron's AsyncRequest or None, the JSON parts' run_state as of now)."""
     # Before the first step the optimizer holds no state (Megatron cannot serialise it):
     # such a checkpoint carries the weights only.
     optimizer_format = trainer.run.training.ckpt_optimizer_format if state.step > 0 else None
     # async_strategy "mcore": Megatron's own writer (the default, "nvrx", needs the
     # nvidia-resiliency-ext package).
     extra = {"async_sharded_save": True, "async_strategy": "mcore"} if background else {}
-    request = dist_checkpointing.save(_sharded_state_dict(trainer, False, optimizer_format),
-                                      tmp, **extra)
+    tensors = tensor_state(ModelPart(trainer.unwrapped()),
+                           _optimizer_part(trainer, optimizer_format), is_loading=False)
+    request = dist_checkpointing.save(tensors, tmp, **extra)
     # Only after Megatron's save started: it takes a non-empty directory for an earlier,
     # incomplete checkpoint ("Overwriting old incomplete / corrupted checkpoint...").
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
-    return request, _run_state(trainer, state, optimizer_format)
+    torch.save(RngPart().state_dict(), _rng_path(tmp))
+    return request, run_state_of(_json_parts(trainer, state, optimizer_format))
 
 
 def _finish_shards(tmp: str, run_state: Dict) -> None:
@@ -273,15 +253,13 @@ class AsyncSaver:
 
 
 # ------------------------------------------------------------------------------- load
-def _restore_rng(directory: str, run_world_size: int, saved_world_size: int) -> bool:
-    path = os.path.join(directory, "rng", f"rank_{dist.get_rank()}.pt")
-    if run_world_size != saved_world_size or not os.path.isfile(path):
+def _load_rng(directory: str, saved_world_size: int) -> bool:
+    """The rng part, when this rank has one of the same world size (else the run reseeds
+    from (seed, step))."""
+    path = _rng_path(directory)
+    if dist.get_world_size() != saved_world_size or not os.path.isfile(path):
         return False
-    rng = torch.load(path, weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    random.setstate((3, tuple(rng["python"]), None))
-    np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32),
-                         rng["numpy_pos"], 0, 0.0))
+    RngPart().load_state_dict(torch.load(path, weights_only=True))
     return True
 
 
@@ -295,17 +273,21 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
     scheduler at its step 0 (Megatron-LM loads the scheduler only with the optimizer).
     `finetune` (Megatron-LM's --finetune): the weights only, everything else starts fresh."""
     directory, meta = open_checkpoint(path, fingerprint(trainer), step, allow_unverified)
+    saved, position = RunMetadata(), ResumeState()
+    read_part(saved, meta, directory)
+    if not finetune:
+        read_part(position, meta, directory)
     load_optimizer = load_optimizer and not finetune
-    optimizer_format = _loadable_optimizer_format(trainer, meta, load_optimizer)
-    loaded = read_tensors(_sharded_state_dict(trainer, True, optimizer_format), directory)
-    set_model_weights(trainer.unwrapped(), loaded)
-    if optimizer_format is None:
+    model = ModelPart(trainer.unwrapped())
+    optimizer = _optimizer_part(trainer,
+                                _loadable_optimizer_format(trainer, saved, load_optimizer))
+    loaded = read_tensors(tensor_state(model, optimizer, is_loading=True), directory)
+    model.load_state_dict(loaded)
+    if optimizer is None:
         # bf16 runs keep fp32 main copies in the optimizer, made from the initial weights:
         # refresh them, or the first step would write the initial weights back.
         with torch.no_grad():
             trainer.optimizer.reload_model_params()
-    position = ResumeState(step=meta["step"], consumed_samples=meta["consumed_samples"],
-                           gamma=meta.get("gamma"), skipped_iters=meta.get("skipped_iters", 0))
     if finetune:
         return ResumeState()
     if not load_optimizer:
@@ -314,23 +296,14 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
                   f"{directory}; fresh optimizer state, LR/WD schedule from its step 0 with "
                   "this run's settings (Megatron-LM's --no-load-optim)", flush=True)
         return position
-    if optimizer_format is not None:
-        _load_optimizer(trainer, loaded["optimizer"])
-    rule = restore_scheduler(trainer.scheduler, meta["scheduler"], trainer.run.training)
-    if rule is not None and dist.get_rank() == 0:
-        print(rule, flush=True)
-    _restore_rng(directory, dist.get_world_size(), meta["world_size"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    scheduler = SchedulerPart(trainer.scheduler, trainer.run.training)
+    read_part(scheduler, meta, directory)
+    if scheduler.note is not None and dist.get_rank() == 0:
+        print(scheduler.note, flush=True)
+    _load_rng(directory, saved.world_size)
     return position
-
-
-def _load_optimizer(trainer: Trainer, state: Dict) -> None:
-    """Megatron's optimizer load, with the saved param groups paired by structure so that a
-    changed --lr / --min-lr resumes (resume_groups.py), then the schedule rule's values."""
-    checkpoint_values = align_saved_groups(trainer.optimizer, state)
-    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
-        trainer.optimizer.load_state_dict(state)
-    apply_schedule_rule(trainer.optimizer, checkpoint_values,
-                        bool(trainer.run.training.override_opt_param_scheduler))
 
 
 def _layout(trainer: Trainer) -> Dict[str, Optional[int]]:
@@ -338,16 +311,13 @@ def _layout(trainer: Trainer) -> Dict[str, Optional[int]]:
     return {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.etp, "vpp": p.vpp}
 
 
-def _loadable_optimizer_format(trainer: Trainer, meta: Dict, load_optimizer: bool
+def _loadable_optimizer_format(trainer: Trainer, saved: RunMetadata, load_optimizer: bool
                                ) -> Optional[str]:
     """The saved optimizer format, or None when the optimizer state cannot (or should not)
     be restored: dp_reshardable states reshard over data-parallel ranks only."""
-    if not load_optimizer:
+    if not load_optimizer or saved.optimizer_format is None:  # None: saved before step 1
         return None
-    saved = meta.get("optimizer_format")
-    if saved is None:  # saved before the first step: weights only
-        return None
-    saved_ep = (meta.get("layout") or {}).get("ep", 1) or 1
+    saved_ep = (saved.layout or {}).get("ep", 1) or 1
     if (saved_ep > 1) != (trainer.run.parallel.ep > 1):
         # Checked first, for both formats: with EP > 1 Megatron keeps expert parameters in a
         # second (chained) optimizer whose sharded keys carry a `chained_<i>.` prefix; with
@@ -359,13 +329,13 @@ def _loadable_optimizer_format(trainer: Trainer, meta: Dict, load_optimizer: boo
                   "either optimizer format): restoring weights, step, scheduler and data "
                   "position; Adam moments restart from zero", flush=True)
         return None
-    if saved == "dp_reshardable" and meta.get("layout") != _layout(trainer):
+    if saved.optimizer_format == "dp_reshardable" and saved.layout != _layout(trainer):
         if dist.get_rank() == 0:
             print(f"warning: checkpoint optimizer states are dp_reshardable (saved at layout "
-                  f"{meta.get('layout')}, now {_layout(trainer)}): restoring weights, step, "
+                  f"{saved.layout}, now {_layout(trainer)}): restoring weights, step, "
                   "scheduler and data position; Adam moments restart from zero. Save with "
                   "ckpt_optimizer_format=fully_reshardable to carry them across layouts",
                   flush=True)
         return None
-    return saved
+    return saved.optimizer_format
 

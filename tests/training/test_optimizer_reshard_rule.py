@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_mvmoe.training.checkpoint import _loadable_optimizer_format
+from megatron_mvmoe.training.checkpoint_parts import RunMetadata
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,8 +48,8 @@ CASES = [(fmt, s_ep, s_pp, ep, pp) for fmt in ("dp_reshardable", "fully_resharda
 
 @pytest.mark.parametrize("fmt,saved_ep,saved_pp,ep,pp", CASES)
 def test_loadable_format_follows_the_rule(capsys, fmt, saved_ep, saved_pp, ep, pp):
-    meta = {"optimizer_format": fmt, "layout": _layout(saved_ep, saved_pp)}
-    got = _loadable_optimizer_format(_trainer(ep, pp), meta, load_optimizer=True)
+    saved = RunMetadata(optimizer_format=fmt, layout=_layout(saved_ep, saved_pp))
+    got = _loadable_optimizer_format(_trainer(ep, pp), saved, load_optimizer=True)
     assert got == _expected(fmt, saved_ep, saved_pp, ep, pp)
     printed = capsys.readouterr().out
     if (saved_ep > 1) != (ep > 1):
@@ -61,7 +62,7 @@ def test_loadable_format_follows_the_rule(capsys, fmt, saved_ep, saved_pp, ep, p
 
 
 def test_no_optimizer_requested_or_saved_loads_none():
-    meta = {"optimizer_format": "fully_reshardable", "layout": _layout(1)}
-    assert _loadable_optimizer_format(_trainer(1), meta, load_optimizer=False) is None
-    assert _loadable_optimizer_format(_trainer(1), {"optimizer_format": None},
+    saved = RunMetadata(optimizer_format="fully_reshardable", layout=_layout(1))
+    assert _loadable_optimizer_format(_trainer(1), saved, load_optimizer=False) is None
+    assert _loadable_optimizer_format(_trainer(1), RunMetadata(optimizer_format=None),
                                       load_optimizer=True) is None
