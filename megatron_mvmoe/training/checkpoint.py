@@ -253,7 +253,7 @@ class AsyncSaver:
 
 
 # ------------------------------------------------------------------------------- load
-def _load_rng(directory: str, saved_world_size: int) -> bool:
+def _load_rng(directory: str, saved_world_size: Optional[int]) -> bool:
     """The rng part, when this rank has one of the same world size (else the run reseeds
     from (seed, step))."""
     path = _rng_path(directory)

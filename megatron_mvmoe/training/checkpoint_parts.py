@@ -135,7 +135,8 @@ class RunMetadata:
     """The `run metadata` part: what the checkpoint was saved from. Loading keeps it for
     the loader's decisions (the fingerprint is checked by checkpointing/ before any part)."""
 
-    world_size: int = 0
+    world_size: Optional[int] = None
+    """Ranks at save time: the rng part applies only at the same world size."""
     layout: Optional[Dict[str, Optional[int]]] = None
     """tp, pp, ep, etp, vpp at save time (None in checkpoints older than the field)."""
     optimizer_format: Optional[str] = None
@@ -143,8 +144,8 @@ class RunMetadata:
     config: Dict = field(default_factory=dict)
 
     name = "run metadata"
-    required = ("format", "world_size", "fingerprint")
-    optional = ("layout", "optimizer_format", "config")
+    required = ("format", "fingerprint")
+    optional = ("world_size", "layout", "optimizer_format", "config")
     fix = "the directory was not written by this trainer's save; point --load at one that was"
 
     def state_dict(self) -> Dict:
@@ -153,7 +154,7 @@ class RunMetadata:
                 "config": self.config}
 
     def load_state_dict(self, state: Dict) -> None:
-        self.world_size = state["world_size"]
+        self.world_size = state.get("world_size")
         self.layout = state.get("layout")
         self.optimizer_format = state.get("optimizer_format")
         self.fingerprint, self.config = state["fingerprint"], state.get("config") or {}

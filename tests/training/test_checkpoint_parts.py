@@ -91,7 +91,7 @@ def test_older_checkpoints_without_later_keys_load_with_their_defaults():
     ("step", "position", "--finetune"),
     ("consumed_samples", "position", "--finetune"),
     ("scheduler", "scheduler", "--no-load-optim"),
-    ("world_size", "run metadata", "--load"),
+    ("fingerprint", "run metadata", "--load"),
 ])
 def test_a_missing_part_names_the_part_and_the_fix(key, part, fix):
     state = run_state_of(_parts())
