@@ -18,8 +18,8 @@ TRAINING = ROOT / "megatron_mvmoe" / "training"
 GLOBAL_STATE = ("parallel_state", "mpu")
 """Megatron's module of process-group globals, and Megatron-LM's old name for it."""
 
-EXEMPT = {"generation.py"}
-"""Inference helpers on their way out of training/ (issue 24 step 3, the tools' front door)."""
+EXEMPT: set = set()
+"""Empty since generation moved out of training/ into megatron_mvmoe/toolkit/."""
 
 
 def parallel_state_uses(source: str) -> Set[str]:
