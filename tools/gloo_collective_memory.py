@@ -1,5 +1,5 @@
 """How much resident memory gloo's tensor collectives stage beyond their own buffers: the
-measurement behind the planner's collective transient (analysis/plan_memory.py), run on
+measurement behind the planner's collective transient (planning/memory.py), run on
 local gloo ranks of this machine.
 
     python tools/gloo_collective_memory.py [--world-sizes 1 2 4] [--mib 100] [--json]

@@ -1,8 +1,8 @@
 """Plan a model on a layout: parameters (total/active), parameter overhead of every variant
 of its family against the baseline (with the paper's figures), FLOPs per token, per-GPU
 memory, all-to-all bytes per step, the context-parallel term (--cp: tokens per rank, the
-CP attention's K/V all-gather bytes, attention FLOPs per rank; analysis/
-plan_context_parallel.py); --dry-run builds rank 0 on the meta device.
+CP attention's K/V all-gather bytes, attention FLOPs per rank;
+planning/context_parallel.py); --dry-run builds rank 0 on the meta device.
 
 The world size is --world-size, else the YAML's parallel.world_size, else the "<N>gpu" in
 the YAML's file name, else the smallest world the layout needs. A layout the trainer would
@@ -17,7 +17,7 @@ divisible by ep, batch not divisible) is refused here too, with exit code 2.
   python tools/plan.py --config examples/configs/mvmoe_10b_a1b_slice_cpu.yaml --precision cpu_fp32
   python tools/plan.py --validate runs/slices/mv_ep2 --json   # planner vs a run's memory
 
-Memory by category per rank and pipeline stage (analysis/plan_memory.py): parameters,
+Memory by category per rank and pipeline stage (planning/memory.py): parameters,
 gradient (main-grad) buffers, optimizer states sharded like the distributed optimizer,
 activations per microbatch x microbatches in flight (MoE dispatch buffers and views
 included), the checkpoint save's transient; for the GPU bf16 + fp32-master run and the CPU
@@ -33,10 +33,10 @@ import os
 import sys
 
 from megatron_mvmoe.analysis.overheads import overhead_lines, parameter_overheads
-from megatron_mvmoe.analysis.plan import (PlanTarget, check_layout, dry_run_build, plan,
+from megatron_mvmoe.planning.plan import (PlanTarget, check_layout, dry_run_build, plan,
                                           planned_world_size)
-from megatron_mvmoe.analysis.plan_memory import PRECISIONS, memory_by_stage
-from megatron_mvmoe.analysis.plan_validate import table_lines, validate
+from megatron_mvmoe.planning.memory import PRECISIONS, memory_by_stage
+from megatron_mvmoe.planning.validate import table_lines, validate
 from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.config.presets import PRESETS, preset_names
 from megatron_mvmoe.config.run_config import load_yaml

@@ -1,7 +1,7 @@
 """Collect the real-width slice runs (issue 21 item 1) into examples/results/slices.md and
 slices.json: per run its command, progress lines, loss trend, the resume's losses against
 the uninterrupted run's (every digit of metrics.jsonl), checkpoint size, save / load /
-step times and the planner-vs-measured table (analysis/plan_validate.py).
+step times and the planner-vs-measured table (planning/validate.py).
 
   python tools/slices_report.py --runs runs/slices --out examples/results/slices --json
 
@@ -18,7 +18,7 @@ import re
 import sys
 from typing import Dict, List, Optional
 
-from megatron_mvmoe.analysis.plan_validate import table_lines, validate
+from megatron_mvmoe.planning.validate import table_lines, validate
 
 VARIANTS = {"mv": "multi_view", "lat": "latent", "mr": "multi_router"}
 FLAGS = {"mv": "", "lat": " --moe-variant latent --num-routers 1 --num-views 1",

@@ -8,7 +8,7 @@ import os
 
 MEMORY_DIR = "memory"
 """The per-rank memory census: training/memory_report.py writes `memory/rank<R>.json`,
-analysis/plan_validate.py (`tools/plan.py --validate RUN_DIR`) reads it."""
+planning/validate.py (`tools/plan.py --validate RUN_DIR`) reads it."""
 
 
 def memory_record_path(run_dir: str, rank: int) -> str:

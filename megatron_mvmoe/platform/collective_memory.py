@@ -1,6 +1,6 @@
 """What a tensor collective holds in resident memory beyond its own input and output, on
 the current backend: the probe behind the planner's `collective_transient`
-(analysis/plan_memory.py).
+(planning/memory.py).
 
 Measured on torch 2.13's gloo: `all_gather_into_tensor` and `reduce_scatter_tensor` stage the
 whole flat buffer (the gathered output, the scattered input) in a temporary of its size, at

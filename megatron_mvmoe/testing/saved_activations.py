@@ -6,7 +6,7 @@ saved for the backward. This counts them through `torch.autograd.graph.saved_ten
 while the model's forward runs (a forward pre-hook / hook pair marks it), each storage once,
 parameters' storages excluded (weights saved by a linear are not activations), so a
 recompute's second forward inside the backward is not counted. Tests compare it with
-the planner's per-microbatch activations (analysis/plan_memory.py).
+the planner's per-microbatch activations (planning/memory.py).
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def check_fits(run) -> None:
     anything is allocated. Every rank raises the same error (the verdict is all-reduced)."""
     import torch.distributed as dist
 
-    from megatron_mvmoe.analysis.plan_memory import fit_error
+    from megatron_mvmoe.planning.memory import fit_error
 
     if os.environ.get(SKIP_CHECK_ENV, "").lower() == "off" or not dist.is_initialized():
         return

@@ -1,4 +1,4 @@
-"""The planner's CP term (analysis/plan_context_parallel.py) against naive references:
+"""The planner's CP term (planning/context_parallel.py) against naive references:
 the bytes our CP core attention really hands to gloo (the real collectives, counted as
 they run) at CP = 2 and 4, and the 10B-A1B plan at CP = 2 against its CP = 1 plan with
 the differences written out by hand."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_mvmoe.analysis.plan import PlanTarget, plan
-from megatron_mvmoe.analysis.plan_context_parallel import kv_bytes_per_layer
+from megatron_mvmoe.planning.plan import PlanTarget, plan
+from megatron_mvmoe.planning.context_parallel import kv_bytes_per_layer
 from megatron_mvmoe.config.model_section import ModelSection, model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
@@ -96,7 +96,7 @@ def test_10b_plan_at_cp2_against_cp1_by_hand():
 
 def test_plan_refuses_a_sequence_cp_does_not_split():
     m = dataclasses.replace(model_from_preset("tiny_multi_view"), seq_length=30)
-    from megatron_mvmoe.analysis.plan import check_layout
+    from megatron_mvmoe.planning.plan import check_layout
     with pytest.raises(ValueError, match=r"layout.cp: seq_length 30"):
         check_layout(m, PlanTarget(ParallelLayout(cp=2), global_batch_size=8))
 
@@ -106,7 +106,7 @@ def test_rank_memory_at_cp2_against_cp1_by_hand(precision):
     """Per rank (plan_memory): every saved activation is per local token, so CP = 2 halves
     a microbatch's activations; the CP attention adds the remote K/V and (without flash
     attention) keeps half the S x S softmax; dense Adam state splits over DP x CP."""
-    from megatron_mvmoe.analysis.plan_memory import Numerics, rank_memory
+    from megatron_mvmoe.planning.memory import Numerics, rank_memory
 
     m = model_from_preset("mvmoe_10b_a1b")
     one = rank_memory(m, PlanTarget(ParallelLayout(tp=2, ep=8), world_size=16), 0, precision,

@@ -136,7 +136,7 @@ def test_mla_fields_without_mla_and_local_q_norm_are_refused():
 
 
 def _attention_params_worker(rank, world_size, extra):
-    from megatron_mvmoe.analysis.plan import attention_params
+    from megatron_mvmoe.config.model_costs import attention_params
     from megatron_mvmoe.config.model_section import model_section_from_dict
     from megatron_mvmoe.models.provider import build_gpt_chunk, transformer_config
 
@@ -155,7 +155,7 @@ def _attention_params_worker(rank, world_size, extra):
      "kv_lora_rank": 12, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 12}],
     ids=["standard", "qk_norm", "mla_defaults", "mla_qk_lora"])
 def test_planner_counts_the_built_attention(extra):
-    """analysis/plan.py's attention parameters equal the built layer's (the planner sizes
+    """planning/plan.py's attention parameters equal the built layer's (the planner sizes
     MLA and QK-norm models from the same fields)."""
     built, planned = run_distributed(_attention_params_worker, 1, args=(extra,))[0]
     assert built == planned, (built, planned)

@@ -83,8 +83,8 @@ def test_recompute_at_ep2_matches_ep2_without():
 
 
 def _saved_worker(rank, world_size, variant, recompute):
-    from megatron_mvmoe.analysis.plan import PlanTarget
-    from megatron_mvmoe.analysis.plan_memory import (grouped_experts_on, moe_layer_elements,
+    from megatron_mvmoe.planning.plan import PlanTarget
+    from megatron_mvmoe.planning.memory import (grouped_experts_on, moe_layer_elements,
                                                      stacked_expert_elements)
     from megatron_mvmoe.config.model_section import model_section_from_dict
     from megatron_mvmoe.models.provider import transformer_config
@@ -119,9 +119,9 @@ def test_recompute_drops_what_the_planner_says(variant):
     """Bytes saved for the backward per microbatch (counted at autograd's saved-tensor hook):
     recompute removes the planner's `moe_layer_elements` (plus the stacked expert copies of
     the grouped CPU path) of both MoE layers, within the planner's activations target
-    (plan_validate.TARGET_PERCENT, 15 %; smoe / latent / Multi-Router / Multi-View are within
+    (planning.validate.TARGET_PERCENT, 15 %; smoe / latent / Multi-Router / Multi-View are within
     10 %, MH-MoE's sub-token bookkeeping leaves it about 12 % under)."""
-    from megatron_mvmoe.analysis.plan_validate import TARGET_PERCENT
+    from megatron_mvmoe.planning.validate import TARGET_PERCENT
 
     off = run_distributed(_saved_worker, 1, args=(variant, "off"))[0]
     on = run_distributed(_saved_worker, 1, args=(variant, "selective_moe"))[0]
@@ -134,8 +134,8 @@ def test_flags_reach_megatron_and_the_planner():
     """--moe-layer-recompute / --recompute-modules mean Megatron-LM's: the config Megatron
     builds and the planner's rule (recomputed_modules) agree; the planner's activations fall
     by the MoE layers' saved tensors less one layer rebuilt in the backward."""
-    from megatron_mvmoe.analysis.plan import PlanTarget
-    from megatron_mvmoe.analysis.plan_memory import activation_bytes, recomputed_modules
+    from megatron_mvmoe.planning.plan import PlanTarget
+    from megatron_mvmoe.planning.memory import activation_bytes, recomputed_modules
     from megatron_mvmoe.config.flags import config_from_args
     from megatron_mvmoe.models.build import model_config
 
@@ -154,7 +154,7 @@ def test_flags_reach_megatron_and_the_planner():
                                   "--recompute-modules", "moe"]).model
     target = PlanTarget(ParallelLayout(), micro_batch_size=2, global_batch_size=2)
     a, b = (activation_bytes(m, target, 0, "gpu_bf16") for m in (off, on))
-    from megatron_mvmoe.analysis.plan_memory import moe_layer_elements
+    from megatron_mvmoe.planning.memory import moe_layer_elements
     one_layer = 2 * moe_layer_elements(on, 2 * on.seq_length, 1)  # bf16
     assert a["activations"] - b["activations"] == pytest.approx(
         (on.num_layers - 1) * one_layer)

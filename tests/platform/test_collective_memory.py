@@ -1,12 +1,12 @@
-"""The planner's collective transient (analysis/plan_memory.py) rests on one measured fact of
+"""The planner's collective transient (planning/memory.py) rests on one measured fact of
 gloo: all_gather_into_tensor and reduce_scatter_tensor stage their whole flat buffer in a
 temporary, all_reduce works in place (platform/collective_memory.py). This probes that fact
 on real gloo ranks, and checks the planner's term against a count written out here."""
 
 import pytest
 
-from megatron_mvmoe.analysis.plan import PlanTarget
-from megatron_mvmoe.analysis.plan_memory import (collective_transient, optimizer_step_transient,
+from megatron_mvmoe.planning.plan import PlanTarget
+from megatron_mvmoe.planning.memory import (collective_transient, optimizer_step_transient,
                                                  rank_memory, stage_parameters)
 from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout

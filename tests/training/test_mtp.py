@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from megatron_mvmoe.analysis.plan import (PlanTarget, flops_per_token, mtp_params,
-                                          parameter_counts, plan)
+from megatron_mvmoe.config.model_costs import flops_per_token, mtp_params, parameter_counts
+from megatron_mvmoe.planning.plan import PlanTarget, plan
 from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed

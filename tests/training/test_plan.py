@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from megatron_mvmoe.analysis.overheads import parameter_overheads
-from megatron_mvmoe.analysis.plan import PlanTarget, parameter_counts, plan, planned_world_size
+from megatron_mvmoe.config.model_costs import parameter_counts
+from megatron_mvmoe.planning.plan import PlanTarget, plan, planned_world_size
 from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.parallel import ParallelLayout
 from megatron_mvmoe.testing.spawn import run_distributed
@@ -66,7 +67,7 @@ def test_overheads_against_naive_count():
 
 
 def test_every_documented_10b_layout_divides():
-    from megatron_mvmoe.analysis.plan import check_layout
+    from megatron_mvmoe.planning.plan import check_layout
     from megatron_mvmoe.config.presets import LAYOUTS_10B
 
     m = model_from_preset("mvmoe_10b_a1b")
@@ -120,7 +121,7 @@ def test_tiny_counts_match_built_models():
 
 @pytest.mark.timeout(240)
 def test_dry_run_10b_rank0_matches_plan():
-    code = ("from megatron_mvmoe.analysis.plan import PlanTarget, dry_run_build;"
+    code = ("from megatron_mvmoe.planning.plan import PlanTarget, dry_run_build;"
             "from megatron_mvmoe.parallel import ParallelLayout;"
             "from megatron_mvmoe.config.model_section import model_from_preset;"
             "m = model_from_preset('mvmoe_10b_a1b');"
@@ -164,7 +165,7 @@ def test_static_bytes_against_naive_count():
     """fp32 Adam on CPU is 16 B per parameter without sharding; the distributed optimizer
     divides Adam's 8 B over the data-parallel (dense) and expert-data-parallel (experts)
     ranks; bf16 + fp32 master is 2 + 4 + 12 / shard."""
-    from megatron_mvmoe.analysis.plan_memory import stage_parameters, static_bytes
+    from megatron_mvmoe.planning.memory import stage_parameters, static_bytes
 
     m = model_from_preset("mvmoe_10b_a1b")
     target = PlanTarget(ParallelLayout(ep=8), world_size=16)  # dp 16, expert dp 2
@@ -186,7 +187,7 @@ def test_save_and_stacked_expert_terms_against_naive_count():
     """The torch_dist writer clones every view it writes: the parameters of replica 0 and
     the fp32 main-parameter shards (4 B each); the grouped CPU expert path keeps the
     stacked local expert weights per layer (64 x 3 x 256 x 3968 at EP = 2)."""
-    from megatron_mvmoe.analysis.plan_memory import (save_transient, stacked_expert_elements,
+    from megatron_mvmoe.planning.memory import (save_transient, stacked_expert_elements,
                                                      stage_parameters)
 
     m = model_from_preset("mvmoe_10b_a1b")

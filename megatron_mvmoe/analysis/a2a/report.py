@@ -112,7 +112,7 @@ def _model_lines(cfg: dict) -> List[str]:
         f"- Links: intra-node {links['nvlink_GBps']:.0f} GB/s per direction (NVLink4: 450 GB/s "
         f"datasheet, ~370 achieved by NCCL), inter-node {links['network_GBps']:.0f} GB/s per GPU "
         "(NDR InfiniBand 400 Gb/s = 50 GB/s, ~48 achieved), one NIC per GPU.",
-        f"- Compute: analytic training FLOPs (`analysis/plan.py`) at {cfg['achieved_tflops']:.0f} "
+        f"- Compute: analytic training FLOPs (`planning/plan.py`) at {cfg['achieved_tflops']:.0f} "
         "TFLOP/s achieved per GPU; no overlap of compute and communication.",
         "- Time of one collective = max over ranks of max(sent, received) intra bytes / NVLink "
         "+ max(sent, received) inter bytes / network; a layer = dispatch + combine, forward + "

@@ -49,7 +49,7 @@ What Megatron allocates (read from megatron/core 0.19.2):
 - optimizer step (torch's single-tensor AdamW on CPU: foreach is off for CPU tensors):
   one temporary the size of the largest parameter shard (the denominator), then the
   parameter all-gather above (`optimizer_step_transient`); GPU fused Adam adds nothing.
-- context parallelism (analysis/plan_context_parallel.py): every saved tensor is per local
+- context parallelism (planning/context_parallel.py): every saved tensor is per local
   token (t = S b / (cp tp)); the CP attention also keeps the other ranks' keys and values,
   and its softmax output is [b, h/tp, S/cp, S] (`cp_attention_correction_elements`); the
   distributed optimizer shards dense state over DP x CP (`dense_optimizer_ranks`).
@@ -70,10 +70,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from megatron_mvmoe.analysis.plan import PlanTarget
+from megatron_mvmoe.planning.plan import PlanTarget
 from megatron_mvmoe.config.model_costs import (attention_params, moe_layer_pattern, moe_params,
                                                mtp_num_layers, mtp_params, swiglu)
-from megatron_mvmoe.analysis.plan_context_parallel import (cp_attention_correction_elements,
+from megatron_mvmoe.planning.context_parallel import (cp_attention_correction_elements,
                                                            local_tokens)
 from megatron_mvmoe.config.model_section import ModelSection
 
@@ -395,7 +395,7 @@ def fit_error(run, world: int, local_ranks: int, available: float,
               runtime: float) -> Optional[str]:
     """None when `local_ranks` ranks of `run` fit in `available` bytes, else the one-line
     error naming the planner's estimate and what to reduce."""
-    from megatron_mvmoe.analysis.plan import PlanTarget
+    from megatron_mvmoe.planning.plan import PlanTarget
 
     m, t = run.model, run.training
     target = PlanTarget(run.parallel.layout(), world_size=world,

@@ -16,7 +16,7 @@ Design choices:
 - All-to-all bytes are the variant record's `a2a_bytes_per_token` (alltoall dispatcher,
   the same rows analysis/a2a/analytic.py counts): the bytes one rank hands to the
   dispatch and combine collectives per optimizer step, forward and backward.
-- Context parallelism (`plan_context_parallel`): tokens per rank S b / (cp tp), the
+- Context parallelism (`planning.context_parallel`): tokens per rank S b / (cp tp), the
   gathered K/V the CP attention keeps, its K/V all-gather traffic and per-rank attention
   FLOPs; dense optimizer state over DP x CP.
 """
@@ -28,12 +28,10 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Dict, Optional
 
-from megatron_mvmoe.analysis.plan_context_parallel import (context_parallel_report,
+from megatron_mvmoe.planning.context_parallel import (context_parallel_report,
                                                            gathered_kv_extra_elements,
                                                            local_tokens)
-from megatron_mvmoe.config.model_costs import (attention_params, flops_per_token,  # noqa: F401
-                                               mla_params, moe_params, mtp_num_layers,
-                                               mtp_params, parameter_counts, swiglu)
+from megatron_mvmoe.config.model_costs import flops_per_token, mtp_params, parameter_counts
 from megatron_mvmoe.config.model_section import ModelSection
 from megatron_mvmoe.config.variants import MoEDims
 

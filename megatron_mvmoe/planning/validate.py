@@ -1,5 +1,5 @@
 """The planner against a run: measured (memory/rank<R>.json, written by
-training/memory_report.py) vs predicted (analysis/plan_memory.py) per rank and category.
+training/memory_report.py) vs predicted (planning/memory.py) per rank and category.
 
 Measured, per rank:
 - params / grads / optimizer: bytes of the tensors actually allocated (census after step 1,
@@ -32,8 +32,8 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from megatron_mvmoe.analysis.plan import PlanTarget
-from megatron_mvmoe.analysis.plan_memory import rank_memory
+from megatron_mvmoe.planning.plan import PlanTarget
+from megatron_mvmoe.planning.memory import rank_memory
 from megatron_mvmoe.config.run_config import load_yaml
 from megatron_mvmoe.config.run_dir import MEMORY_DIR
 

@@ -58,7 +58,7 @@ def gathered_kv_extra_elements(m: ModelSection, micro_batch_size: int,
 def cp_attention_correction_elements(m: ModelSection, micro_batch_size: int,
                                      layout: ParallelLayout, flash: bool) -> float:
     """What CP changes in one layer's saved attention tensors beyond the S/c tokens
-    (plan_memory.activation_bytes): + the gathered remote K/V; without flash attention the
+    (planning.memory.activation_bytes): + the gathered remote K/V; without flash attention the
     softmax output is [b, h/tp, S/c, S], (c-1)/c of the b (h/tp) S^2 counted at CP = 1 less
     (with flash its log-sum-exp is per local token, already divided)."""
     c, S = layout.cp, m.seq_length
