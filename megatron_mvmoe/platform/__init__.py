@@ -11,7 +11,8 @@ import torch
 from megatron_mvmoe.platform.cpu_patches import PATCHES, apply_cpu_patches
 
 __all__ = ["PATCHES", "apply_cpu_patches", "backend", "device", "is_cuda", "seed_all",
-           "peak_memory_bytes", "reset_megatron_process_state", "synchronize"]
+           "peak_memory_bytes", "reset_megatron_process_state", "synchronize",
+           "device_rng_state", "set_device_rng_state"]
 
 
 def is_cuda() -> bool:
@@ -47,6 +48,18 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
     if parallel_state.model_parallel_is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def device_rng_state():
+    """The CUDA default generator's state (hidden dropout outside tensor-parallel regions
+    draws from it), or None on the CPU, where the torch generator is that stream."""
+    return torch.cuda.get_rng_state() if is_cuda() else None
+
+
+def set_device_rng_state(state) -> None:
+    """Restore what `device_rng_state` returned (no-op on the CPU)."""
+    if is_cuda():
+        torch.cuda.set_rng_state(state)
 
 
 def device_name() -> str:

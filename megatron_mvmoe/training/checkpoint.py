@@ -19,8 +19,10 @@ Design choices:
 - Everything else is JSON we read ourselves. The model fingerprint
   (checkpointing/fingerprint.py) is compared before any tensor is read, and a mismatch
   names the differing fields.
-- The RNG files are per rank; on a different world size they do not apply and the run
-  reseeds from (seed, step) instead, which the log says.
+- The RNG files are per rank (torch, Python, NumPy, CUDA and Megatron's RNG-tracker
+  states, as Megatron-LM keeps them); on a different world size or layout they do not
+  apply and the run reseeds every generator and the tracker from (seed, step) instead,
+  which the log says.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.fingerprint import model_fingerprint
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
 from megatron_mvmoe.checkpointing.weights import open_checkpoint, read_tensors
+from megatron_mvmoe import platform
 from megatron_mvmoe.platform import dist_ckpt_writer_queue as writer_queue
 from megatron_mvmoe.training.build import Trainer
 from megatron_mvmoe.training.checkpoint_parts import (JsonPart, ModelPart, OptimizerPart,
@@ -253,14 +256,41 @@ class AsyncSaver:
 
 
 # ------------------------------------------------------------------------------- load
-def _load_rng(directory: str, saved_world_size: Optional[int]) -> bool:
-    """The rng part, when this rank has one of the same world size (else the run reseeds
-    from (seed, step))."""
+def _load_rng(trainer: Trainer, directory: str, saved: RunMetadata, step: int) -> None:
+    """The rng part, when this rank has one saved at the same world size and layout (the
+    file of global rank r then belongs to the same TP/PP/EP/DP ranks); else every generator
+    and Megatron's RNG tracker are reseeded from (seed, step), so a resharded resume is
+    deterministic and does not replay step 0's dropout masks. The log says which."""
     path = _rng_path(directory)
-    if dist.get_world_size() != saved_world_size or not os.path.isfile(path):
-        return False
-    RngPart().load_state_dict(torch.load(path, weights_only=True))
-    return True
+    layout = _layout(trainer)
+    part, reason = RngPart(), None
+    if dist.get_world_size() != saved.world_size or saved.layout not in (None, layout):
+        reason = (f"saved at world size {saved.world_size}, layout {saved.layout}; now "
+                  f"{dist.get_world_size()}, {layout}")  # layout None: before the field
+    elif not os.path.isfile(path):
+        reason = f"{path} is missing"
+    if reason is None:
+        part.load_state_dict(torch.load(path, weights_only=True))
+    else:
+        platform.seed_all(trainer.run.training.seed + step)
+    note = _rng_note(reason, part.tracker_restored, step)
+    if note is not None and dist.get_rank() == 0:
+        print(note, flush=True)
+
+
+def _rng_note(reason: Optional[str], tracker_restored: bool, step: int) -> Optional[str]:
+    """The log line for a resume whose random streams do not continue exactly (`reason`:
+    why the rng part did not apply); None when they do."""
+    if reason is not None:
+        return (f"rng: the checkpoint's generator states do not apply ({reason}): every "
+                f"generator and Megatron's RNG tracker reseeded from (seed, step {step}); "
+                "with dropout > 0 the losses differ from an uninterrupted run's")
+    if not tracker_restored:
+        return ("rng: this checkpoint has no Megatron RNG-tracker states (saved before they "
+                "were kept, or on another device type): the attention-dropout (and "
+                "sequence-parallel hidden-dropout) streams restart from the seed; with "
+                "dropout > 0 the losses differ from an uninterrupted run's")
+    return None
 
 
 def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
@@ -302,7 +332,7 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
     read_part(scheduler, meta, directory)
     if scheduler.note is not None and dist.get_rank() == 0:
         print(scheduler.note, flush=True)
-    _load_rng(directory, saved.world_size)
+    _load_rng(trainer, directory, saved, position.step)
     return position
 
 

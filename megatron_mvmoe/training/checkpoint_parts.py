@@ -7,7 +7,8 @@ loads by iterating them.
   model        dist-checkpointing tensors model<i>    strict, every key
   optimizer    dist-checkpointing tensors optimizer   paired by structure (resume_groups)
   scheduler    run_state.json "scheduler"             the schedule rule (schedule_rule.py)
-  rng          rng/rank_<r>.pt                        same world size only, else reseeded
+  rng          rng/rank_<r>.pt (tracker states too)   same world size and layout, else
+                                                      reseeded from (seed, step)
   position     run_state.json step, consumed_samples, gamma, skipped_iters
   run metadata run_state.json format, world_size, layout, optimizer_format, fingerprint,
                config                                 read (checked by checkpointing/)
@@ -32,11 +33,12 @@ from typing import Dict, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
+from megatron.core import tensor_parallel
 
 from megatron_mvmoe.checkpointing.directory import FORMAT, RUN_STATE
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.weights import model_sharded_state_dict, set_model_weights
-from megatron_mvmoe.platform import is_cuda
+from megatron_mvmoe.platform import device_rng_state, is_cuda, set_device_rng_state
 from megatron_mvmoe.training.resume_groups import align_saved_groups, apply_schedule_rule
 from megatron_mvmoe.training.schedule_rule import restore_scheduler
 
@@ -161,22 +163,61 @@ class RunMetadata:
 
 
 # --------------------------------------------------------------------------- per rank
+TRACKER_KEY = "rng_tracker_states"
+"""Megatron's RNG-tracker states in the rng part (Megatron-LM's name for them)."""
+
+
 class RngPart:
-    """This rank's torch, Python and NumPy generators (rng/rank_<r>.pt)."""
+    """This rank's torch, Python and NumPy generators, the CUDA generator on a GPU, and
+    Megatron's RNG-tracker states (model-parallel, expert-parallel, data-parallel; the
+    streams of attention dropout and, with sequence parallelism, hidden dropout), as
+    Megatron-LM's checkpoints keep them (rng/rank_<r>.pt: one file per rank, so per TP/PP/EP
+    rank). Files written before the tracker states were kept load without them;
+    `tracker_restored` then says False."""
 
     name = "rng"
 
+    def __init__(self) -> None:
+        self.tracker_restored = False
+
     def state_dict(self) -> Dict:
         np_state = np.random.get_state()
-        return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-                "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                "numpy_pos": int(np_state[2])}
+        state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+                 "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                 "numpy_pos": int(np_state[2]), TRACKER_KEY: _tracker_states()}
+        cuda = device_rng_state()
+        if cuda is not None:
+            state["cuda"] = cuda
+        return state
 
     def load_state_dict(self, state: Dict) -> None:
         torch.set_rng_state(state["torch"])
         random.setstate((3, tuple(state["python"]), None))
         np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32),
                              state["numpy_pos"], 0, 0.0))
+        if "cuda" in state:
+            set_device_rng_state(state["cuda"])
+        self.tracker_restored = _tracker_fits(state.get(TRACKER_KEY))
+        if self.tracker_restored:
+            tensor_parallel.get_cuda_rng_tracker().set_states(dict(state[TRACKER_KEY]))
+
+
+def _tracker_fits(saved: Optional[Dict[str, torch.Tensor]]) -> bool:
+    """The saved tracker states exist and have this tracker's names and generator sizes (a
+    CUDA generator state is 16 bytes, a CPU one 5056: a GPU checkpoint's states cannot drive
+    the CPU tracker)."""
+    if saved is None:
+        return False
+    current = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return (not current or set(saved) == set(current)) and all(
+        saved[name].numel() == current[name].numel() for name in saved if name in current)
+
+
+def _tracker_states() -> Dict[str, torch.Tensor]:
+    """Copies of the tracker's named generator states (saved between steps, outside any
+    fork, so they are current)."""
+    return {name: state.clone() for name, state
+            in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
 
 
 # ------------------------------------------------------------------------ tensor parts

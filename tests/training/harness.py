@@ -24,6 +24,18 @@ def tiny_run(data_dir: str, preset: str = "tiny_multi_view", parallel: Optional[
                 training=base, logging=dict(log_interval=5, tensorboard=False))
 
 
+DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+"""Megatron-LM's default dropout on both streams: hidden dropout draws from the default
+generator (with sequence parallelism, from a fork of Megatron's RNG tracker), attention
+dropout from the tracker's model-parallel state; a resume must continue both."""
+
+
+def with_dropout(raw: Dict) -> Dict:
+    """`raw` (a tiny_run config) with DROPOUT."""
+    raw["model"]["extra"] = dict(DROPOUT)
+    return raw
+
+
 def _nan_loss_once(step_to_poison: int):
     """on_step hook: the model's per-token losses are multiplied by NaN in step
     `step_to_poison` only (the weights stay finite), so that step's loss and grads are NaN."""

@@ -14,8 +14,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe.checkpointing.directory import FORMAT
 from megatron_mvmoe.checkpointing.errors import CheckpointError
-from megatron_mvmoe.training.checkpoint_parts import (ResumeState, RngPart, RunMetadata,
-                                                      SchedulerPart, read_part, run_state_of)
+from megatron_mvmoe.training.checkpoint_parts import (TRACKER_KEY, ResumeState, RngPart,
+                                                      RunMetadata, SchedulerPart, read_part,
+                                                      run_state_of)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,15 +111,65 @@ def _draws():
             np.random.rand(3).tolist())
 
 
-def test_rng_part_round_trips_every_generator():
+@pytest.fixture
+def tracker():
+    """Megatron's RNG tracker holding two named CPU generator states (as the CPU patches
+    make it hold them); emptied again afterwards."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.set_states({name: torch.Generator().manual_seed(seed).get_state()
+                        for name, seed in (("model-parallel-rng", 6), ("expert-parallel-rng", 7))})
+    yield tracker
+    tracker.reset()
+
+
+def _tracker_draws(tracker):
+    """The next draws of each named state, through a generator of its own (the naive
+    reference: what a fork of that state would draw)."""
+    draws = {}
+    for name, state in tracker.get_states().items():
+        generator = torch.Generator()
+        generator.set_state(state)
+        draws[name] = torch.rand(3, generator=generator).tolist()
+    return draws
+
+
+def _advance(tracker):
+    tracker.set_states({name: torch.Generator().manual_seed(99 + i).get_state()
+                        for i, name in enumerate(tracker.get_states())})
+
+
+def test_rng_part_round_trips_every_generator(tracker):
     torch.manual_seed(3)
     random.seed(4)
     np.random.seed(5)
     saved = RngPart().state_dict()
-    expected = _draws()  # the naive reference: what comes next after the save
+    expected = _draws(), _tracker_draws(tracker)  # what comes next after the save
     _draws()  # move every generator on
-    RngPart().load_state_dict(torch.load(_saved_to_disk(saved), weights_only=True))
-    assert _draws() == expected
+    _advance(tracker)
+    part = RngPart()
+    part.load_state_dict(torch.load(_saved_to_disk(saved), weights_only=True))
+    assert (_draws(), _tracker_draws(tracker)) == expected and part.tracker_restored
+
+
+def test_rng_part_without_tracker_states_loads_the_rest(tracker):
+    """A file written before the tracker states were kept (or with a GPU's 16-byte states
+    on the CPU): the other generators are restored, the tracker is left as it is."""
+    torch.manual_seed(3)
+    saved, expected = RngPart().state_dict(), _draws()
+    gpu_states = {name: torch.zeros(16, dtype=torch.uint8) for name in tracker.get_states()}
+    for tracker_states in (None, gpu_states):
+        old = {k: v for k, v in saved.items() if k != TRACKER_KEY}
+        if tracker_states is not None:
+            old[TRACKER_KEY] = tracker_states
+        _draws()
+        before = _tracker_draws(tracker)
+        part = RngPart()
+        part.load_state_dict(torch.load(_saved_to_disk(old), weights_only=True))
+        assert _draws() == expected and not part.tracker_restored
+        assert _tracker_draws(tracker) == before
 
 
 def _saved_to_disk(state):
@@ -129,3 +180,44 @@ def _saved_to_disk(state):
     torch.save(state, buffer)
     buffer.seek(0)
     return buffer
+
+
+def _load_rng_at_another_layout(rank, world_size, directory):
+    """One gloo rank (tp = pp = ep = 1) loads the rng part of a checkpoint saved at world
+    size 2, then at world size 1 but EP = 2: both must reseed; returns what each left."""
+    from megatron.core import tensor_parallel
+
+    from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
+    from megatron_mvmoe.platform import apply_cpu_patches
+    from megatron_mvmoe.training.checkpoint import _load_rng
+
+    apply_cpu_patches()
+    initialize_layout(ParallelLayout())
+    parallel = SimpleNamespace(tp=1, pp=1, ep=1, etp=1, vpp=None)
+    trainer = SimpleNamespace(run=SimpleNamespace(training=SimpleNamespace(seed=1234),
+                                                  parallel=parallel))
+    left = []
+    for saved in (RunMetadata(world_size=2, layout=dict(vars(parallel), ep=2)),
+                  RunMetadata(world_size=1, layout=dict(vars(parallel), ep=2))):
+        torch.rand(7)  # wherever the run's generators were
+        _load_rng(trainer, directory, saved, step=7)
+        left.append((torch.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states()))
+    return left
+
+
+def test_rng_part_of_another_layout_reseeds_from_seed_and_step(tmp_path, capfd):
+    """Megatron's seeding rule, written out: the default generator gets seed, the tracker's
+    model-parallel state seed + 2718 + tp_rank, its expert-parallel state seed + 1024 +
+    100 ep_rank + etp_rank; here seed = 1234 + step 7."""
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    left = run_distributed(_load_rng_at_another_layout, 1, timeout_s=120,
+                           args=(str(tmp_path),))[0]
+    state = lambda seed: torch.Generator().manual_seed(seed).get_state()  # noqa: E731
+    for torch_state, tracker_states in left:
+        assert torch.equal(torch_state, state(1241))
+        assert torch.equal(tracker_states["model-parallel-rng"], state(1241 + 2718))
+        assert torch.equal(tracker_states["expert-parallel-rng"], state(1241 + 1024))
+    out = capfd.readouterr().out
+    assert out.count("rng: the checkpoint's generator states do not apply (saved at world "
+                     "size") == 2 and "reseeded from (seed, step 7)" in out

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from harness import tiny_run, train
+from harness import tiny_run, train, with_dropout
 from megatron_mvmoe.testing.spawn import DistributedTestError
 from megatron_mvmoe.checkpointing.integrity import prune
 
@@ -112,14 +112,16 @@ def test_prune_never_deletes_what_latest_names(tmp_path):
 
 def test_usr1_on_one_rank_saves_stops_and_resumes_bit_identically(text_tokens, tmp_path):
     """The requeue pattern: the same --save X --load X for the first launch (X empty) and
-    the restart; rank 1 alone gets SIGUSR1 in step 3, both ranks stop after step 3."""
-    full = train(_run(text_tokens, parallel={"ep": 2}, train_iters=6), 2)
+    the restart; rank 1 alone gets SIGUSR1 in step 3, both ranks stop after step 3. With
+    dropout 0.1."""
+    full = train(with_dropout(_run(text_tokens, parallel={"ep": 2}, train_iters=6)), 2)
     root = str(tmp_path / "ck")
-    first = train(_run(text_tokens, parallel={"ep": 2}, train_iters=6, save=root, load=root), 2,
-                  hook=("signal", 3, signal.SIGUSR1, 1))
+    first = train(with_dropout(_run(text_tokens, parallel={"ep": 2}, train_iters=6, save=root,
+                                     load=root)), 2, hook=("signal", 3, signal.SIGUSR1, 1))
     assert first["stopped"].startswith("SIGUSR1") and len(first["losses"]) == 3
     assert _iters(root) == ["iter_0000003"]
-    second = train(_run(text_tokens, parallel={"ep": 2}, train_iters=6, save=root, load=root), 2)
+    second = train(with_dropout(_run(text_tokens, parallel={"ep": 2}, train_iters=6, save=root,
+                                      load=root)), 2)
     assert second["stopped"] is None and second["first_step"] == 4
     assert first["losses"] + second["losses"] == full["losses"]
 

@@ -1,12 +1,15 @@
 """Training on real text through Megatron's engine: the loss falls at EP=2, layouts agree,
 resume is bit-identical, a checkpoint loads on another layout, and mistakes fail clearly."""
 
+import hashlib
+import json
 import os
 
 import pytest
+import torch
 
 from megatron_mvmoe.testing.spawn import DistributedTestError
-from harness import tiny_run, train
+from harness import tiny_run, train, with_dropout
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,21 +61,71 @@ def test_layout_parity_first_steps(text_tokens, init_ckpt, one_rank_losses, para
     assert max(abs(a - b) for a, b in zip(reference, other)) < 1e-4, (reference, other)
 
 
-def test_resume_is_bit_identical_and_reshards(text_tokens, tmp_path):
+def _dropout_run(text_tokens, parallel, **training):
+    return with_dropout(tiny_run(text_tokens, parallel=parallel, **training))
+
+
+def _rewind(root, step):
+    with open(os.path.join(root, "latest"), "w") as fh:
+        fh.write(f"iter_{step:07d}\n")
+
+
+def _strip_tracker_states(directory):
+    """Make `directory` a checkpoint as saved before the rng part kept Megatron's tracker
+    states (its manifest entries rewritten as that save would have written them)."""
+    manifest_path = os.path.join(directory, "manifest.json")
+    with open(manifest_path) as fh:
+        manifest = json.load(fh)
+    for name in os.listdir(os.path.join(directory, "rng")):
+        path = os.path.join(directory, "rng", name)
+        state = torch.load(path, weights_only=True)
+        del state["rng_tracker_states"]
+        torch.save(state, path)
+        with open(path, "rb") as fh:
+            digest = hashlib.sha256(fh.read()).hexdigest()
+        manifest["files"][f"rng/{name}"] = {"size": os.path.getsize(path), "sha256": digest}
+    with open(manifest_path, "w") as fh:
+        json.dump(manifest, fh)
+
+
+def test_resume_is_bit_identical_and_reshards(text_tokens, tmp_path, capfd):
+    """At EP=2 with dropout: the resumed steps equal the uninterrupted ones bit for bit (the
+    checkpoint restores Megatron's RNG-tracker states too; one without them still resumes,
+    saying once that the dropout streams restart), then the weights reshard."""
     root = str(tmp_path / "ck")
-    full = train(tiny_run(text_tokens, parallel={"ep": 2}, train_iters=9, save=root,
-                          save_interval=4), 2)
-    with open(os.path.join(root, "latest"), "w") as fh:  # resume from step 4, not 9
-        fh.write("iter_0000004\n")
-    resumed = train(tiny_run(text_tokens, parallel={"ep": 2}, train_iters=9, load=root), 2)
+    full = train(_dropout_run(text_tokens, {"ep": 2}, train_iters=9, save=root,
+                              save_interval=4), 2)
+    _rewind(root, 4)  # resume from step 4, not 9
+    resumed = train(_dropout_run(text_tokens, {"ep": 2}, train_iters=9, load=root), 2)
     assert resumed["first_step"] == 5
     assert resumed["losses"] == full["losses"][4:]  # steps 5..9, bit for bit
-    # Another layout: evaluate the step-4 weights at PP=2 and at EP=1 (no more steps).
-    at_save = train(tiny_run(text_tokens, parallel={"ep": 2}, train_iters=4, load=root), 2)
+    _strip_tracker_states(os.path.join(root, "iter_0000004"))
+    capfd.readouterr()
+    older = train(_dropout_run(text_tokens, {"ep": 2}, train_iters=5, load=root), 2)
+    assert older["losses"] != full["losses"][4:5]  # the attention-dropout masks restarted
+    assert capfd.readouterr().out.count("rng: this checkpoint has no Megatron RNG-tracker "
+                                        "states") == 1
+    # Another layout: evaluate the step-4 weights at PP=2 and at EP=1 (no more steps; eval
+    # runs without dropout).
+    at_save = train(_dropout_run(text_tokens, {"ep": 2}, train_iters=4, load=root), 2)
     for parallel, world in (({"pp": 2}, 2), ({}, 1)):
-        other = train(tiny_run(text_tokens, parallel=parallel, train_iters=4, load=root), world)
+        other = train(_dropout_run(text_tokens, parallel, train_iters=4, load=root), world)
         for domain, loss in at_save["eval"].items():
             assert abs(other["eval"][domain] - loss) < 1e-4, (parallel, domain)
+
+
+@pytest.mark.parametrize("parallel,world", [({"pp": 2}, 2), ({"tp": 2, "ep": 2, "etp": 1}, 4)],
+                         ids=["pp2", "tp2_sp_ep2"])
+def test_resume_with_dropout_is_bit_identical(text_tokens, tmp_path, parallel, world):
+    """PP=2 and TP=2 (sequence parallel: hidden dropout forks the tracker): resumed at step
+    2, steps 3..4 equal the uninterrupted run's bit for bit."""
+    root = str(tmp_path / "ck")
+    full = train(_dropout_run(text_tokens, parallel, train_iters=4, eval_iters=0, save=root,
+                              save_interval=2), world)
+    _rewind(root, 2)
+    resumed = train(_dropout_run(text_tokens, parallel, train_iters=4, eval_iters=0,
+                                 load=root), world)
+    assert resumed["losses"] == full["losses"][2:], (resumed["losses"], full["losses"])
 
 
 def test_nonfinite_loss_names_step_and_layer(text_tokens):
