@@ -288,7 +288,7 @@ def _rng_note(reason: Optional[str], tracker_restored: bool, step: int) -> Optio
     if not tracker_restored:
         return ("rng: this checkpoint has no Megatron RNG-tracker states (saved before they "
                 "were kept, or on another device type): the attention-dropout (and "
-                "sequence-parallel hidden-dropout) streams restart from the seed; with "
+                "sequence-parallel hidden-dropout) streams restart as at step 1; with "
                 "dropout > 0 the losses differ from an uninterrupted run's")
     return None
 
