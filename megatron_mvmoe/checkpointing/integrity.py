@@ -1,4 +1,4 @@
-"""What keeps a checkpoint root trustworthy: manifests, retention, stale temp dirs, disk full.
+"""What keeps a checkpoint root trustworthy: manifests, retention, disk full.
 
 Design choices:
 - Every checkpoint directory gets `manifest.json` (each file's relative path, size and
@@ -12,6 +12,7 @@ Design choices:
   length; no checksums, so a shard missing or truncated is caught, altered bytes are
   not); directory.py then loads it only with --ckpt-allow-unverified.
 - Retention (`--keep-last N`) never deletes the directory `latest` names, whatever N is.
+- Publishing a finished save and recovering an interrupted publish: publish.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron_mvmoe.manifest/1"
-TMP_PREFIX = ".tmp_iter_"
+DELETED_PREFIX = ".deleted_"  # a directory being deleted (prune)
 
 
 class IntegrityError(RuntimeError):
@@ -157,25 +158,18 @@ def write_json_atomic(path: str, payload) -> None:
     os.replace(tmp, path)
 
 
-def remove_stale_tmp(root: str) -> List[str]:
-    """Delete `.tmp_iter_*` dirs that interrupted saves left in `root` (rank 0, at start-up,
-    before this run saves anything). Returns what was removed."""
-    if not os.path.isdir(root):
-        return []
-    stale = sorted(d for d in os.listdir(root) if d.startswith(TMP_PREFIX))
-    for name in stale:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return stale
-
-
 def prune(root: str, keep_last: int, latest: str) -> List[str]:
-    """Delete all but the newest `keep_last` iter_* dirs (0 = keep all), never `latest`."""
+    """Delete all but the newest `keep_last` iter_* dirs (0 = keep all), never `latest`.
+    Each is renamed to .deleted_iter_* first, so a kill mid-delete leaves no half-deleted
+    iter_* (the next start-up deletes the rest: publish.recover)."""
     if keep_last <= 0:
         return []
     names = sorted(d for d in os.listdir(root) if d.startswith("iter_"))
     doomed = [n for n in names[:-keep_last] if n != latest]
     for name in doomed:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        trash = os.path.join(root, DELETED_PREFIX + name)
+        os.rename(os.path.join(root, name), trash)
+        shutil.rmtree(trash, ignore_errors=True)
     return doomed
 
 

@@ -8,9 +8,11 @@ state_dict()/load_state_dict() (checkpoint_parts.py: model, optimizer, scheduler
 position, run metadata); save and load go through them.
 
 Design choices:
-- A save writes into `.tmp_iter_N`, then renames it to `iter_N`, then replaces `latest`
-  through a temp file + os.replace: a crash at any point leaves the previous `latest` and
-  its directory intact.
+- A save writes into `.tmp_iter_N`, then renames it to `iter_N` (a re-saved step's old copy
+  is first renamed aside, deleted only after `latest` names the new one), then replaces
+  `latest` through a temp file + os.replace: a crash at any point leaves a complete copy
+  of every step `latest` may name, and the next start-up finishes or undoes the publish
+  (checkpointing/publish.py).
 - A save refuses non-finite weights; a failed write (disk full) on any rank raises the
   same error on every rank, removes the temp dir and keeps the previous checkpoint.
 - Tensors (model, optimizer) go through dist-checkpointing, so a checkpoint saved at one
@@ -41,6 +43,7 @@ from megatron_mvmoe.checkpointing.directory import LATEST, RUN_STATE
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.fingerprint import model_fingerprint
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
+from megatron_mvmoe.checkpointing.publish import publish
 from megatron_mvmoe.checkpointing.weights import open_checkpoint, read_tensors
 from megatron_mvmoe import platform
 from megatron_mvmoe.platform import dist_ckpt_writer_queue as writer_queue
@@ -151,14 +154,10 @@ def _save_failed(root: str, tmp: str, disk_full: bool, message: str) -> Checkpoi
 
 
 def _publish(trainer: Trainer, root: str, name: str) -> None:
-    """Rank 0: rename the finished temp dir into place, point `latest` at it, prune."""
+    """Collective: rank 0 puts the finished temp dir in place, points `latest` at it and
+    prunes (checkpointing/publish.py: no step's only complete copy is ever deleted)."""
     if dist.get_rank() == 0:
-        final, tmp = os.path.join(root, name), os.path.join(root, f".tmp_{name}")
-        if os.path.exists(final):  # re-saving a step: keep the old one until the swap
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        write_json_atomic(os.path.join(root, LATEST), name + "\n")
-        integrity.prune(root, trainer.run.training.keep_last, name)
+        publish(root, name, trainer.run.training.keep_last)
     dist.barrier()
 
 

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from megatron_mvmoe import platform
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.checkpointing.errors import CheckpointError
-from megatron_mvmoe.checkpointing.integrity import remove_stale_tmp, write_json_atomic
+from megatron_mvmoe.checkpointing.integrity import write_json_atomic
+from megatron_mvmoe.checkpointing.publish import recover
 from megatron_mvmoe.config.run_config import RunConfig
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.data.batch_rampup import batch_calculator
@@ -126,7 +127,7 @@ class _Loop:
         """--load (when it holds a checkpoint, or without a warm start), else the warm start."""
         t = self.run.training
         load = t.load
-        self._remove_stale_saves()
+        self._recover_saves()
         if load is not None and _same_dir(load, t.save) and not has_checkpoint(load):
             # The requeue pattern: one command line for the first launch and every restart.
             self.log.line(f"--load {load}: no checkpoint yet (first launch of --save {t.save}): "
@@ -142,18 +143,38 @@ class _Loop:
         self.log.line(f"resumed from {self.result.last_checkpoint} at step "
                       f"{self.state.step} (consumed samples {self.state.consumed_samples})")
 
-    def _remove_stale_saves(self) -> None:
+    def _recover_saves(self) -> None:
+        """Before anything is loaded: finish or undo what interrupted saves left in --save
+        (checkpointing/publish.py), and drop the stop marker of the run this one continues."""
         save = self.run.training.save
         if save is None:
             return
-        removed = []
-        if dist.get_rank() == 0:
-            removed = remove_stale_tmp(save)
-            if os.path.exists(os.path.join(save, STOPPED_MARKER)):  # this run continues it
-                os.remove(os.path.join(save, STOPPED_MARKER))
-        if removed:
-            self.log.line(f"removed {len(removed)} unfinished save(s) in {save}: {removed}")
+        done = recover(save)
+        if dist.get_rank() == 0 and os.path.exists(os.path.join(save, STOPPED_MARKER)):
+            os.remove(os.path.join(save, STOPPED_MARKER))
+        recovered = ([f".tmp_{n} (complete, manifest verified) published as {n}"
+                      for n in done.published] +
+                     [f".old_{n} (the copy kept during its re-save) renamed back to {n}"
+                      for n in done.restored])
+        if recovered:
+            self.log.line(f"recovered an interrupted save in {save}: {'; '.join(recovered)}")
+        if done.removed:
+            self.log.line(f"removed {len(done.removed)} unfinished save(s) in {save}: "
+                          f"{done.removed}")
         dist.barrier()
+
+    def already_saved(self, steps_taken: int) -> bool:
+        """Resumed from this very step's checkpoint in --save and took no step (a finished
+        run launched again): saving it again would only rewrite it."""
+        save, loaded = self.run.training.save, self.result.last_checkpoint
+        if steps_taken or save is None or loaded is None:
+            return False
+        name = f"iter_{self.state.step:07d}"
+        if os.path.realpath(loaded) != os.path.realpath(os.path.join(save, name)):
+            return False
+        self.log.line(f"step {self.state.step} is already saved in {loaded} (resumed from "
+                      "it, no step taken): not saving it again")
+        return True
 
     def warm_start(self) -> None:
         t = self.run.training
@@ -397,7 +418,8 @@ def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
                                          loop.trainer.model_section.seq_length / max(elapsed, 1e-9))
         if t.eval_iters > 0:
             loop.result.eval = loop.evaluate()
-        loop.save(wait=True)
+        if not loop.already_saved(total_steps):
+            loop.save(wait=True)
         return loop.result
     finally:
         loop.close()

@@ -72,6 +72,22 @@ def _corrupt_at(corrupt_at_step: int):
     return on_step
 
 
+def _kill_in_publish(kill_at: int):
+    """No on_step hook: this rank's checkpoint publish dies as under kill -9 (os._exit(9))
+    just before its `kill_at`-th file operation (kill_points.py)."""
+    import os
+
+    from kill_points import dying_at
+    from megatron_mvmoe.training import checkpoint
+
+    real = checkpoint._publish
+
+    def publish(*args):
+        with dying_at(kill_at, lambda: os._exit(9)):
+            real(*args)
+    checkpoint._publish = publish  # this forked rank only
+
+
 def _train(rank, world_size, raw, hook):
     from megatron_mvmoe.parallel import initialize_layout
     from megatron_mvmoe.training.pretrain import pretrain
@@ -81,8 +97,8 @@ def _train(rank, world_size, raw, hook):
                             timeout_s=run.parallel.distributed_timeout_seconds)
     on_step = None
     if hook is not None:
-        on_step = {"corrupt": _corrupt_at, "nan": _nan_loss_once,
-                   "signal": _signal_at}[hook[0]](*hook[1:])
+        on_step = {"corrupt": _corrupt_at, "nan": _nan_loss_once, "signal": _signal_at,
+                   "kill_publish": _kill_in_publish}[hook[0]](*hook[1:])
     result = pretrain(run, pgs, on_step=on_step)
     return {"losses": result.losses, "eval": result.eval, "first_step": result.first_step,
             "stopped": result.stopped, "skipped_iters": result.skipped_iters,
@@ -92,7 +108,8 @@ def _train(rank, world_size, raw, hook):
 def train(raw: Dict, world_size: int, corrupt_at_step: Optional[int] = None,
           timeout_s: float = 240, hook: Optional[Tuple] = None) -> Dict:
     """Rank 0's RunResult fields (every rank sees the same losses). `hook`: ("nan", step),
-    ("signal", step, signum, rank) or ("corrupt", step), see the functions above."""
+    ("signal", step, signum, rank), ("corrupt", step) or ("kill_publish", k), see the
+    functions above."""
     # daemon=False: Megatron's checkpoint writer starts helper processes of its own
     # (pretrain() stops them before returning).
     if corrupt_at_step is not None:
