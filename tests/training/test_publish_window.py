@@ -60,10 +60,16 @@ def _die():
 
 def _kill_everywhere_then_recover(rank, world_size, reference, scratch, new, keep_last):
     """For k = 1, 2, ...: stage, publish `new` killed before operation k, run the start-up
-    recovery; returns, per k, what `latest` names, whether its manifest verifies and is the
-    reference's, and what is left in the root."""
-    from megatron_mvmoe.checkpointing.integrity import verify_manifest
+    recovery; returns, per k, what `latest` names, whether its manifest is the reference's,
+    what is left in the root and which iter_* dirs in it verify against their manifest."""
+    from megatron_mvmoe.checkpointing.integrity import IntegrityError, verify_manifest
     from megatron_mvmoe.checkpointing.publish import publish, recover
+
+    def complete(directory):
+        try:
+            return verify_manifest(directory, fix="-")
+        except IntegrityError:
+            return False
 
     seen = []
     for kill_at in range(1, 100):
@@ -76,12 +82,13 @@ def _kill_everywhere_then_recover(rank, world_size, reference, scratch, new, kee
                 pass
         recover(root)
         latest = _read(os.path.join(root, "latest")).decode().strip()
+        left = sorted(d for d in os.listdir(root) if d != "latest.tmp")
         manifest = os.path.join(root, latest, "manifest.json")
-        seen.append(dict(kill_at=kill_at, latest=latest,
-                         verified=verify_manifest(os.path.join(root, latest), fix="-"),
-                         reference=_read(manifest) == _read(
+        seen.append(dict(kill_at=kill_at, latest=latest, left=left,
+                         reference=os.path.isfile(manifest) and _read(manifest) == _read(
                              os.path.join(reference, latest, "manifest.json")),
-                         left=sorted(d for d in os.listdir(root) if d != "latest.tmp")))
+                         complete=[d for d in left if d.startswith("iter_") and
+                                   complete(os.path.join(root, d))]))
         if done[0] < kill_at:  # this publish ran to the end: every operation was covered
             return seen
     raise AssertionError("the publish never ran to the end")
@@ -95,16 +102,17 @@ def test_kill_before_every_publish_operation_leaves_latest_complete(finished, tm
                                                                    keep_last, operations):
     """After a kill at any point and the start-up recovery, `latest` names a checkpoint
     whose manifest verifies and is byte for byte one the uninterrupted run saved (so its
-    resume is that run's: the next test resumes one), and nothing half-done is left."""
+    resume is that run's: the next test resumes one), every iter_* left is complete, and
+    nothing half-done is left."""
     reference, _ = finished
     seen = run_distributed(_kill_everywhere_then_recover, 1, timeout_s=120,
                            args=(reference, str(tmp_path), new, keep_last))[0]
-    assert len(seen) == operations + 1, seen  # each kill point, then an uninterrupted run
     for case in seen:
-        assert case["verified"] and case["reference"], case
-        assert case["latest"] in ("iter_0000004", new), case
+        assert case["latest"] in ("iter_0000004", new) and case["reference"], case
+        assert case["complete"] == [d for d in case["left"] if d.startswith("iter_")], case
+        assert new in case["complete"] and "iter_0000004" in case["complete"], case
         assert [d for d in case["left"] if d.startswith(".")] == [], case
-        assert new in case["left"] and "iter_0000004" in case["left"], case
+    assert len(seen) == operations + 1, seen  # each kill point, then an uninterrupted run
     assert seen[-1]["latest"] == new and "iter_0000002" not in seen[-1]["left"]
 
 
