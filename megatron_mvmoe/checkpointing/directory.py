@@ -6,6 +6,8 @@ Layout of a checkpoint root (written by training/checkpoint.py):
         run_state.json      step, consumed samples, gamma, scheduler, model fingerprint, config
         rng/rank_<r>.pt     per-rank RNG states (tensors only; torch.load weights_only=True)
         manifest.json       every file's size and SHA-256, written last (integrity.py)
+    .tmp_iter_0000200/      a save being written, then renamed to iter_0000200 (publish.py)
+    .old_iter_0000100/      while iter_0000100 is re-saved: its previous copy
 
 Design choices:
 - A checkpoint is named by its root (the `latest` pointer), by root + step (Megatron-LM's
@@ -29,6 +31,7 @@ from megatron_mvmoe.checkpointing.errors import CheckpointError
 
 LATEST = "latest"
 RUN_STATE = "run_state.json"
+TMP_PREFIX, OLD_PREFIX = ".tmp_", ".old_"
 FORMAT = "megatron_mvmoe.checkpoint/1"
 
 
@@ -64,9 +67,19 @@ def resolve_checkpoint(path: str, step: Optional[int] = None,
     directory = os.path.join(path, name)
     if not os.path.isfile(os.path.join(directory, RUN_STATE)):
         raise CheckpointError(f"{flag} {path}: '{LATEST}' points at {name!r}, which is missing "
-                              f"or has no {RUN_STATE} (deleted or corrupt). Fix: point "
-                              f"'{LATEST}' at an intact iter_* directory")
+                              f"or has no {RUN_STATE} (deleted or corrupt). Fix: "
+                              + _interrupted_publish_fix(path, name))
     return directory
+
+
+def _interrupted_publish_fix(root: str, name: str) -> str:
+    """A publish killed midway leaves the step under a temporary name, which only a training
+    launch with --save on this root puts back (publish.recover): say so."""
+    if any(os.path.isdir(os.path.join(root, prefix + name))
+           for prefix in (TMP_PREFIX, OLD_PREFIX)):
+        return (f"saving {name} was interrupted while it was put in place; a training launch "
+                f"with --save {root} recovers it")
+    return f"point '{LATEST}' at an intact iter_* directory"
 
 
 def earlier_fix(directory: str) -> str:

@@ -34,10 +34,7 @@ from typing import List
 import torch.distributed as dist
 
 from megatron_mvmoe.checkpointing import integrity
-from megatron_mvmoe.checkpointing.directory import LATEST
-
-TMP_PREFIX = ".tmp_"
-OLD_PREFIX = ".old_"
+from megatron_mvmoe.checkpointing.directory import LATEST, OLD_PREFIX, TMP_PREFIX
 
 
 @dataclass

@@ -16,6 +16,8 @@ import pytest
 
 from harness import tiny_run, train
 from kill_points import dying_at
+from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
+from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.testing.spawn import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -145,3 +147,14 @@ def test_launching_a_finished_run_again_does_not_rewrite_its_checkpoint(finished
     assert out["losses"] == [] and out["last_checkpoint"] == os.path.join(root, "iter_0000005")
     assert os.stat(manifest).st_ino == before
     assert "step 5 is already saved in" in capfd.readouterr().out
+
+
+def test_a_reader_of_an_interrupted_publish_is_told_how_to_recover_it(tmp_path):
+    """Tools do not recover a --save root (they only read it): the error names the
+    interrupted publish and the launch that recovers it."""
+    (tmp_path / ".old_iter_0000004").mkdir()
+    (tmp_path / "latest").write_text("iter_0000004\n")
+    with pytest.raises(CheckpointError, match=r"'latest' points at 'iter_0000004', which is "
+                       r"missing .*Fix: saving iter_0000004 was interrupted while it was put "
+                       rf"in place; a training launch with --save {tmp_path} recovers it"):
+        resolve_checkpoint(str(tmp_path))
