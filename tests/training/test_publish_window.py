@@ -37,8 +37,8 @@ def finished(text_tokens, tmp_path_factory):
 
 
 def _stage(reference: str, root: str, new: Optional[str] = None) -> None:
-    """root: iter_2 and iter_4 of the reference, `latest` -> iter_4, and a finished save of
-    `new` (the reference's copy) in .tmp_<new>, ready to publish."""
+    """root: iter_2 and iter_4 of the reference, `latest` -> iter_4, and (given `new`) a
+    finished save of `new`, the reference's copy, in .tmp_<new>, ready to publish."""
     for name in ("iter_0000002", "iter_0000004"):
         shutil.copytree(os.path.join(reference, name), os.path.join(root, name))
     with open(os.path.join(root, "latest"), "w") as fh:
