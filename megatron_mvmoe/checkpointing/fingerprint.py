@@ -1,18 +1,25 @@
-"""The model fingerprint: every field that changes a parameter's shape or meaning, stored in
+"""The model fingerprint: the fields that change a parameter's shape or meaning, stored in
 run_state.json at save and compared before any tensor is read, so loading into another
 model fails naming the differing fields instead of deep inside dist-checkpointing.
 
 Design choices:
 - ONE function, `model_fingerprint(model)`, computes it (the trainer's save and resume,
   the tools' `load_weights`) from the resolved model section.
-- Fields that do not touch parameters (the gamma ramp, the sequence length) are left out,
-  so a checkpoint loads with another ramp or context length.
+- An allow-list (`STRUCTURAL`): a field is compared only once it is listed here, so a new
+  field that holds no parameters (the dispatcher was one) never refuses older checkpoints.
+  `NOT_STRUCTURAL` lists the rest; a test keeps the two covering every ModelSection field.
+- What is written keeps the keys every earlier version wrote (the flat R, K, H; the
+  dispatcher fields since ecf52e9), so older code still reads a new checkpoint; what is
+  compared is only the allow-list, so a checkpoint that recorded more (or fewer) fields
+  loads. A structural field a checkpoint predates takes its old value (`ADDED_LATER`).
+- Fields outside the allow-list may change on resume; `changed_on_resume` names them for
+  the one line the trainer prints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.config.model_section import ModelSection
@@ -21,18 +28,45 @@ from megatron_mvmoe.config.transformer_config import MultiHeadConfig
 if TYPE_CHECKING:
     from megatron_mvmoe.config.run_config import RunConfig
 
-_NOT_STRUCTURAL = ("preset", "seq_length", "multi_view", "multi_head", "bitnet", "extra")
-"""ModelSection fields not in the fingerprint as they are (the nested ones enter flat)."""
+SHAPE_FIELDS = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads",
+                "num_query_groups", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size",
+                "moe_router_topk", "moe_shared_expert_intermediate_size", "latent_size",
+                "vocab_size", "rotary_base", "extra")
+"""ModelSection fields recorded and compared as they are (RoPE's base changes what the
+attention weights compute; `extra` holds Megatron fields we do not model, compared whole
+because some of them shape parameters)."""
+
+STRUCTURAL = SHAPE_FIELDS + ("num_routers", "num_views", "num_heads_mh",
+                             "learned_gate_scale", "bitnet", "multi_head")
+"""Every compared fingerprint key: the shape fields, then the nested sections' structural
+switches in the flat form of the first checkpoints (R, K, H; learned alpha, BitNet and the
+MH-MoE projections recorded only when not the default)."""
+
+NOT_STRUCTURAL = ("preset", "moe_dispatcher", "moe_dispatch_ranks_per_node", "seq_length",
+                  "multi_view")
+"""ModelSection fields not compared as they are: the recorded preset name, the token
+dispatcher and its node size (they hold no parameters), the sequence length (RoPE is
+computed, not stored) and multi_view (only R, K and learned alpha enter, flat; its gamma
+ramp, gate scale, kernels, init std do not). bitnet's activation bits and input norm are
+not compared either (`bitnet` above records only whether it is on)."""
+
+RECORDED_NOT_COMPARED = ("moe_dispatcher", "moe_dispatch_ranks_per_node")
+"""Written since ecf52e9 (older code reading a new checkpoint expects them), never compared."""
+
+ADDED_LATER = {"rotary_base": 10000}
+"""Structural fields newer than the first checkpoints -> the value every model had before
+they were recorded (a checkpoint without the field was built with it: 0.16.1's had no
+rotary_base). The one table; tests/checkpointing/test_fingerprint_history.py checks it
+against a stored run_state.json of each on-disk format."""
 
 
 def model_fingerprint(model: ModelSection) -> Dict:
-    """Every model field that changes a parameter's shape or meaning, in the flat form
-    checkpoints have recorded since the first version (so all of them still match):
-    shape fields, R, K, H and `extra`; switches added later are recorded only when they
-    differ from the default (learned alpha adds parameters, BitNet changes what weights
-    mean, MH-MoE's projection switches change which weights exist)."""
-    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-              if f.name not in _NOT_STRUCTURAL}
+    """What run_state.json records: the STRUCTURAL keys in the flat form checkpoints have
+    recorded since the first version (R, K and H flat; switches added later only when they
+    differ from the default: learned alpha adds parameters, BitNet changes what weights
+    mean, MH-MoE's projection switches change which weights exist), plus
+    RECORDED_NOT_COMPARED."""
+    fields = {name: getattr(model, name) for name in SHAPE_FIELDS + RECORDED_NOT_COMPARED}
     views, heads = model.multi_view, model.multi_head
     fields.update(num_routers=views.num_routers, num_views=views.num_views,
                   num_heads_mh=heads.num_heads, extra=dict(model.extra))
@@ -50,18 +84,32 @@ def run_fingerprint(run: "RunConfig") -> Dict:
     return model_fingerprint(run.model)
 
 
-ADDED_LATER = {"rotary_base": 10000}
-"""Fingerprint fields newer than the first checkpoints -> the value every model had before
-they were recorded (a checkpoint without the field was built with it)."""
-
-
 def check_fingerprint(saved: Dict, current: Dict, directory: str) -> None:
-    """CheckpointError naming every differing field (see ADDED_LATER for missing ones)."""
+    """CheckpointError naming every differing STRUCTURAL field (a field the checkpoint
+    predates compares with its ADDED_LATER value; other recorded fields are ignored)."""
     saved = {**ADDED_LATER, **saved}
-    keys = sorted(set(saved) | set(current))
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {current.get(k)!r}"
-             for k in keys if saved.get(k) != current.get(k)]
+             for k in STRUCTURAL if saved.get(k) != current.get(k)]
     if diffs:
         raise CheckpointError(f"{directory} is from an incompatible model; differing fields: "
                               + "; ".join(diffs) + ". Fix: use the checkpoint's model config "
                               "(its run_state.json 'config') or start without --load")
+
+
+def changed_on_resume(saved: ModelSection, current: ModelSection) -> List[str]:
+    """'field: checkpoint X -> this run Y' for every model field (nested ones dotted) that
+    differs; after `check_fingerprint` passed these are the ones holding no parameters."""
+    old, new = _leaves(dataclasses.asdict(saved)), _leaves(dataclasses.asdict(current))
+    return [f"{k}: checkpoint {old.get(k)!r} -> this run {new.get(k)!r}"
+            for k in sorted(set(old) | set(new))
+            if k != "preset" and old.get(k) != new.get(k)]
+
+
+def _leaves(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "extra":
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

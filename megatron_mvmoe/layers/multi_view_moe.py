@@ -22,7 +22,8 @@ Design choices:
   refuses them (MVMoETransformerConfig._validate_multi_view) naming moe_token_dispatcher_type.
 - gamma comes from a `GammaRamp` owned by the layer; its state is the persistent buffer
   `gamma_ramp_state` = [ramp_steps, step] (int64), so checkpoints carry it and a resume
-  continues the ramp (a checkpoint with another ramp length is refused on load). The
+  continues the ramp (from another ramp length: at the saved step, with this run's length;
+  the trainer's resume line names the change). The
   training loop advances it once per optimizer step (`advance_gamma_ramps(model)`).
 - Kernel choice: `multi_view.kernels` "auto" defers to MVMOE_KERNELS (default: Triton on
   CUDA, the torch path elsewhere); "triton" / "reference" force one. Both paths compute
@@ -112,6 +113,7 @@ class MultiViewMoELayer(LatentMoELayer):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         ramp_steps, step = (int(v) for v in self.gamma_ramp_state.tolist())
         self.gamma_ramp.load_state_dict({"ramp_steps": ramp_steps, "step": step})
+        self.gamma_ramp_state[0] = self.gamma_ramp.ramp_steps  # this run's length applies
 
     # ---- named phases -----------------------------------------------------------------
     def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):

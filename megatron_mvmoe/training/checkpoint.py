@@ -41,11 +41,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_mvmoe.checkpointing import integrity
 from megatron_mvmoe.checkpointing.directory import LATEST, RUN_STATE
 from megatron_mvmoe.checkpointing.errors import CheckpointError
-from megatron_mvmoe.checkpointing.fingerprint import model_fingerprint
+from megatron_mvmoe.checkpointing.fingerprint import changed_on_resume, model_fingerprint
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
 from megatron_mvmoe.checkpointing.publish import publish
 from megatron_mvmoe.checkpointing.weights import open_checkpoint, read_tensors
 from megatron_mvmoe import platform
+from megatron_mvmoe.config.model_section import model_section_from_dict
 from megatron_mvmoe.platform import dist_ckpt_writer_queue as writer_queue
 from megatron_mvmoe.training.build import Trainer
 from megatron_mvmoe.training.checkpoint_parts import (JsonPart, ModelPart, OptimizerPart,
@@ -304,6 +305,7 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
     directory, meta = open_checkpoint(path, fingerprint(trainer), step, allow_unverified)
     saved, position = RunMetadata(), ResumeState()
     read_part(saved, meta, directory)
+    _report_changed_fields(trainer, saved, directory)
     if not finetune:
         read_part(position, meta, directory)
     load_optimizer = load_optimizer and not finetune
@@ -333,6 +335,18 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
         print(scheduler.note, flush=True)
     _load_rng(trainer, directory, saved, position.step)
     return position
+
+
+def _report_changed_fields(trainer: Trainer, saved: RunMetadata, directory: str) -> None:
+    """One line naming each model field that differs from the checkpoint's config (the
+    fingerprint passed, so none holds parameters: the dispatcher, the gamma ramp, ...)."""
+    if dist.get_rank() != 0 or not saved.config.get("model"):
+        return
+    changes = changed_on_resume(model_section_from_dict(saved.config["model"]),
+                                trainer.run.model)
+    if changes:
+        print(f"resume: model fields that hold no parameters differ from {directory}'s "
+              f"config; this run's apply: {'; '.join(changes)}", flush=True)
 
 
 def _layout(trainer: Trainer) -> Dict[str, Optional[int]]:

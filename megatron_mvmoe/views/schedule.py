@@ -6,7 +6,9 @@ Design choices:
   checkpoint reproduces the baseline exactly.
 - The ramp keeps its own step counter (advanced once per optimizer step by the training
   loop) and checkpoints it with state_dict / load_state_dict, so a resumed run continues the
-  ramp where it stopped.
+  ramp where it stopped. A resume with another ramp length keeps the step and takes the
+  new length (gamma moves to step / new length; the trainer's resume line names the
+  change): the ramp holds no parameters, so the checkpoint's weights fit either way.
 """
 
 from __future__ import annotations
@@ -43,11 +45,6 @@ class GammaRamp:
         return {"ramp_steps": self.ramp_steps, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the step counter. A checkpoint written with a different ramp length is
-        refused: silently changing the ramp mid-run would jump gamma."""
-        if int(state["ramp_steps"]) != self.ramp_steps:
-            raise ValueError(
-                f"multi_view.gamma_ramp_steps: checkpoint was written with {state['ramp_steps']} "
-                f"ramp steps, this run uses {self.ramp_steps}. Fix: set gamma_ramp_steps="
-                f"{state['ramp_steps']} to resume the same ramp")
+        """Restore the step counter; this ramp's length applies from that step (a changed
+        length is named by the trainer's resume line, training/checkpoint.py)."""
         self.step = int(state["step"])

@@ -47,3 +47,21 @@ def test_dedup_dispatch_trains_like_alltoall(text_tokens, alltoall_losses, dispa
     # routing probs x 1.1 moves it by up to 3e-6, and this test fails)
     assert losses == pytest.approx(alltoall_losses, rel=0, abs=5e-7), (
         losses, alltoall_losses)
+
+
+def test_a_checkpoint_resumes_with_another_dispatcher_and_says_so(text_tokens, tmp_path,
+                                                                  capfd):
+    """Dispatchers and the gamma ramp hold no parameters: a resume may change them (the
+    fingerprint compares structural fields only) and the log names each change once."""
+    root = str(tmp_path / "ck")
+    train(tiny_run(text_tokens, train_iters=3, eval_iters=0, save=root, save_interval=3), 1)
+    resumed = tiny_run(text_tokens, train_iters=4, eval_iters=0, load=root)
+    resumed["model"].update(moe_dispatcher="dedup_rank")
+    resumed["model"]["multi_view"]["gamma_ramp_steps"] = 9
+    out = train(resumed, 1)
+    assert out["first_step"] == 4 and len(out["losses"]) == 1
+    notes = [line for line in capfd.readouterr().out.splitlines()
+             if line.startswith("resume: model fields")]
+    assert len(notes) == 1 and notes[0].endswith(
+        "this run's apply: moe_dispatcher: checkpoint 'alltoall' -> this run 'dedup_rank'; "
+        "multi_view.gamma_ramp_steps: checkpoint 5 -> this run 9"), notes
