@@ -16,13 +16,16 @@ Design choices:
   checkpoint names the newest earlier one to load instead.
 - A checkpoint without its manifest is refused unless --ckpt-allow-unverified is given
   (Megatron's `.metadata` gives shard sizes, not checksums: a flipped byte would load).
+- A run_state.json edited by hand (every tensor file still matching the manifest) is named
+  as such, with the fix (restore it, or --ckpt-allow-unverified loads it as edited), not as
+  corruption whose fix is deleting the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -97,11 +100,14 @@ ALLOW_UNVERIFIED_FLAG = "--ckpt-allow-unverified"
 
 def verify_checkpoint(directory: str, allow_unverified: bool = False) -> None:
     """Collective: every file against the manifest (CheckpointError naming the first bad
-    one). Without a manifest, the shard sizes against Megatron's `.metadata`, and then only
-    with `allow_unverified` (--ckpt-allow-unverified): nothing records the bytes."""
+    one; an edited run_state.json alone loads with `allow_unverified`). Without a manifest,
+    the shard sizes against Megatron's `.metadata`, and then only with `allow_unverified`
+    (--ckpt-allow-unverified): nothing records the bytes."""
     fix = earlier_fix(directory)
     try:
-        if integrity.verify_manifest(directory, fix):
+        found = integrity.manifest_mismatches(directory, fix)
+        if found is not None:
+            _judge_manifest(directory, found, fix, allow_unverified)
             return
         sizes = integrity.verify_shard_sizes(directory, fix)
     except integrity.IntegrityError as err:
@@ -115,6 +121,25 @@ def verify_checkpoint(directory: str, allow_unverified: bool = False) -> None:
     if dist.get_rank() == 0:
         print(f"warning: {directory} has no {integrity.MANIFEST}: {checked}; loading it "
               f"unverified ({ALLOW_UNVERIFIED_FLAG})", flush=True)
+
+
+def _judge_manifest(directory: str, found: List[Tuple[str, str]], fix: str,
+                    allow_unverified: bool) -> None:
+    """Nothing when every file matches. When only run_state.json differs (the JSON metadata
+    we read ourselves, edited by hand) while every tensor file matches, say so and load it
+    only with `allow_unverified`; any other mismatch is corruption."""
+    if not found:
+        return
+    if {name for name, _ in found} != {RUN_STATE}:
+        raise integrity.IntegrityError(integrity.corrupt_message(found, fix))
+    edited = (f"{os.path.join(directory, RUN_STATE)} differs from {integrity.MANIFEST} while "
+              "every tensor file matches it (the run metadata was edited)")
+    if not allow_unverified:
+        raise CheckpointError(f"{edited}. Fix: restore the original {RUN_STATE}, or pass "
+                              f"{ALLOW_UNVERIFIED_FLAG} to load it as edited (the tensor files "
+                              "are still verified)")
+    if dist.get_rank() == 0:
+        print(f"warning: {edited}; loading it as edited ({ALLOW_UNVERIFIED_FLAG})", flush=True)
 
 
 def read_run_state(directory: str) -> Dict:

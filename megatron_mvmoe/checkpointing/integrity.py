@@ -83,26 +83,38 @@ def _check_file(directory: str, name: str, entry: Dict) -> Optional[str]:
     return None
 
 
-def verify_manifest(directory: str, fix: str) -> bool:
-    """Collective: check sizes and checksums (split over ranks). False when there is no
-    manifest (an old checkpoint); raises IntegrityError naming the first bad file."""
+def manifest_mismatches(directory: str, fix: str) -> Optional[List[Tuple[str, str]]]:
+    """Collective: (file, problem) for every file that does not match the manifest (sizes
+    and checksums, split over ranks), sorted; None when there is no manifest (an old
+    checkpoint). An unreadable manifest raises IntegrityError."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
-        return False
+        return None
     try:
         with open(path) as fh:
             files = json.load(fh)["files"]
     except (OSError, ValueError, KeyError) as err:
         raise IntegrityError(f"{path} is unreadable ({err}). Fix: {fix}") from None
-    problems = [p for n in _my_share(sorted(files))
+    problems = [(n, p) for n in _my_share(sorted(files))
                 if (p := _check_file(directory, n, files[n])) is not None]
-    gathered: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    gathered: List[Optional[List[Tuple[str, str]]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)
-    found = sorted(p for part in gathered for p in part)
+    return sorted(tuple(p) for part in gathered for p in part)
+
+
+def corrupt_message(found: List[Tuple[str, str]], fix: str) -> str:
+    """The one line for the mismatches `manifest_mismatches` found."""
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return f"corrupt checkpoint: {found[0][1]}{more}. Fix: {fix}"
+
+
+def verify_manifest(directory: str, fix: str) -> bool:
+    """Collective: check sizes and checksums (split over ranks). False when there is no
+    manifest (an old checkpoint); raises IntegrityError naming the first bad file."""
+    found = manifest_mismatches(directory, fix)
     if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise IntegrityError(f"corrupt checkpoint: {found[0]}{more}. Fix: {fix}")
-    return True
+        raise IntegrityError(corrupt_message(found, fix))
+    return found is not None
 
 
 def _dcp_file_ends(directory: str) -> Optional[Dict[str, int]]:

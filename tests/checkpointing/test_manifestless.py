@@ -77,3 +77,36 @@ def test_flag_reaches_the_run_config():
     config = os.path.join(repo, "examples", "tiny_cpu.yaml")
     run = config_from_args(["--config", config, "--ckpt-allow-unverified", "--finetune"])
     assert run.training.ckpt_allow_unverified and run.training.finetune
+
+
+def _verify_both_ways(rank, world_size, directory):
+    """verify_checkpoint's message without the flag, then whether it passes with it."""
+    from megatron_mvmoe.checkpointing.directory import verify_checkpoint
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
+
+    try:
+        verify_checkpoint(directory)
+        refused = None
+    except CheckpointError as err:
+        refused = str(err)
+    verify_checkpoint(directory, allow_unverified=True)
+    return refused
+
+
+def test_an_edited_run_state_is_named_as_a_metadata_edit_not_corruption(saved, tmp_path, capfd):
+    """Issue 35: hand-editing run_state.json (every tensor shard intact) was reported as a
+    corrupt checkpoint whose fix is deleting it."""
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    _, root = saved
+    copy = str(tmp_path / "ck")
+    shutil.copytree(root, copy)
+    directory = os.path.join(copy, f"iter_{SAVED_AT:07d}")
+    with open(os.path.join(directory, "run_state.json"), "a") as fh:
+        fh.write("\n")  # any edit: the manifest's size and checksum no longer match
+    refused = run_distributed(_verify_both_ways, 1, args=(directory,))[0]
+    assert refused == (f"{directory}/run_state.json differs from manifest.json while every "
+                       "tensor file matches it (the run metadata was edited). Fix: restore the "
+                       "original run_state.json, or pass --ckpt-allow-unverified to load it as "
+                       "edited (the tensor files are still verified)")
+    assert capfd.readouterr().out.count("loading it as edited (--ckpt-allow-unverified)") == 1
