@@ -9,6 +9,8 @@ Design choices:
 - The class is chosen by `config_map.choose_class`; names and layouts by `names`; the
   directory is written atomically by `writer`.
 - Every refusal happens before the output directory is created.
+- config.json's `megatron_mvmoe_source` records the source step and the checkpoint's LR/WD
+  schedule (Megatron's scheduler state), so tools/import_hf.py carries it back.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class LoadedCheckpoint:
     """The whole model's Megatron state dict (weights only)."""
     tokenizer: object
     step: int
+    schedule: Optional[Dict] = None
+    """The checkpoint's LR/WD scheduler state (None: it has none)."""
 
 
 def read_checkpoint(load: str) -> LoadedCheckpoint:
@@ -55,7 +59,14 @@ def read_checkpoint(load: str) -> LoadedCheckpoint:
         chunk = loaded.model[0]
         state = names.weights_only(chunk.state_dict())
         return LoadedCheckpoint(chunk.config, run.model, state, run_tokenizer(run),
-                                loaded.step)
+                                loaded.step, _schedule(load))
+
+
+def _schedule(load: str) -> Optional[Dict]:
+    """The scheduler state in the run_state.json of the checkpoint `load` names."""
+    from megatron_mvmoe.checkpointing.directory import read_run_state, resolve_checkpoint
+
+    return read_run_state(resolve_checkpoint(load)).get("scheduler")
 
 
 def load_model_gathered(load_model, run, load: str, pgs, saved_vpp):
@@ -91,7 +102,10 @@ def export_loaded(ckpt: LoadedCheckpoint, out: str, hf_class: str = "auto",
                                   config_map.gamma_state(ckpt.state))
     tensors = hf_state(chosen, ckpt.config, types, ckpt.state)
     eod = getattr(ckpt.tokenizer, "eod", None)
-    hf_cfg.update(token_ids(eod), megatron_mvmoe_source={"step": ckpt.step})
+    source = {"step": ckpt.step}
+    if ckpt.schedule is not None:
+        source["scheduler"] = ckpt.schedule
+    hf_cfg.update(token_ids(eod), megatron_mvmoe_source=source)
     generation = generation_config(eod, getattr(ckpt.tokenizer, "vocab_size", vocab_size),
                                    vocab_size)
 

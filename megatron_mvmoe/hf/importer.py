@@ -11,6 +11,10 @@ Design choices:
   writes before a first step), so `--load` resumes it (a fresh optimizer) and dist-checkpointing reshards it to
   any TP/PP/EP layout the trainer runs at. The import runs on one process at TP=PP=EP=1;
   the layout flags are checked against the model now (the trainer uses them on resume).
+- The LR/WD schedule: the source run's when the export recorded it (config.json's
+  `megatron_mvmoe_source.scheduler`, Megatron's scheduler state at the source step);
+  otherwise the checkpoint carries none, and a resume takes its own run's schedule and
+  says so (training/checkpoint.py), never a placeholder.
 - A dense HF decoder (Llama) imports as our dense model: the trainer's
   --warm-start-from upcycles it into an MoE of the same shape, or refuses naming the
   field that differs (models/warm_start.py).
@@ -196,14 +200,16 @@ def import_directory(hf_dir: str, save: str, layout: Optional[Dict] = None) -> D
     require(not os.path.exists(os.path.join(save, "latest")), "--save",
             f"{save} already holds a checkpoint", "choose a new directory")
     hf = read_weights(hf_dir)
-    step = int((cfg.get("megatron_mvmoe_source") or {}).get("step", 0))
-    summary = _save(hf_dir, save, cfg, arch, section, hf)
+    source = cfg.get("megatron_mvmoe_source") or {}
+    step, schedule = int(source.get("step", 0)), source.get("scheduler")
+    summary = _save(hf_dir, save, cfg, arch, section, hf, schedule)
     return dict(summary, hf=hf_dir, save=save, hf_class=arch, source_step=step,
+                schedule="the source run's" if schedule is not None else "none",
                 checked_layout=layout or {"tp": 1}, seconds=time.time() - start,
                 bytes=writer.directory_bytes(save))
 
 
-def _save(hf_dir, save, cfg, arch, section, hf) -> Dict:
+def _save(hf_dir, save, cfg, arch, section, hf, schedule: Optional[Dict]) -> Dict:
     from megatron_mvmoe.checkpointing.weights import set_model_weights
     from megatron_mvmoe.config.run_config import config_from_dict
     from megatron_mvmoe.toolkit.checkpoint import tool_session
@@ -222,10 +228,22 @@ def _save(hf_dir, save, cfg, arch, section, hf) -> Dict:
         full = {k: (state[k] if k in state else v) for k, v in model_state.items()}
         set_model_weights([chunk], {"model0": full})
         gamma = _gamma(state)
+        _carry_schedule(trainer, schedule)
         # step 0: the trainer writes a weights-only checkpoint (no optimizer state exists
         # before a first step); the source step stays in the summary
         path = save_checkpoint(trainer, save, ResumeState(step=0, gamma=gamma))
     return {"checkpoint": path, "tensors": len(state)}
+
+
+def _carry_schedule(trainer, schedule: Optional[Dict]) -> None:
+    """The imported checkpoint's LR/WD schedule: the source run's, as its export recorded it
+    (Megatron's scheduler state, its step included), or none at all, so that a resume
+    takes its own run's schedule and says so (never this import's placeholder optimizer
+    section)."""
+    if schedule is None:
+        trainer.scheduler = None  # training/checkpoint.py saves no scheduler part then
+    else:
+        trainer.scheduler.load_state_dict(schedule)
 
 
 def _gamma(state: Dict[str, torch.Tensor]) -> Optional[float]:

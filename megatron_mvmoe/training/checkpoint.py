@@ -53,6 +53,7 @@ from megatron_mvmoe.training.checkpoint_parts import (JsonPart, ModelPart, Optim
                                                       ResumeState, RngPart, RunMetadata,
                                                       SchedulerPart, read_part, run_state_of,
                                                       tensor_state)
+from megatron_mvmoe.training.schedule_rule import describe_schedule
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
 
@@ -78,10 +79,13 @@ def _rng_path(directory: str) -> str:
 # ------------------------------------------------------------------------------- save
 def _json_parts(trainer: Trainer, state: ResumeState, optimizer_format: Optional[str]
                 ) -> List[JsonPart]:
-    """The parts run_state.json holds, as this trainer saves them."""
+    """The parts run_state.json holds, as this trainer saves them (no scheduler part for a
+    trainer without a scheduler: an HF import whose export recorded no schedule)."""
     metadata = RunMetadata(world_size=dist.get_world_size(), layout=_layout(trainer),
                            optimizer_format=optimizer_format, fingerprint=fingerprint(trainer),
                            config=trainer.run.to_dict())
+    if trainer.scheduler is None:
+        return [metadata, state]
     return [metadata, state, SchedulerPart(trainer.scheduler, trainer.run.training)]
 
 
@@ -329,12 +333,26 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
         return position
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
-    scheduler = SchedulerPart(trainer.scheduler, trainer.run.training)
-    read_part(scheduler, meta, directory)
-    if scheduler.note is not None and dist.get_rank() == 0:
-        print(scheduler.note, flush=True)
+    _load_scheduler(trainer, meta, directory, fresh_groups=optimizer is None,
+                    step=position.step)
     _load_rng(trainer, directory, saved, position.step)
     return position
+
+
+def _load_scheduler(trainer: Trainer, meta: Dict, directory: str, fresh_groups: bool,
+                    step: int) -> None:
+    """The scheduler part under the schedule rule, its line printed. A weights-only
+    checkpoint without one (an HF import whose export recorded no schedule) leaves this
+    run's schedule, and the line says so."""
+    if SchedulerPart.required[0] not in meta and fresh_groups:
+        note = (f"resume: {directory} carries no LR/WD schedule (weights only); this run's "
+                f"schedule applies from step {step}: {describe_schedule(trainer.scheduler)}")
+    else:
+        scheduler = SchedulerPart(trainer.scheduler, trainer.run.training, fresh_groups)
+        read_part(scheduler, meta, directory)
+        note = scheduler.note
+    if note is not None and dist.get_rank() == 0:
+        print(note, flush=True)
 
 
 def _report_changed_fields(trainer: Trainer, saved: RunMetadata, directory: str) -> None:

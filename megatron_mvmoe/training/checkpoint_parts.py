@@ -121,15 +121,18 @@ class SchedulerPart:
     optional = ()
     fix = "--no-load-optim (the schedule restarts from its step 0 with this run's settings)"
 
-    def __init__(self, scheduler, training) -> None:
+    def __init__(self, scheduler, training, fresh_groups: bool = False) -> None:
         self.scheduler, self.training = scheduler, training
+        self.fresh_groups = fresh_groups
+        """The optimizer's param groups were not restored (they hold this run's values)."""
         self.note: Optional[str] = None
 
     def state_dict(self) -> Dict:
         return {"scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: Dict) -> None:
-        self.note = restore_scheduler(self.scheduler, state["scheduler"], self.training)
+        self.note = restore_scheduler(self.scheduler, state["scheduler"], self.training,
+                                      self.fresh_groups)
 
 
 @dataclass

@@ -47,11 +47,38 @@ def schedule_changes(configured: Dict, saved: Dict) -> List[str]:
     return changes
 
 
-def restore_scheduler(scheduler, saved: Dict, training) -> Optional[str]:
+def describe_schedule(scheduler) -> str:
+    """The schedule a scheduler runs, for a log line."""
+    state = scheduler.state_dict()
+    return ", ".join(f"{key} {state[key]}" for key in SCHEDULE_FIELDS if key in state)
+
+
+GROUP_VALUES = ("max_lr", "min_lr", "start_wd", "end_wd")
+"""Schedule values Megatron's param groups carry (read before the scheduler's own)."""
+
+
+def _groups_follow_scheduler(scheduler, configured: Dict) -> None:
+    """Param groups that were not restored from the checkpoint carry this run's schedule
+    values, which Megatron's scheduler reads before its own: give each group still holding
+    this run's value the value the scheduler kept (per-group overrides stay)."""
+    for group in scheduler.optimizer.param_groups:
+        for key in GROUP_VALUES:
+            if key in group and group[key] == configured.get(key):
+                group[key] = getattr(scheduler, key)
+
+
+def restore_scheduler(scheduler, saved: Dict, training, fresh_groups: bool = False
+                      ) -> Optional[str]:
     """Load the checkpoint's scheduler state under the rule; returns the line to print
-    (None when the schedules agree)."""
-    changes = schedule_changes(scheduler.state_dict(), saved)
+    (None when the schedules agree). `fresh_groups`: the optimizer state was not restored
+    (a weights-only checkpoint), so the groups hold this run's values: when the
+    checkpoint's schedule is kept they take its values too, so the kept schedule is the
+    one that runs."""
+    configured = scheduler.state_dict()
+    changes = schedule_changes(configured, saved)
     scheduler.load_state_dict(saved)
+    if fresh_groups and not training.override_opt_param_scheduler:
+        _groups_follow_scheduler(scheduler, configured)
     # Megatron's load_state_dict sets every group's lr / weight_decay (its step()) before it
     # sets start_wd / end_wd: refresh them, or the first resumed step runs at the old WD.
     scheduler.step(increment=0)

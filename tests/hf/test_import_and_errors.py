@@ -5,6 +5,7 @@ match its weights) is one line naming the file or field, with nothing written.""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +29,13 @@ def data(tmp_path_factory):
 def multi_view(data, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("mv") / "ck")
     return train_checkpoint(root, data, "tiny_multi_view")
+
+
+@pytest.fixture(scope="module")
+def exported(multi_view, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("exported") / "hf")
+    _ok("export_hf", "--load", multi_view, "--out", out)
+    return out
 
 
 def _tool(name, *args):
@@ -77,24 +85,62 @@ def test_export_import_is_bit_identical(data, multi_view, tmp_path, flags):
     _assert_bit_identical(original, back)
 
 
-def test_training_resumes_from_the_imported_checkpoint_at_ep2(data, multi_view, tmp_path):
-    from harness import train
-    from megatron_mvmoe.config.run_config import config_from_dict
-
-    out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
-    _ok("export_hf", "--load", multi_view, "--out", out)
-    _ok("import_hf", "--hf", out, "--save", imported)
+def _imported_run(imported, data, **training):
     with open(os.path.join(imported, "latest")) as fh:
         state = json.load(open(os.path.join(imported, fh.read().strip(), "run_state.json")))
     raw = state["config"]
-    raw["parallel"]["ep"] = 2
-    raw["training"].update(load=imported, save=None, train_iters=2, eval_iters=0,
-                           global_batch_size=4, micro_batch_size=2)
+    raw["training"].update(load=imported, save=None, eval_iters=0, global_batch_size=4,
+                           micro_batch_size=2, **training)
     raw["data"].update(path=[data["tech"]], split="90,10,0")
+    raw["logging"]["log_interval"] = 1
+    return state, raw
+
+
+def test_training_resumes_from_the_imported_checkpoint_at_ep2(data, exported, tmp_path, capfd):
+    """... with the source run's LR schedule (hf_helpers: lr 1e-2, min 1e-3, 3 steps of
+    decay, saved at step 3), not the import's placeholder (lr 1e-3 over 100 steps, issue
+    35): the warning names what is kept and the steps run at the source's min_lr."""
+    from harness import train
+    from megatron_mvmoe.config.run_config import config_from_dict
+
+    imported = str(tmp_path / "imported")
+    assert _ok("import_hf", "--hf", exported, "--save", imported)["schedule"] == (
+        "the source run's")
+    state, raw = _imported_run(imported, data, train_iters=2)
+    assert {k: state["scheduler"][k] for k in ("max_lr", "min_lr", "lr_decay_steps",
+                                               "num_steps")} == {
+        "max_lr": 1e-2, "min_lr": 1e-3, "lr_decay_steps": 3, "num_steps": 3}
+    raw["parallel"]["ep"] = 2
     config_from_dict(raw)  # the imported run config is a valid run
     result = train(raw, 2)
     assert result["first_step"] == 1 and len(result["losses"]) == 2
     assert all(3.0 < loss < 8.0 for loss in result["losses"]), result["losses"]
+    log = capfd.readouterr().out
+    assert "warning: resume keeps the checkpoint's LR/WD schedule" in log
+    assert "max_lr: checkpoint 0.01 vs this run 0.001" in log
+    assert [line.split("| lr ")[1][:9] for line in log.splitlines()
+            if line.startswith("step ")] == ["1.000e-03", "1.000e-03"]
+
+
+def test_an_import_without_a_recorded_schedule_resumes_with_the_runs(data, exported, tmp_path,
+                                                                     capfd):
+    """An export that recorded no schedule (older ones, stock HF directories): the import
+    carries none, and the resume takes the run's schedule and says so."""
+    from harness import train
+
+    out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
+    shutil.copytree(exported, out)
+    config = json.load(open(os.path.join(out, "config.json")))
+    del config["megatron_mvmoe_source"]["scheduler"]
+    json.dump(config, open(os.path.join(out, "config.json"), "w"))
+    assert _ok("import_hf", "--hf", out, "--save", imported)["schedule"] == "none"
+    state, raw = _imported_run(imported, data, train_iters=1)
+    assert "scheduler" not in state
+    assert train(raw, 1)["first_step"] == 1
+    notes = [line for line in capfd.readouterr().out.splitlines() if "LR/WD schedule" in line]
+    assert len(notes) == 1 and notes[0].startswith("resume: ") and (
+        "carries no LR/WD schedule (weights only); this run's schedule applies from step 0: "
+        "max_lr 0.001, min_lr 0.0001, lr_warmup_steps 0, lr_decay_steps 1") in notes[0]
 
 
 def test_unknown_variant_is_refused(multi_view, tmp_path):

@@ -52,6 +52,24 @@ def test_kept_schedule_warns_and_override_applies_the_new_one():
     assert restore_scheduler(same, state, _training(use_checkpoint=True)) is None
 
 
+def test_a_kept_schedule_reaches_param_groups_that_were_not_restored():
+    """A weights-only checkpoint (an HF import) restores no param groups, and Megatron's
+    groups carry max_lr / min_lr, read before the scheduler's own: the kept schedule must
+    reach them (issue 35: the warning said the checkpoint's max_lr was kept while this
+    run's was applied)."""
+    saved = _scheduler(decay=10, lr=1e-2)
+    for _ in range(4):
+        saved.step(increment=1)
+    fresh = _scheduler(decay=20, lr=2e-3)
+    for group in fresh.optimizer.param_groups:  # as Megatron builds them
+        group.update(max_lr=2e-3, min_lr=2e-4)
+    line = restore_scheduler(fresh, saved.state_dict(), _training(), fresh_groups=True)
+    assert "max_lr: checkpoint 0.01 vs this run 0.002" in line
+    group = fresh.optimizer.param_groups[0]
+    assert (group["max_lr"], group["min_lr"]) == (1e-2, 1e-3)
+    assert group["lr"] == saved.get_lr(saved.optimizer.param_groups[0])
+
+
 def test_both_flags_are_refused():
     raw = {"training": {"override_opt_param_scheduler": True,
                         "use_checkpoint_opt_param_scheduler": True}}
