@@ -33,8 +33,21 @@ SHAPE_FIELDS = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads
                 "moe_router_topk", "moe_shared_expert_intermediate_size", "latent_size",
                 "vocab_size", "rotary_base", "extra")
 """ModelSection fields recorded and compared as they are (RoPE's base changes what the
-attention weights compute; `extra` holds Megatron fields we do not model, compared whole
-because some of them shape parameters)."""
+attention weights compute; `extra` holds Megatron fields we do not model, compared but for
+EXTRA_NOT_STRUCTURAL, because some of them shape parameters)."""
+
+EXTRA_NOT_STRUCTURAL = (
+    "attention_dropout", "hidden_dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_router_load_balancing_type", "moe_token_dispatcher_type",
+    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
+    "moe_router_bias_update_rate", "recompute_granularity", "recompute_method",
+    "recompute_num_layers", "recompute_modules", "moe_layer_recompute",
+    "mtp_loss_scaling_factor", "init_method_std", "moe_router_dtype",
+    "attention_softmax_in_fp32")
+"""`extra` (Megatron TransformerConfig) fields that may change on resume: regularisation,
+loss weights, balancing and dispatch, capacity and dropping, recomputation, initialisation
+and math precision act on training, not on what a weight means. Every other `extra` key is
+compared (it may shape parameters: MLA ranks, QK norm, MTP layers, the MoE layer pattern)."""
 
 STRUCTURAL = SHAPE_FIELDS + ("num_routers", "num_views", "num_heads_mh",
                              "learned_gate_scale", "bitnet", "multi_head")
@@ -88,12 +101,20 @@ def check_fingerprint(saved: Dict, current: Dict, directory: str) -> None:
     """CheckpointError naming every differing STRUCTURAL field (a field the checkpoint
     predates compares with its ADDED_LATER value; other recorded fields are ignored)."""
     saved = {**ADDED_LATER, **saved}
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {current.get(k)!r}"
-             for k in STRUCTURAL if saved.get(k) != current.get(k)]
+    old, new = (dict(fields, extra=_structural_extra(fields.get("extra")))
+                for fields in (saved, current))
+    diffs = [f"{k}: checkpoint {old.get(k)!r} vs this run {new.get(k)!r}"
+             for k in STRUCTURAL if old.get(k) != new.get(k)]
     if diffs:
         raise CheckpointError(f"{directory} is from an incompatible model; differing fields: "
                               + "; ".join(diffs) + ". Fix: use the checkpoint's model config "
                               "(its run_state.json 'config') or start without --load")
+
+
+def _structural_extra(extra: Any) -> Any:
+    if not isinstance(extra, dict):
+        return extra
+    return {k: v for k, v in extra.items() if k not in EXTRA_NOT_STRUCTURAL}
 
 
 def changed_on_resume(saved: ModelSection, current: ModelSection) -> List[str]:
@@ -108,7 +129,7 @@ def changed_on_resume(saved: ModelSection, current: ModelSection) -> List[str]:
 def _leaves(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and key != "extra":
+        if isinstance(value, dict):  # extra too: each of its fields by name
             out.update(_leaves(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value

@@ -85,3 +85,20 @@ def test_dispatcher_and_gamma_ramp_may_change_and_are_named():
         "moe_dispatcher: checkpoint 'alltoall' -> this run 'dedup_rank'",
         "multi_view.gamma_ramp_steps: checkpoint 100 -> this run 7"]
     assert changed_on_resume(run.model, run.model) == []
+
+
+def test_training_only_megatron_fields_may_change_and_shape_fields_may_not():
+    """`extra` was compared whole: a resume with another --moe-aux-loss-coeff or dropout was
+    refused as "an incompatible model"; QK norm or the MLA ranks still are."""
+    meta, run = _stored(os.path.join(ASSETS, "dispatcher_ecf52e9.json"))
+    retrained = dataclasses.replace(run.model, extra={
+        **run.model.extra, "moe_aux_loss_coeff": 0.05, "hidden_dropout": 0.1})
+    check_fingerprint(meta["fingerprint"], model_fingerprint(retrained), "ckpt")
+    assert changed_on_resume(run.model, retrained) == [
+        f"extra.hidden_dropout: checkpoint {run.model.extra.get('hidden_dropout')!r} -> this "
+        "run 0.1",
+        f"extra.moe_aux_loss_coeff: checkpoint {run.model.extra.get('moe_aux_loss_coeff')!r} "
+        "-> this run 0.05"]
+    normed = dataclasses.replace(run.model, extra={**run.model.extra, "qk_layernorm": True})
+    with pytest.raises(CheckpointError, match="differing fields: extra: .*qk_layernorm"):
+        check_fingerprint(meta["fingerprint"], model_fingerprint(normed), "ckpt")
