@@ -49,7 +49,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT = "f8837c04ef6cbef6cdefb8de001aad63178aebbf"
 CASE = "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel"
 CASE_PATH = f"tests/functional_tests/test_cases/moe/{CASE}/model_config.yaml"
-OUT = os.path.join(ROOT, "tests", "assets", "megatron_lm_parity", f"{CASE}.json")
+ASSETS = os.path.join(ROOT, "tests", "assets", "megatron_lm_parity")
+OUT = os.path.join(ASSETS, f"{CASE}.json")
+BARE = "bare_moe_line"
+BARE_LINE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+             "--max-position-embeddings 32 --micro-batch-size 2 --train-iters 10 --lr 1e-4 "
+             "--num-experts 4 --expert-model-parallel-size 2 --mock-data --tokenizer-type "
+             "NullTokenizer --vocab-size 512").split()
+"""A bare Megatron-LM MoE line: only what Megatron-LM requires (shape, batch, steps, lr) and
+the data, so that every other field is the parser's default (issue 36: the defaults-parity
+test, tests/training/test_megatron_lm_defaults_parity.py). Recorded at WORLD_SIZE = 8:
+EP 2, DP 8."""
+BARE_OUT = os.path.join(ASSETS, f"{BARE}.json")
 EXPLICIT = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
             "--untie-embeddings-and-output-weights"]
 PLACEHOLDERS = {"${TENSORBOARD_PATH}": "TB", "${CHECKPOINT_SAVE_PATH}": "CK",
@@ -59,6 +70,11 @@ MODEL_ARGS = ("position_embedding_type", "rotary_base", "rotary_percent",
               "untie_embeddings_and_output_weights", "max_position_embeddings", "seq_length",
               "make_vocab_size_divisible_by", "tokenizer_type", "micro_batch_size",
               "global_batch_size", "train_iters", "data_parallel_size")
+TRAINING_ARGS = ("eval_interval", "eval_iters", "log_interval", "save_interval",
+                 "distributed_timeout_minutes", "bf16", "fp16", "seed", "split",
+                 "check_for_nan_in_loss_and_grad", "exit_on_missing_checkpoint",
+                 "moe_router_topk", "num_query_groups", "group_query_attention")
+"""Launch fields outside the Megatron configs whose defaults the run config must follow."""
 SCHEDULER = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps",
              "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps")
 
@@ -114,7 +130,9 @@ def megatron_lm_record(line: list) -> dict:
     scheduler for `line` (see the module docstring)."""
     import torch
     from megatron.training import arguments, global_vars
-    from megatron.training.training import get_optimizer_param_scheduler
+    from megatron.training.training import (get_megatron_ddp_config,
+                                            get_megatron_optimizer_config,
+                                            get_optimizer_param_scheduler)
 
     os.environ.update(WORLD_SIZE="8", RANK="0", LOCAL_RANK="0",
                       CUDA_DEVICE_MAX_CONNECTIONS="1")
@@ -138,17 +156,35 @@ def megatron_lm_record(line: list) -> dict:
     return {"transformer_config": {f.name: _jsonable(getattr(config, f.name))
                                    for f in dataclasses.fields(config)},
             "model_args": {name: _jsonable(getattr(args, name)) for name in MODEL_ARGS},
-            "scheduler": {name: _jsonable(getattr(scheduler, name)) for name in SCHEDULER}}
+            "scheduler": {name: _jsonable(getattr(scheduler, name)) for name in SCHEDULER},
+            "optimizer_config": _fields(get_megatron_optimizer_config(args)[0]),
+            "ddp_config": _fields(get_megatron_ddp_config(args)),
+            "training_args": {name: _jsonable(getattr(args, name, None))
+                              for name in TRAINING_ARGS}}
+
+
+def _fields(config) -> dict:
+    return {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+PARSER = ("megatron/training/arguments.py of megatron-core 0.19.2 (= the file at "
+          f"{COMMIT[:8]}): parse_args, validate_args, core_transformer_config_from_args; "
+          "training.get_optimizer_param_scheduler, get_megatron_optimizer_config, "
+          "get_megatron_ddp_config")
 
 
 def build_record(mirror: str) -> dict:
     config_text = _git_show(mirror, CASE_PATH)
     line = line_from_config(config_text) + EXPLICIT
     return {"source": f"NVIDIA/Megatron-LM {COMMIT} {CASE_PATH} MODEL_ARGS + {EXPLICIT}",
-            "parser": "megatron/training/arguments.py of megatron-core 0.19.2 (= the file at "
-                      f"{COMMIT[:8]}): parse_args, validate_args, "
-                      "core_transformer_config_from_args; training.get_optimizer_param_scheduler",
-            "world_size": 8, "line": line, **megatron_lm_record(line)}
+            "parser": PARSER, "world_size": 8, "line": line, **megatron_lm_record(line)}
+
+
+def build_bare_record() -> dict:
+    line = BARE_LINE + EXPLICIT + ["--disable-bias-linear"]
+    return {"source": f"tools/gen_megatron_lm_parity.py BARE_LINE + {EXPLICIT} + "
+                       "['--disable-bias-linear']",
+            "parser": PARSER, "world_size": 8, "line": line, **megatron_lm_record(line)}
 
 
 def main(argv=None) -> int:
@@ -167,20 +203,26 @@ def main(argv=None) -> int:
     import megatron_mvmoe  # noqa: F401  (its log filters: the record's run prints no noise)
 
     check_installed_copy(args.mirror)
-    text = json.dumps(build_record(args.mirror), indent=1) + "\n"
+    records = {OUT: build_record(args.mirror), BARE_OUT: build_bare_record()}
+    texts = {out: json.dumps(record, indent=1) + "\n" for out, record in records.items()}
     if args.check:
-        same = os.path.isfile(OUT) and open(OUT).read() == text
+        same = all(os.path.isfile(out) and open(out).read() == text
+                   for out, text in texts.items())
         print(json.dumps({"same": same}) if args.json else
-              ("record up to date" if same else "record differs: rerun without --check"))
+              ("records up to date" if same else "records differ: rerun without --check"))
         return 0 if same else 1
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as fh:
-        fh.write(text)
-    record = json.loads(text)
-    summary = {"out": os.path.relpath(OUT, ROOT), "fields": len(record["transformer_config"]),
-               "line_tokens": len(record["line"])}
-    print(json.dumps(summary) if args.json else f"{summary['fields']} TransformerConfig "
-          f"fields -> {summary['out']}")
+    os.makedirs(ASSETS, exist_ok=True)
+    summary = []
+    for out, text in texts.items():
+        with open(out, "w") as fh:
+            fh.write(text)
+        record = records[out]
+        summary.append({"out": os.path.relpath(out, ROOT),
+                        "fields": {part: len(record[part]) for part in
+                                   ("transformer_config", "optimizer_config", "ddp_config")},
+                        "line_tokens": len(record["line"])})
+    print(json.dumps(summary) if args.json else "\n".join(
+        f"{row['fields']} -> {row['out']}" for row in summary))
     return 0
 
 

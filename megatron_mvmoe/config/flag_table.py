@@ -204,6 +204,8 @@ FLAGS: List[Flag] = [
     Flag("--adam-eps", "optimizer", "adam_eps", float),
     Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", parse_bool),
     Flag("--lr-decay-style", "optimizer", "lr_decay_style", str),
+    Flag("--accumulate-allreduce-grads-in-fp32", "optimizer", "grad_reduce_in_fp32", None,
+         "Megatron-LM's switch for optimizer.grad_reduce_in_fp32 true", const=True),
     # --- data
     Flag("--data-kind", "data", "kind", str),
     Flag("--data-path", "data", "path", str, nargs="+"),

@@ -26,7 +26,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron_mvmoe.config import megatron_flags, megatron_lm_rules, megatron_lm_table
+from megatron_mvmoe.config import (megatron_flags, megatron_lm_defaults, megatron_lm_rules,
+                                   megatron_lm_table)
 from megatron_mvmoe.config.field_docs import doc_of
 from megatron_mvmoe.config.flag_table import FLAGS, Flag, parse_bool, parse_moe_freq
 from megatron_mvmoe.config.presets import PRESETS
@@ -49,7 +50,7 @@ def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.Ar
         "unset flags keep the YAML / preset value, an empty string clears an optional field. "
         "Megatron-LM switches that describe what this trainer always does are accepted and "
         f"noted at start-up: {' '.join(sorted(megatron_flags.ACCEPTED))}. Every other flag "
-        "of Megatron-LM's arguments.py is known too (megatron_mvmoe/training/"
+        "of Megatron-LM's arguments.py is known too (megatron_mvmoe/config/"
         "megatron_lm_flags.json): accepted with a note, or refused with the reason and what "
         "to use instead (megatron_lm_table.py); all refusals of a line are reported at once.")
     parser.add_argument("--config", help="run config YAML (examples/*.yaml); flags override it")
@@ -149,6 +150,8 @@ def compat_notes(args: argparse.Namespace) -> List[str]:
     """Notes for the accepted-as-is Megatron-LM flags given on the command line."""
     given = megatron_flags.notes(name for name in megatron_flags.ACCEPTED
                                  if getattr(args, _compat_dest(name)) is not None)
+    if megatron_lm_rules.megatron_lm_style(args):
+        given += megatron_lm_defaults.notes(args)
     return given + [v.note for v in (megatron_lm_table.classify(n, x) for n, x in
                                      _table_given(args)) if v.note]
 

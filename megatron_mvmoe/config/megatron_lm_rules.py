@@ -15,11 +15,14 @@ Megatron-LM does:
 - a Megatron-LM style line (no --config, no --model-preset) gets Megatron-LM's defaults
   where a flag is absent: without --swiglu Megatron-LM builds GeLU MLPs, without
   --normalization LayerNorm, without --position-embedding-type learned positions, without
-  --untie-embeddings-and-output-weights tied embeddings. This trainer builds SwiGLU, RMSNorm,
-  RoPE, untied, so each absent flag is refused, naming the flag that makes the choice
+  --untie-embeddings-and-output-weights tied embeddings, without --disable-bias-linear
+  biased linear layers. This trainer builds SwiGLU, RMSNorm, RoPE, untied, bias-free, so
+  each absent flag is refused, naming the flag that makes the choice
   explicit (never a silent change of architecture). The FFN width defaults as in
   Megatron-LM (`validate_args`), and --vocab-file/--merge-file without --tokenizer-type is
-  GPT2BPETokenizer, whose vocabulary (padded) is the model's. Our own YAML presets keep
+  GPT2BPETokenizer, whose vocabulary (padded) is the model's. Every other run-config field
+  behind a Megatron-LM flag takes Megatron-LM's parser default (config/megatron_lm_defaults.py:
+  optimizer, schedule, precision, timeout, evaluation, logging). Our own YAML presets keep
   their values.
 
 Each rule returns its problems as lines so a launch line's refusals come in one pass.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Optional
 
+from megatron_mvmoe.config import megatron_lm_defaults
 from megatron_mvmoe.config.run_config import TrainingSection
 
 CONVERTED = {
@@ -133,6 +137,8 @@ _ARCHITECTURE = (
     ("compat_untie_embeddings_and_output_weights",
      "embeddings tied to the output layer (this trainer unties them)",
      "--untie-embeddings-and-output-weights"),
+    ("compat_disable_bias_linear", "a bias in every linear layer (this trainer's linear "
+     "layers have none)", "--disable-bias-linear"),
 )
 
 
@@ -161,6 +167,7 @@ def apply_megatron_lm_defaults(raw: Dict[str, Any], args: argparse.Namespace) ->
                 for dest, choice, flag in _ARCHITECTURE if getattr(args, dest) is None]
     model = _section(raw, "model")
     problems += _parser_defaults(model, raw)
+    megatron_lm_defaults.apply(raw, args)
     hidden = model.get("hidden_size")
     if model.get("ffn_hidden_size") is None and hidden is not None:
         # Megatron-LM validate_args with --swiglu (required above): 2/3 of 4h, to 64.

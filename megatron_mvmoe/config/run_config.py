@@ -76,6 +76,9 @@ class OptimizerSection:
     """Adam epsilon."""
     use_distributed_optimizer: bool = True
     """Shard optimizer states over the data-parallel ranks (ZeRO-1)."""
+    grad_reduce_in_fp32: bool = True
+    """Reduce gradients over the data-parallel ranks in fp32 (bf16 runs otherwise reduce
+    them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off by default there)."""
     lr_decay_style: LrDecayStyle = "cosine"
     """Shape of the decay after warmup (Megatron's OptimizerParamScheduler)."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional
 
+import torch
 from megatron.core.models.gpt import GPTModel
 
 from megatron_mvmoe import platform
@@ -71,4 +72,17 @@ def build_model(run: "RunConfig", pg_collection,
     device = platform.device()
     for chunk in chunks:
         chunk.to(device)
+        _params_to_model_dtype(chunk, config.params_dtype)
     return chunks
+
+
+def _params_to_model_dtype(chunk: GPTModel, dtype: torch.dtype) -> None:
+    """Every floating parameter in `dtype`, as Megatron-LM's Float16Module leaves a bf16
+    model: torch norms (WrappedTorchNorm, ours) are built in fp32, and an fp32 parameter among
+    bf16 ones breaks Megatron's non-distributed bf16 optimizer, whose checkpoint map counts
+    only its float16 parameters ("Param id N does not match any model sharded param";
+    tests/training/test_megatron_lm_defaults_parity.py). Buffers (the expert bias) keep
+    their dtype."""
+    for param in chunk.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)

@@ -67,25 +67,36 @@ def run_fast_paths(run: RunConfig) -> List[FastPath]:
                                                                     run.parallel.etp))
 
 
-def _wrap_ddp(config, chunks, run: RunConfig) -> List[DistributedDataParallel]:
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
+    """Megatron's DDP config of the run. check_for_nan_in_grad is off because the loop's own
+    check (training/nonfinite.py: one all-reduce of loss and grad norm before the optimizer
+    step) does what Megatron-LM's --check-for-nan-in-loss-and-grad does, and more."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=run.optimizer.grad_reduce_in_fp32,
         use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
         check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run)))
+
+
+def _wrap_ddp(config, chunks, run: RunConfig) -> List[DistributedDataParallel]:
+    ddp = ddp_config(run)
     # Bucketing is pointless for non-first virtual chunks (Megatron does the same).
-    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+    return [DistributedDataParallel(config=config, ddp_config=ddp, module=chunk,
                                     disable_bucketing=index > 0)
             for index, chunk in enumerate(chunks)]
 
 
-def _optimizer(run: RunConfig, config, model) -> object:
+def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
+    """Megatron's optimizer config of the run (Adam; precision from the model config)."""
     o = run.optimizer
-    opt_config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         clip_grad=o.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
         use_distributed_optimizer=o.use_distributed_optimizer)
-    return get_megatron_optimizer(opt_config, model)
+
+
+def _optimizer(run: RunConfig, config, model) -> object:
+    return get_megatron_optimizer(optimizer_config(run, config), model)
 
 
 def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:

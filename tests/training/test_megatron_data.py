@@ -88,7 +88,7 @@ def test_mock_data_with_null_tokenizer():
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
             # Megatron-LM's architecture defaults (GeLU/LayerNorm/learned/tied) made explicit
             "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-            "--untie-embeddings-and-output-weights"]
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
     run = config_from_args(argv)
     out = train(run.to_dict(), 1)
     assert list(out["eval"]) == ["mock"] and len(out["losses"]) == 2

@@ -7,7 +7,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "32", "--vocab-size", "512",
         # Megatron-LM builds GeLU/LayerNorm/learned/tied without these (refused otherwise)
         "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-        "--untie-embeddings-and-output-weights"]
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
 
 def test_ffn_hidden_size_sets_the_expert_width_unless_given():
