@@ -59,12 +59,13 @@ def build_parser(description: str = "megatron_mvmoe pretraining") -> argparse.Ar
                         "(its default; None = derived, e.g. --unset model.vocab_size takes "
                         "the tokenizer's vocabulary); repeatable")
     for flag in FLAGS:
-        parser.add_argument(flag.name, default=None, help=flag_help(flag),
-                            **_argument_kind(flag))
+        parser.add_argument(flag.name, *megatron_lm_table.other_spellings(flag.name),
+                            default=None, help=flag_help(flag), **_argument_kind(flag))
     group = parser.add_argument_group("Megatron-LM flags accepted as already true here")
     for name, rule in megatron_flags.ACCEPTED.items():
         takes_value = rule.values is not None or rule.any_value
-        group.add_argument(name, dest=_compat_dest(name), default=None,
+        group.add_argument(name, *megatron_lm_table.other_spellings(name),
+                           dest=_compat_dest(name), default=None,
                            help=rule.note or "accepted",
                            **({"metavar": "VALUE"} if takes_value else
                               {"action": "store_const", "const": True}))
@@ -139,10 +140,14 @@ def _megatron_rules(raw: Dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _table_given(args: argparse.Namespace):
-    """(name, value) of the other Megatron-LM flags on the command line."""
+    """(name, value) of the other Megatron-LM flags on the command line (once per flag, under
+    its first spelling: two spellings share one argparse dest)."""
+    seen = set()
     for name in megatron_lm_table.table():
-        value = getattr(args, megatron_lm_table.dest(name), None)
-        if value is not None:
+        key = megatron_lm_table.dest(name)
+        value = getattr(args, key, None)
+        if value is not None and key not in seen:
+            seen.add(key)
             yield name, value
 
 

@@ -156,6 +156,17 @@ def classify(name: str, value: Any) -> Verdict:
                          f"{instead.format(default=row.default)}")
 
 
+def other_spellings(name: str) -> list:
+    """Megatron-LM's other spellings of flag `name`: its argparse takes, e.g.,
+    --override-opt_param-scheduler for --override-opt-param-scheduler (same dest, '_' for
+    '-'); they are registered on the same argparse action as `name`."""
+    row = table().get(name)
+    if row is None:
+        return []
+    return [other for other, r in table().items() if other != name and r.dest == row.dest
+            and other.replace("_", "-") == name.replace("_", "-")]
+
+
 def dest(name: str) -> str:
     """argparse dest of a table flag registered by `add_table_flags`."""
     return "mlm_" + name.lstrip("-").replace("-", "_")
@@ -169,7 +180,7 @@ def add_table_flags(parser, taken) -> list:
         "Other Megatron-LM flags (accepted with a note, or refused with the reason)")
     added = []
     for name, row in table().items():
-        if name in taken:
+        if name in taken or any(other in taken for other in other_spellings(name)):
             continue
         kind = ({"nargs": row.nargs, "metavar": "VALUE"} if row.takes_value else
                 {"action": "store_const", "const": True})
