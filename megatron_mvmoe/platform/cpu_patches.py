@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import os
 import warnings
 from typing import List
@@ -272,12 +273,31 @@ def _type_names_break() -> bool:
 # ------------------------------------------------------------ RNG tracker on CPU
 def _cpu_rng_tracker() -> None:
     """The CUDA RNG tracker (used by attention/dropout forks) saves, reseeds and restores
-    the CPU generator, so weight init and forks follow the same order as on a GPU."""
+    the CPU generator, so weight init and forks follow the same order as on a GPU.
+
+    Its fork() also warns "CPU RNG state changed within GPU RNG context" when the CPU
+    generator moved inside a fork: on a GPU that catches CPU randomness drawn where CUDA's
+    was meant. Here the fork's stream IS the CPU generator, so every fork that draws
+    (dropout) moves it by construction and the check cannot hold: the warning printed on
+    every layer of every step. This patch makes the streams one, so it drops that one
+    message of that logger (tests/platform/test_cpu_patches.py)."""
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
         torch.get_rng_state())
     random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
         torch.set_rng_state(new_state))
+    logger = logging.getLogger(random.__name__)
+    if not any(isinstance(f, _ForkOnTheCpuGenerator) for f in logger.filters):
+        logger.addFilter(_ForkOnTheCpuGenerator())
+
+
+class _ForkOnTheCpuGenerator(logging.Filter):
+    """Drops fork()'s CPU-RNG-changed warning, which holds by construction on CPU (above)."""
+
+    MESSAGE = "CPU RNG state changed within GPU RNG context"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.MESSAGE
 
 
 def _rng_tracker_breaks() -> bool:

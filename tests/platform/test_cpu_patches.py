@@ -231,3 +231,25 @@ def test_layernorm_recompute_runs_without_transformer_engine():
     out.backward()
     (torch.tanh(ref_TD) * 2.0).sum().backward()
     assert torch.equal(x_TD.grad, ref_TD.grad)
+
+
+def test_dropout_in_a_tracker_fork_logs_no_cpu_rng_warning(caplog):
+    """With dropout on CPU, Megatron's fork() warned "CPU RNG state changed within GPU RNG
+    context" on every fork (80 lines in 5 steps): the fork's stream is the CPU generator
+    here. Only that message is dropped; the logger still prints others."""
+    import logging
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megatron_mvmoe.platform.cpu_patches import apply_cpu_patches
+
+    apply_cpu_patches()
+    tracker = mrandom.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+    logger = logging.getLogger(mrandom.__name__)
+    with caplog.at_level(logging.WARNING, logger=mrandom.__name__):
+        with tracker.fork("model-parallel-rng"):
+            torch.nn.functional.dropout(torch.ones(8), p=0.5)
+        logger.warning("another message")
+    assert [r.getMessage() for r in caplog.records if r.name == mrandom.__name__] == [
+        "another message"]
