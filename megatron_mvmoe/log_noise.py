@@ -22,6 +22,7 @@ Design choices:
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -163,3 +164,14 @@ def hidden(text: str) -> Optional[str]:
         if re.search(noise.message, text):
             return noise.name
     return None
+
+
+def apply_logging_level(level: Optional[int]) -> Optional[int]:
+    """Megatron-LM's --logging-level: the root logger's level, from `level`, else the
+    MEGATRON_LOGGING_LEVEL environment variable (Megatron-LM's precedence); returns the level
+    set, None when neither is given (the level stays)."""
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is not None:
+        logging.getLogger().setLevel(level)
+    return level

@@ -274,6 +274,7 @@ FLAGS: List[Flag] = [
     Flag("--async-save", "training", "async_save", parse_bool),
     # --- logging
     Flag("--log-interval", "logging", "log_interval", int),
+    Flag("--logging-level", "logging", "logging_level", int),
     Flag("--run-dir", "logging", "run_dir", str),
     Flag("--tensorboard", "logging", "tensorboard", parse_bool),
     Flag("--routing-metrics", "logging", "routing_metrics", parse_bool),

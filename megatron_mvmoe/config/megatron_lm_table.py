@@ -50,7 +50,6 @@ NOTED: Dict[str, str] = {
                            "default); that changes only how they are read, not the data",
     "--log-params-norm": "the parameter norm is not logged; the grad norm is, every step",
     "--log-num-zeros-in-grad": "zeros in the gradient are not counted",
-    "--logging-level": "Python logging stays at its level; our progress lines are fixed",
     "--auto-detect-ckpt-format": "checkpoints are always torch_dist, which is what is read",
     "--dist-ckpt-strictness": "loading is strict: a missing or unexpected key fails the load "
                               "with the key named",

@@ -220,6 +220,9 @@ class LoggingSection:
 
     log_interval: int = 1
     """Steps between progress lines."""
+    logging_level: Optional[int] = None
+    """Python's root logging level, e.g. 30 = WARNING (Megatron-LM's --logging-level; None =
+    the MEGATRON_LOGGING_LEVEL environment variable when set, else unchanged)."""
     run_dir: Optional[str] = None
     """Directory for config.yaml, metrics.jsonl and TensorBoard events (None = no files)."""
     tensorboard: bool = True

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_mvmoe import platform
+from megatron_mvmoe import log_noise, platform
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
@@ -433,6 +433,7 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
     from megatron_mvmoe.parallel import destroy_layout, initialize_layout
 
     run = config_from_args(argv)
+    log_noise.apply_logging_level(run.logging.logging_level)
     _exit_cleanly_on_sigterm()
     platform.apply_cpu_patches()
     init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)

@@ -180,3 +180,20 @@ def test_megatron_lms_underscore_spellings_mean_the_same_flag(spelling):
     run = flags.config_from_args(["--model-preset", "tiny_smoe", spelling])
     assert getattr(run.training, field) is True
     assert all(other_spellings(name) for name in table() if "_" in name)  # each has its twin
+
+
+def test_logging_level_sets_the_root_level_as_megatron_lm_does(monkeypatch):
+    """--logging-level was accepted and ignored (a note claimed it changed nothing); Megatron-LM
+    sets the root logger's level from it, else from MEGATRON_LOGGING_LEVEL."""
+    import logging
+
+    from megatron_mvmoe.log_noise import apply_logging_level
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # restored after the test
+    run = flags.config_from_args(["--model-preset", "tiny_smoe", "--logging-level", "40"])
+    assert apply_logging_level(run.logging.logging_level) == 40 and root.level == 40
+    monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "30")
+    assert apply_logging_level(None) == 30 and root.level == 30
+    monkeypatch.delenv("MEGATRON_LOGGING_LEVEL")
+    assert apply_logging_level(None) is None and root.level == 30
