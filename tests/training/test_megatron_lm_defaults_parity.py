@@ -18,25 +18,21 @@ import json
 import os
 
 import pytest
+from test_megatron_lm_parity import DIFFERENCES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORD = os.path.join(ROOT, "tests", "assets", "megatron_lm_parity", "bare_moe_line.json")
 
-_PLATFORM = "chosen per machine by models/fast_paths.py"
-# field: (Megatron-LM's value, ours, why)
+# The GPT-3 line's platform differences that a bare line shares (same reasons), and three
+# more: the bare line leaves gradient-accumulation fusion and TE's weight sharding at
+# Megatron-LM's defaults, which the GPT-3 line switches off.
 TRANSFORMER_DIFFERENCES = {
-    "apply_rope_fusion": (True, False, _PLATFORM),
-    "bias_activation_fusion": (True, False, _PLATFORM),
-    "bias_dropout_fusion": (True, False, _PLATFORM),
-    "masked_softmax_fusion": (True, False, _PLATFORM),
-    "persist_layer_norm": (True, False, "apex-only; Megatron-Core ignores it without apex"),
-    "cp_comm_type": ("p2p", None, "our CP attention all-gathers K/V; p2p is TE-only"),
-    "inference_sampling_seed": (1234, 42, "inference only (tools/generate.py has --seed)"),
-    "use_cpu_initialization": (None, False, "set per machine (True on CPU)"),
-    "deallocate_pipeline_outputs": (True, False,
-                                    "Megatron-LM's memory saving for PP outputs; not wired"),
+    **{name: DIFFERENCES[name] for name in (
+        "apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+        "masked_softmax_fusion", "persist_layer_norm", "cp_comm_type", "inference_sampling_seed",
+        "use_cpu_initialization", "deallocate_pipeline_outputs")},
     "gradient_accumulation_fusion": (True, False, "needs APEX's or TE's fused weight-gradient "
-                                                  "kernel; " + _PLATFORM),
+                                                  "kernel; chosen per machine"),
     "tensor_parallel_num_weight_shards": (1, None, "TE userbuffer sharding; not used"),
     "expert_tensor_parallel_num_weight_shards": (1, None, "TE userbuffer sharding; not used"),
 }
