@@ -462,9 +462,23 @@ def read_yaml(path: str) -> Dict[str, Any]:
     except FileNotFoundError:
         raise ValueError(f"--config: file {path!r} not found. Fix: pass an existing YAML "
                          "file, e.g. examples/tiny_cpu.yaml") from None
+    except yaml.MarkedYAMLError as err:
+        raise ValueError(_yaml_syntax_error(path, err)) from None
     if raw is not None and not isinstance(raw, dict):
         raise ValueError(f"--config {path}: top level must be a mapping of sections")
     return raw or {}
+
+
+def _yaml_syntax_error(path: str, err: yaml.MarkedYAMLError) -> str:
+    """One line for PyYAML's multi-line report: file, line, column, what, and the fix (YAML
+    forbids tabs in indentation, the commonest cause)."""
+    mark = err.problem_mark or err.context_mark
+    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else path
+    tab = "'\\t'" in str(err.problem)  # PyYAML quotes the character with %r
+    fix = ("indent with spaces: YAML does not allow tabs there" if tab else
+           "correct the YAML syntax at that point (e.g. a missing ':' or a bad indent)")
+    problem = " ".join(str(p) for p in (err.context, err.problem) if p)
+    return f"--config {where}: not valid YAML ({problem}). Fix: {fix}"
 
 
 def load_yaml(path: str) -> RunConfig:

@@ -14,6 +14,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -24,7 +25,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from megatron_mvmoe.data.errors import data_error
+from megatron_mvmoe.data.errors import DataError, data_error
 from megatron_mvmoe.data.indexed import check_indexed
 
 Progress = Callable[[str], None]
@@ -84,7 +85,20 @@ def _parse(line: str, number: int, keys: Sequence[str]) -> dict:
             raise data_error(f"line {number}", f"has no string field {key!r}",
                              f"--json-keys names fields every line has (it has "
                              f"{sorted(record)})")
+        _check_unicode(record[key], key, number)
     return record
+
+
+def _check_unicode(text: str, key: str, number: int) -> None:
+    """JSON may escape a lone surrogate ("\\ud800"), which no tokenizer can encode (a
+    TypeError deep in `tokenizers` otherwise)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise data_error(f"line {number}", f"field {key!r} holds a lone surrogate "
+                         f"{text[err.start]!r} at character {err.start} (not valid Unicode)",
+                         "remove or replace it in the source text (e.g. decode the original "
+                         "bytes with errors='replace')") from None
 
 
 def _chunks(path: str, keys, append_eod) -> Iterator[Tuple[int, List[str], tuple, bool]]:
@@ -123,7 +137,7 @@ def preprocess_jsonl(input_path: str, json_keys: Sequence[str], output_prefix: s
                                          dtype=dtype) for k in json_keys}
     start, docs, chars, next_report = time.time(), 0, 0, log_interval
     tasks = _chunks(input_path, json_keys, append_eod)
-    with _pool(workers, spec) as pool:
+    with _pool(workers, spec) as pool, _naming_file(input_path):
         for count, size, encoded in pool(tasks):
             for key, documents in encoded.items():
                 for ids in documents:
@@ -143,6 +157,15 @@ def preprocess_jsonl(input_path: str, json_keys: Sequence[str], output_prefix: s
         stats[key] = {"prefix": prefix, "documents": found.sequences, "tokens": found.tokens}
     progress(f"done: {docs} documents in {time.time() - start:.1f} s")
     return {"documents": docs, "outputs": stats, "tokenizer": tokenizer.metadata()}
+
+
+@contextlib.contextmanager
+def _naming_file(path: str):
+    """A bad line's DataError (raised in a worker, which knows only the line) names the file."""
+    try:
+        yield
+    except DataError as err:
+        raise DataError(f"{path}: {err}") from None
 
 
 class _pool:

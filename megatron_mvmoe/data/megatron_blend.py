@@ -125,6 +125,21 @@ def _build(cls, sizes, config):
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
 
+def check_prefixes_exist(data: DataSection) -> None:
+    """Every prefix of every path flag has its .bin and .idx: checked before the tokenizer is
+    looked for beside them, so a mistyped --data-path is named as such."""
+    for name in PATH_FLAGS:
+        tokens = getattr(data, name)
+        blend = _blend(tokens, name) if isinstance(tokens, (list, tuple)) else None
+        for prefix in (blend[0] if blend else []):
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise ValueError(f"{PATH_FLAGS[name]}: data prefix {prefix!r} not found (no "
+                                 f"{' or '.join(prefix + ext for ext in missing)}). Fix: pass "
+                                 "the path of a .bin/.idx pair without its extension, e.g. "
+                                 "<--output-prefix of tools/preprocess_data.py>_text_document")
+
+
 def check_prefixes(data: DataSection, vocab_size: int) -> None:
     for name in PATH_FLAGS:
         blend = _blend(_tokens(data, name), name)

@@ -55,7 +55,11 @@ def build_run_tokenizer(run: "RunConfig"):
     """The run's tokenizer (Megatron-LM conventions), or None for our directory layout."""
     from megatron_mvmoe.data.tokenizers import build_tokenizer
 
+    from megatron_mvmoe.data.megatron_blend import check_prefixes_exist
+
     d = run.data
+    if d.megatron_conventions():
+        check_prefixes_exist(d)
     if d.tokenizer_type is None:
         if not d.megatron_conventions():
             return None

@@ -120,7 +120,7 @@ class _Loop:
         self.state = ckpt.ResumeState()
         self.result = RunResult()
         self.stops = StopConditions(run.training.exit_duration_in_mins,
-                                    run.training.exit_interval)
+                                    run.training.exit_interval, _launcher_pid())
         self.saver = ckpt.AsyncSaver() if run.training.async_save else None
 
     def resume(self) -> None:
@@ -451,6 +451,15 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
         close_writer_processes()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _launcher_pid() -> Optional[int]:
+    """This rank's parent when a launcher (torchrun, srun, mpirun) started it: the rank stops
+    and saves once that parent is gone (stopping.py). None for a plain `python -m ...`, whose
+    parent is a shell that may end (nohup) without meaning "stop"."""
+    from megatron_mvmoe.launch import detect_launcher
+
+    return None if detect_launcher(os.environ) == "single" else os.getppid()
 
 
 def _exit_cleanly_on_sigterm() -> None:

@@ -17,6 +17,13 @@ Design choices:
 - Ranks decide together: the local flags ride in the one all-reduce per step that also
   checks the loss and gradient norm (step.py), so every rank stops after the same step
   even when the signal reached only some of them (or their clocks differ).
+- A worker never outlives its launcher: a process started by a launcher (torchrun, srun,
+  mpirun) remembers its parent and checks at every step whether it still has it. torchrun
+  starts each worker in its own session and its agent dies of SIGUSR1, so a plain
+  `torchrun ...` with `kill -USR1 -- -<pgid>` used to leave the workers training on as
+  orphans of PID 1; now the agent's death is a stop reason like a signal: every rank
+  saves after the step and exits with EXIT_REQUEUE. A getppid() per step costs nothing
+  and needs no thread or prctl (PR_SET_PDEATHSIG fires when the forking *thread* ends).
 - `--exit-interval` is a pure function of the step; `--exit-duration-in-mins` counts from
   the construction of StopConditions (the start of `pretrain`), as Megatron-LM does.
 """
@@ -64,15 +71,20 @@ class StopFlags:
     """The signal number received (0: none)."""
     time_up: float = 0.0
     """1.0 once the --exit-duration-in-mins budget is spent."""
+    launcher_gone: float = 0.0
+    """1.0 once the process that launched this rank has exited (we were re-parented)."""
 
     def as_list(self) -> List[float]:
-        return [self.signal, self.time_up]
+        return [self.signal, self.time_up, self.launcher_gone]
 
 
 class StopConditions:
     """Signal handlers plus the time budget; `install` in the main thread, `restore` after."""
 
-    def __init__(self, exit_duration_in_mins: Optional[float], exit_interval: Optional[int]):
+    def __init__(self, exit_duration_in_mins: Optional[float], exit_interval: Optional[int],
+                 launcher_pid: Optional[int] = None):
+        """launcher_pid: the parent to outlive no longer than a step (None: not watched)."""
+        self.launcher_pid = launcher_pid
         self.exit_duration_s = None if exit_duration_in_mins is None else exit_duration_in_mins * 60
         self.exit_interval = exit_interval
         self.start = time.monotonic()
@@ -101,12 +113,19 @@ class StopConditions:
     def local_flags(self) -> StopFlags:
         time_up = (self.exit_duration_s is not None and
                    time.monotonic() - self.start >= self.exit_duration_s)
-        return StopFlags(signal=float(self.received or 0), time_up=float(time_up))
+        return StopFlags(signal=float(self.received or 0), time_up=float(time_up),
+                         launcher_gone=float(self._launcher_gone()))
+
+    def _launcher_gone(self) -> bool:
+        return self.launcher_pid is not None and os.getppid() != self.launcher_pid
 
     def reason(self, step: int, reduced: StopFlags) -> Optional[str]:
         """Why the run stops after `step` (the same on every rank), or None to go on."""
         if reduced.signal:  # the largest signal number any rank received
             return f"{signal.Signals(int(reduced.signal)).name} received"
+        if reduced.launcher_gone:
+            return ("the launcher exited (this rank's parent process is gone; e.g. torchrun's "
+                    "agent killed by a signal sent to its process group)")
         if reduced.time_up:
             return f"--exit-duration-in-mins {self.exit_duration_s / 60:g} reached"
         if self.exit_interval and step % self.exit_interval == 0:

@@ -123,3 +123,19 @@ def test_empty_corpus_file(corpus_dir, tmp_path):
 def test_missing_corpus(tmp_path):
     with pytest.raises(DataError, match="manifest.json: corpus manifest missing"):
         preprocess(PreprocessConfig(corpus_dir=str(tmp_path), out_dir=str(tmp_path / "t")))
+
+
+@pytest.mark.parametrize("flag", ["--data-path", "--train-data-path"])
+def test_missing_data_prefix_is_named_not_the_tokenizer(tmp_path, flag):
+    """A mistyped --data-path was reported as a missing tokenizer ("no tokenizer/ beside the
+    data"); it is named as a missing data prefix, before the tokenizer is looked for."""
+    from megatron_mvmoe.config.flags import config_from_args
+    from megatron_mvmoe.data.run_data import resolve_tokenizer
+
+    prefix = str(tmp_path / "nowhere" / "corpus_text_document")
+    unset = [] if flag == "--data-path" else ["--unset", "data.path"]  # the YAML's directory
+    run = config_from_args(["--config", "examples/tiny_cpu.yaml", *unset, flag, prefix])
+    with pytest.raises(ValueError) as info:
+        resolve_tokenizer(run)
+    assert str(info.value).startswith(
+        f"{flag}: data prefix '{prefix}' not found (no {prefix}.bin or {prefix}.idx). Fix: ")

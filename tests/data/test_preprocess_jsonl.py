@@ -54,6 +54,19 @@ def test_tool_cli_json_and_bad_line(jsonl, tmp_path):
     assert out.returncode == 2 and "line 2: has no string field 'text'" in out.stderr
 
 
+def test_lone_surrogate_is_one_line_naming_file_line_and_fix(tmp_path):
+    """JSON may escape a lone surrogate; it was a 35-line TypeError from the tokenizer."""
+    bad = tmp_path / "surrogate.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken \\ud800 here"}\n')
+    out = subprocess.run([sys.executable, TOOL, "--input", str(bad), "--output-prefix",
+                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"error: {bad}: line 2: field 'text' holds a lone surrogate '\\ud800' at character 7 "
+        "(not valid Unicode). Fix: remove or replace it in the source text (e.g. decode the "
+        "original bytes with errors='replace')"], out.stderr
+
+
 def test_domains_come_from_the_directory_not_a_fixed_list(data_dir, tmp_path):
     import shutil
 

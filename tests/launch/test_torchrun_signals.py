@@ -4,7 +4,12 @@ process group, as a shell's `kill -USR1 -- -<pgid>` or a scheduler sends it: the
 launcher must exit 3 (stopped early, saved) with one last line saying so, no worker may be
 left running, and the resumed run's per-step losses must equal an uninterrupted run's.
 Before the fix, SIGUSR1 killed torchrun's agent (status 138) and the workers trained on as
-orphans, saving nothing."""
+orphans, saving nothing.
+
+Plain `torchrun` (the docs' launch line, no wrapper) under the same signal: its agent dies
+of SIGUSR1 at once, and the workers, re-parented, notice at the next step (stopping.py),
+save and exit; none is left running and the resume is exact. Before the fix they trained on
+to the end and never saved at the signal."""
 
 import json
 import os
@@ -46,6 +51,23 @@ def launch(program, out: Path, **env_vars) -> subprocess.Popen:
     with open(out, "w") as fh:
         return subprocess.Popen([str(SCRIPT), *map(str, program)], stdout=fh,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def launch_plain_torchrun(program, out: Path) -> subprocess.Popen:
+    """`torchrun --standalone --nproc-per-node 2 <program>` in a new session, no wrapper."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(out, "w") as fh:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node", "2", *map(str, program)], stdout=fh,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=REPO)
+
+
+def wait_until_gone(needle: str, timeout_s: float) -> list:
+    deadline = time.monotonic() + timeout_s
+    while processes_mentioning(needle) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return processes_mentioning(needle)
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 300) -> int:
@@ -93,6 +115,15 @@ def trainer(config: str, save: Path, run_dir: Path, *extra) -> list:
             "--run-dir", run_dir, *extra]
 
 
+def resume_exactly(config, save: Path, run_dir: Path, step: int, expected: dict, out: Path):
+    """Resume from iter_<step> through torchrun_local.sh; every loss equals the reference."""
+    status = finish(launch(trainer(config, save, run_dir, "--load", save), out))
+    text = out.read_text(errors="replace")
+    assert status == 0 and f"resumed from {save}/iter_{step:07d} at step {step}" in text, \
+        text[-3000:]
+    assert losses(run_dir) == expected
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_tokens):
     """Per-step losses of the same run, uninterrupted, through the same launcher."""
@@ -127,11 +158,31 @@ def test_signal_to_the_launcher_group_saves_and_resumes_exactly(tmp_path, refere
     time.sleep(1)
     assert processes_mentioning(str(save)) == []  # no worker (or agent) left behind
 
-    resumed_out = tmp_path / "resumed.txt"
-    status = finish(launch(trainer(config, save, run_dir, "--load", save), resumed_out))
-    text = resumed_out.read_text(errors="replace")
-    assert status == 0 and f"resumed from {save}/iter_{step:07d} at step {step}" in text, \
-        text[-3000:]
-    assert losses(run_dir) == expected
+    resume_exactly(config, save, run_dir, step, expected, tmp_path / "resumed.txt")
     print(f"{name}: stopped and saved at step {step}, resumed to {STEPS}: all {STEPS} "
           "losses equal the uninterrupted run's")
+
+
+def test_usr1_to_a_plain_torchrun_group_saves_and_leaves_no_orphan(tmp_path, reference):
+    config, expected = reference
+    save, run_dir, out = tmp_path / "ck", tmp_path / "run", tmp_path / "out.txt"
+    proc = launch_plain_torchrun([PACED_JOB, *trainer(config, save, run_dir)[2:]], out)
+    try:
+        wait_for(out, r"step +2/", 240)
+        os.killpg(proc.pid, signal.SIGUSR1)
+        assert proc.wait(timeout=30) == -signal.SIGUSR1  # the agent dies of it, as before
+        left = wait_until_gone(str(save), 120)
+    finally:
+        for pid, _ in processes_mentioning(str(save)):
+            os.kill(pid, signal.SIGKILL)
+    text = out.read_text(errors="replace")
+    assert left == [], text[-3000:]  # every worker exited by itself
+    stop = re.search(r"stopping after step (\d+): the launcher exited", text)
+    assert stop, text[-3000:]
+    step = int(stop.group(1))
+    assert step < STEPS and f"saved checkpoint {save}/iter_{step:07d}" in text, text[-3000:]
+    assert (save / "latest").read_text().strip() == f"iter_{step:07d}"
+
+    resume_exactly(config, save, run_dir, step, expected, tmp_path / "resumed.txt")
+    print(f"plain torchrun, USR1 to its group: workers saved at step {step} and exited; "
+          f"resumed to {STEPS}: all losses equal the uninterrupted run's")

@@ -251,3 +251,18 @@ def test_a_launch_builds_and_validates_the_megatron_config_once(tmp_path):
     done = subprocess.run([sys.executable, "-c", _COUNT_BUILDS, *argv], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert "BUILDS 1 STATUS 0" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_yaml_syntax_error_is_one_line_naming_file_line_and_fix(tmp_path, capsys):
+    """A tab in the indentation was a 150-line PyYAML traceback; now the trainer exits 2
+    with one line naming the file, line, column and the fix."""
+    from megatron_mvmoe.training.pretrain import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: tiny_smoe\ntraining:\n\ttrain_iters: 5\n")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"error: --config {path}, line 4, column 1: not valid YAML (while scanning for the "
+        "next token found character '\\t' that cannot start any token). Fix: indent with "
+        "spaces: YAML does not allow tabs there"], err
