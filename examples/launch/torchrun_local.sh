@@ -15,6 +15,9 @@
 # to a failure (a worker died: the others get SIGTERM, then SIGKILL), where there is
 # nothing left to save, so it is SHUTDOWN_TIMEOUT=5 s here; megatron_mvmoe.launch.torchrun
 # is torchrun with that timeout honoured on this path too (torch 2.13 keeps 30 s there).
+# The script exits with the status of the first worker that failed (2 bad input, 3 stopped
+# early and saved, 128 + n killed by signal n; megatron_mvmoe.launch.torchrun returns it and
+# prints one line naming that rank instead of torchrun's ChildFailedError block).
 # After torchrun ends, megatron_mvmoe.training.job_end prints one line: stopped early, or
 # which rank failed and why, and the --load/--ckpt-step to resume with (from the --save
 # in the arguments).

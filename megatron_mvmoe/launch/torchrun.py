@@ -17,6 +17,10 @@ Design choices:
   --shutdown-timeout, so every path uses the one grace the user chose.
 - `patch_status()` says 'needed', 'applied' or 'not needed';
   tests/launch/test_torchrun_patch.py fails when a torch release fixes it (drop it then).
+- It ends with the trainer's exit status (2 bad input, 3 stopped early and saved, ...):
+  plain torchrun exits 1 on any worker failure and prints its 25-line ChildFailedError
+  block; here the failure is one line naming the first rank that failed and its status,
+  and that status (128 + n for a rank killed by signal n) is the launcher's own.
 - Everything else is torchrun itself (`torch.distributed.run`).
 """
 
@@ -24,10 +28,12 @@ from __future__ import annotations
 
 import inspect
 import os
+import socket
 import sys
 from typing import Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 TORCH_DEFAULT_S = 30
@@ -57,17 +63,40 @@ def honour_shutdown_timeout() -> str:
     return patch_status()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    from torch.distributed.run import main as torchrun_main
-    from torch.distributed.run import parse_args
+def exit_status(failure: ProcessFailure) -> int:
+    """A worker's status as a shell reports it: its own, or 128 + n when signal n killed it."""
+    return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+
+
+def failure_line(err: ChildFailedError) -> str:
+    """The first rank that failed, in one line (the error itself is above: the trainer
+    prints it once, training/error_once.py, so maybe from another rank that hit the same)."""
+    rank, first = err.get_first_failure()
+    how = (f"was killed by {first.signal_name()}" if first.exitcode < 0 else
+           f"exited with status {first.exitcode}")
+    others = len(err.failures) - 1
+    rest = f" ({others} more rank(s) stopped after it)" if others else ""
+    return (f"torchrun: rank {rank} (PID {first.pid} on {socket.gethostname()}) {how} "
+            f"first{rest}; the error is above")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed.run import parse_args, run
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    timeout = parse_args(argv).shutdown_timeout
-    if timeout is not None:
-        os.environ[TIMEOUT_ENV] = str(timeout)
+    args = parse_args(argv)
+    if args.shutdown_timeout is not None:
+        os.environ[TIMEOUT_ENV] = str(args.shutdown_timeout)
     honour_shutdown_timeout()
-    torchrun_main(argv)
+    try:
+        run(args)
+    except ChildFailedError as err:
+        sys.stdout.flush()
+        sys.stderr.write(failure_line(err) + "\n")
+        sys.stderr.flush()
+        return exit_status(err.get_first_failure()[1])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

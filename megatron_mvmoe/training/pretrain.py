@@ -40,6 +40,7 @@ from megatron_mvmoe.data.run_data import RunData, resolve_tokenizer
 from megatron_mvmoe.models.build import validate_run
 from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
 from megatron_mvmoe.training import checkpoint as ckpt
+from megatron_mvmoe.training import error_once
 from megatron_mvmoe.training.build import Trainer, build_trainer
 from megatron_mvmoe.training.memory_report import memory_hook
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
@@ -426,19 +427,31 @@ def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
 
 
 # ------------------------------------------------------------------------------ launcher
+USER_ERRORS = (ValueError, CheckpointError, NonFiniteLoss)
+"""What main() reports in one line with EXIT_USER_ERROR (anything else is a bug: traceback)."""
+
+
 def run_from_args(argv: Optional[Sequence[str]] = None,
-                  on_step: Optional[Callable[[int, Trainer], None]] = None) -> RunResult:
+                  on_step: Optional[Callable[[int, Trainer], None]] = None,
+                  on_error: Optional[Callable[[Exception, object], None]] = None) -> RunResult:
+    """Parse, start torch.distributed, train. on_error(err, store) sees a USER_ERRORS error
+    while the process group's store still exists (error_once.rank_error), then it is
+    re-raised."""
     from megatron_mvmoe.config.flags import config_from_args
+
+    return run_config(config_from_args(argv), on_step, on_error)
+
+
+def run_config(run: RunConfig, on_step: Optional[Callable[[int, Trainer], None]] = None,
+               on_error: Optional[Callable[[Exception, object], None]] = None) -> RunResult:
     from megatron_mvmoe.launch import init_distributed
     from megatron_mvmoe.parallel import destroy_layout, initialize_layout
 
-    run = config_from_args(argv)
     log_noise.apply_logging_level(run.logging.logging_level)
     _exit_cleanly_on_sigterm()
-    platform.apply_cpu_patches()
-    init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)
     try:
-
+        platform.apply_cpu_patches()
+        init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)
         resolve_tokenizer(run)
         model = run.model
         config = validate_run(run, dist.get_world_size(), model.num_layers, model.num_experts)
@@ -447,6 +460,18 @@ def run_from_args(argv: Optional[Sequence[str]] = None,
         result = pretrain(run, pgs, on_step=on_step, config=config)
         destroy_layout()
         return result
+    except USER_ERRORS as err:
+        if on_error is not None:
+            on_error(err, _default_store())
+        raise
+    except RuntimeError as err:
+        if on_error is None or not error_once.is_collective_timeout(err):
+            raise
+        timeout = error_once.collective_timeout(
+            err, run.parallel.distributed_timeout_seconds, run.training.save,
+            dist.get_rank() if dist.is_initialized() else 0)
+        on_error(timeout, None)  # no store: its host may be the rank that stopped
+        raise timeout from None
     finally:
         close_writer_processes()
         if dist.is_initialized():
@@ -460,6 +485,15 @@ def _launcher_pid() -> Optional[int]:
     from megatron_mvmoe.launch import detect_launcher
 
     return None if detect_launcher(os.environ) == "single" else os.getppid()
+
+
+def _default_store():
+    """torch.distributed's default store while the process group exists, else None."""
+    if not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def _exit_cleanly_on_sigterm() -> None:
@@ -479,11 +513,19 @@ def main(argv: Optional[Sequence[str]] = None,
          on_step: Optional[Callable[[int, Trainer], None]] = None) -> int:
     """Exit status: 0 finished, 2 user error / bad checkpoint / NaN stop, 3 (EXIT_REQUEUE)
     stopped early by a signal, --exit-duration-in-mins or --exit-interval after saving."""
+    from megatron_mvmoe.config.flags import config_from_args
+
     try:
-        result = run_from_args(argv, on_step=on_step)
-    except (ValueError, CheckpointError, NonFiniteLoss) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        run = config_from_args(argv)
+    except ValueError as err:
+        error_once.config_error(err)  # the same on every rank: rank 0 prints it
         return EXIT_USER_ERROR
+    try:
+        result = run_config(run, on_step=on_step, on_error=error_once.rank_error)
+    except USER_ERRORS:
+        return EXIT_USER_ERROR  # printed once by on_error
+    except error_once.CollectiveTimeout:
+        return 1  # printed by on_error: a failure of the job, not of its input
     if result.stopped:
         print(f"stopped early ({result.stopped}) at checkpoint {result.last_checkpoint}: exit "
               f"status {EXIT_REQUEUE} (requeue to continue)", file=sys.stderr, flush=True)

@@ -100,3 +100,29 @@ def read_reports(save: str, this_run: Optional[str]) -> List[RankReport]:
         if report.run_id == this_run:
             reports.append(report)
     return reports
+
+
+def stopped_peers(save: Optional[str], rank: int) -> List[RankReport]:
+    """Other ranks of this run on this host whose process is stopped (SIGSTOP: state T in
+    /proc), from their start records: the ones a timed-out collective waited for."""
+    if save is None or not os.path.isdir(os.path.join(save, REPORTS_DIR)):
+        return []
+    found = []
+    for name in sorted(os.listdir(os.path.join(save, REPORTS_DIR))):
+        try:
+            with open(os.path.join(save, REPORTS_DIR, name)) as fh:
+                report = RankReport(**json.load(fh))
+        except (OSError, ValueError, TypeError):
+            continue
+        if (report.run_id == run_id() and report.rank != rank and report.host == host_name()
+                and _process_state(report.pid) == "T"):
+            found.append(report)
+    return found
+
+
+def _process_state(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

@@ -53,9 +53,9 @@ def launch(program, out: Path, **env_vars) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def launch_plain_torchrun(program, out: Path) -> subprocess.Popen:
+def launch_plain_torchrun(program, out: Path, **env_vars) -> subprocess.Popen:
     """`torchrun --standalone --nproc-per-node 2 <program>` in a new session, no wrapper."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars)
     with open(out, "w") as fh:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  "--nproc-per-node", "2", *map(str, program)], stdout=fh,
