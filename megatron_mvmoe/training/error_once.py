@@ -27,6 +27,17 @@ def _rank() -> Optional[int]:
     return int(rank) if rank.isdigit() else None
 
 
+def default_store():
+    """torch.distributed's default store while the process group exists, else None."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def write_line(text: str) -> None:
     """`text` as one line of stderr, in one write."""
     sys.stdout.flush()

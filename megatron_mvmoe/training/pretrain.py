@@ -52,7 +52,8 @@ from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.save_lock import hold_save_lock
 from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
-                                              StopConditions, StopFlags, marker_payload)
+                                              StopConditions, StopFlags, launcher_pid,
+                                              marker_payload)
 from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
 
 
@@ -121,7 +122,7 @@ class _Loop:
         self.state = ckpt.ResumeState()
         self.result = RunResult()
         self.stops = StopConditions(run.training.exit_duration_in_mins,
-                                    run.training.exit_interval, _launcher_pid())
+                                    run.training.exit_interval, launcher_pid())
         self.saver = ckpt.AsyncSaver() if run.training.async_save else None
 
     def resume(self) -> None:
@@ -462,7 +463,7 @@ def run_config(run: RunConfig, on_step: Optional[Callable[[int, Trainer], None]]
         return result
     except USER_ERRORS as err:
         if on_error is not None:
-            on_error(err, _default_store())
+            on_error(err, error_once.default_store())
         raise
     except RuntimeError as err:
         if on_error is None or not error_once.is_collective_timeout(err):
@@ -476,24 +477,6 @@ def run_config(run: RunConfig, on_step: Optional[Callable[[int, Trainer], None]]
         close_writer_processes()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _launcher_pid() -> Optional[int]:
-    """This rank's parent when a launcher (torchrun, srun, mpirun) started it: the rank stops
-    and saves once that parent is gone (stopping.py). None for a plain `python -m ...`, whose
-    parent is a shell that may end (nohup) without meaning "stop"."""
-    from megatron_mvmoe.launch import detect_launcher
-
-    return None if detect_launcher(os.environ) == "single" else os.getppid()
-
-
-def _default_store():
-    """torch.distributed's default store while the process group exists, else None."""
-    if not dist.is_initialized():
-        return None
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
 
 
 def _exit_cleanly_on_sigterm() -> None:

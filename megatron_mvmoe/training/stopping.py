@@ -57,6 +57,16 @@ def run_id(env=None) -> Optional[str]:
     return None
 
 
+def launcher_pid(env=None) -> Optional[int]:
+    """This rank's parent when a launcher (torchrun, srun, mpirun) started it: the rank stops
+    and saves once that parent is gone. None for a plain `python -m ...`, whose parent is a
+    shell that may end (nohup) without meaning "stop"."""
+    from megatron_mvmoe.launch.rendezvous import detect_launcher  # here: job_end needs no torch
+
+    return None if detect_launcher(os.environ if env is None else env) == "single" else \
+        os.getppid()
+
+
 def marker_payload(step: int, reason: str, checkpoint: Optional[str]) -> Dict[str, object]:
     """What STOPPED_MARKER holds; `run_id` ties it to the run that stopped."""
     return {"step": step, "reason": reason, "checkpoint": checkpoint,
