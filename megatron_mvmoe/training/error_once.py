@@ -40,10 +40,15 @@ def default_store():
 
 def write_line(text: str) -> None:
     """`text` as one line of stderr, in one write."""
+    line = "\n".join(text.splitlines()) + "\n"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), ("\n".join(text.splitlines()) + "\n").encode(
-        "utf-8", "backslashreplace"))
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced sys.stderr (pytest's capsys)
+        sys.stderr.write(line)
+        return
+    os.write(fd, line.encode("utf-8", "backslashreplace"))
 
 
 def config_error(err: Exception) -> None:
