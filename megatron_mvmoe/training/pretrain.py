@@ -42,6 +42,7 @@ from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processe
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training import error_once
 from megatron_mvmoe.training.build import Trainer, build_trainer
+from megatron_mvmoe.training.gamma_ramp import gamma_controls
 from megatron_mvmoe.training.memory_report import memory_hook
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, mtp_losses,
@@ -52,7 +53,8 @@ from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.save_lock import hold_save_lock
 from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
-                                              StopConditions, StopFlags, launcher_pid,
+                                              StopConditions, StopFlags,
+                                              exit_cleanly_on_sigterm, launcher_pid,
                                               marker_payload)
 from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
 
@@ -72,25 +74,6 @@ class RunResult:
     """Why the run stopped before train_iters (signal, time budget, exit interval), or None."""
     skipped_iters: int = 0
     """Updates skipped over the whole run (resumes included) for a NaN/inf loss/grad norm."""
-
-
-def _gamma_controls(trainer: Trainer):
-    """(advance, current) for the Multi-View gamma ramps, or no-ops without such layers."""
-    try:
-        from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer, advance_gamma_ramps
-    except ImportError:
-        return (lambda: None), (lambda: None)
-    layers = [m for c in trainer.unwrapped() for m in c.modules()
-              if isinstance(m, MultiViewMoELayer)]
-
-    def advance():
-        values = [advance_gamma_ramps(c) for c in trainer.unwrapped()]
-        return next((v for v in values if v is not None), None)
-
-    def current():
-        return float(layers[0].gamma()) if layers else None
-
-    return advance, current
 
 
 class _Loop:
@@ -116,7 +99,7 @@ class _Loop:
         self.watch = NonFiniteWatch(self.trainer.unwrapped())
         self.routing = (RoutingMonitor(self.trainer.unwrapped(), model.num_experts, pg_collection)
                         if run.logging.routing_metrics and model.is_moe else None)
-        self.advance_gamma, self.gamma = _gamma_controls(self.trainer)
+        self.advance_gamma, self.gamma = gamma_controls(self.trainer)
         install_moe_metrics_tracker()  # before the first forward records into it
         self.tracer = self._start_router_trace()
         self.state = ckpt.ResumeState()
@@ -449,7 +432,7 @@ def run_config(run: RunConfig, on_step: Optional[Callable[[int, Trainer], None]]
     from megatron_mvmoe.parallel import destroy_layout, initialize_layout
 
     log_noise.apply_logging_level(run.logging.logging_level)
-    _exit_cleanly_on_sigterm()
+    exit_cleanly_on_sigterm()
     try:
         platform.apply_cpu_patches()
         init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)
@@ -477,19 +460,6 @@ def run_config(run: RunConfig, on_step: Optional[Callable[[int, Trainer], None]]
         close_writer_processes()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _exit_cleanly_on_sigterm() -> None:
-    """torchrun (and Slurm) stop surviving ranks with SIGTERM when one rank dies. Turning
-    it into SystemExit runs the `finally` blocks, which stop the checkpoint writer's helper
-    process; killed outright, that helper outlives the rank and holds its stdout open."""
-    import signal
-
-    def handler(signum, frame):
-        raise SystemExit(f"rank stopped by signal {signum} (another rank failed or the "
-                         "launcher is shutting the job down)")
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: Optional[Sequence[str]] = None,

@@ -141,3 +141,14 @@ class StopConditions:
         if self.exit_interval and step % self.exit_interval == 0:
             return f"--exit-interval {self.exit_interval} reached at step {step}"
         return None
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """torchrun (and Slurm) stop surviving ranks with SIGTERM when one rank dies. Turning
+    it into SystemExit runs the `finally` blocks, which stop the checkpoint writer's helper
+    process; killed outright, that helper outlives the rank and holds its stdout open."""
+    def handler(signum, frame):
+        raise SystemExit(f"rank stopped by signal {signum} (another rank failed or the "
+                         "launcher is shutting the job down)")
+
+    signal.signal(signal.SIGTERM, handler)
