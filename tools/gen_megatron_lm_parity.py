@@ -125,34 +125,53 @@ def _te_fused_rope_is_installed(*args, **kwargs):
     raise AssertionError("only its presence is checked (TransformerConfig.__post_init__)")
 
 
-def megatron_lm_record(line: list) -> dict:
-    """Megatron-LM's parse_args -> validate_args -> core_transformer_config_from_args and
-    scheduler for `line` (see the module docstring)."""
-    import torch
-    from megatron.training import arguments, global_vars
-    from megatron.training.training import (get_megatron_ddp_config,
-                                            get_megatron_optimizer_config,
-                                            get_optimizer_param_scheduler)
+def megatron_lm_args(line: list):
+    """Megatron-LM's parse_args -> validate_args for `line` at WORLD_SIZE 8 (module docstring;
+    sets WORLD_SIZE, RANK, LOCAL_RANK, CUDA_DEVICE_MAX_CONNECTIONS in os.environ)."""
+    from megatron.training import arguments
 
     os.environ.update(WORLD_SIZE="8", RANK="0", LOCAL_RANK="0",
                       CUDA_DEVICE_MAX_CONNECTIONS="1")
-    from megatron.core.models.common.embeddings import rope_utils
-
     arguments.get_device_arch_version = lambda: 9  # stand-in 1 (module docstring)
     argv, sys.argv = sys.argv, ["pretrain_gpt.py", *line]
-    fused_rope = rope_utils.fused_apply_rotary_pos_emb
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # its listing of every argument
             args = arguments.parse_args()
             arguments.validate_args(args, {})
+    finally:
+        sys.argv = argv
+    return args
+
+
+def megatron_lm_scheduler(args):
+    """Megatron-LM's get_optimizer_param_scheduler for parsed `args`, on a torch Adam (it
+    reads the global args, which this sets)."""
+    import torch
+    from megatron.training import global_vars
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    global_vars.set_args(args)
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
+    return get_optimizer_param_scheduler(adam)
+
+
+def megatron_lm_record(line: list) -> dict:
+    """Megatron-LM's parse_args -> validate_args -> core_transformer_config_from_args and
+    scheduler for `line` (see the module docstring)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.training import arguments
+    from megatron.training.training import (get_megatron_ddp_config,
+                                            get_megatron_optimizer_config)
+
+    args = megatron_lm_args(line)
+    fused_rope = rope_utils.fused_apply_rotary_pos_emb
+    try:
         if fused_rope is None:  # stand-in 2: TE's fused RoPE present, as on the test's GPUs
             rope_utils.fused_apply_rotary_pos_emb = _te_fused_rope_is_installed
         config = arguments.core_transformer_config_from_args(args)
     finally:
-        sys.argv, rope_utils.fused_apply_rotary_pos_emb = argv, fused_rope
-    global_vars.set_args(args)
-    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
-    scheduler = get_optimizer_param_scheduler(adam)
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope
+    scheduler = megatron_lm_scheduler(args)
     return {"transformer_config": {f.name: _jsonable(getattr(config, f.name))
                                    for f in dataclasses.fields(config)},
             "model_args": {name: _jsonable(getattr(args, name)) for name in MODEL_ARGS},

@@ -7,8 +7,12 @@ Megatron-LM does:
   otherwise the step count would not be exact and the flag is refused with the nearest
   exact values;
 - `--lr-warmup-fraction` is that fraction of the decay length (Megatron-LM's
-  `lr_warmup_fraction * lr_decay_steps`);
+  `lr_warmup_fraction * lr_decay_steps`): a whole number of steps is warmup_iters, any
+  other is kept as optimizer.warmup_fraction and the warmup ends mid-step, as it does in
+  Megatron-LM's sample-counting scheduler;
 - `--distributed-timeout-minutes` is the collective timeout in minutes.
+- `--num-virtual-stages-per-pipeline-rank N` is the virtual-pipeline size N (Megatron-LM's
+  validate_args; N = 1 means no interleaving).
 - `--moe-use-upcycling --load D --save S` upcycles the dense checkpoint D: it becomes
   --warm-start-from D --load S (a relaunch resumes S).
 
@@ -42,6 +46,9 @@ CONVERTED = {
     "--lr-warmup-samples": (int, "warmup in samples (/ --global-batch-size = steps)"),
     "--lr-warmup-fraction": (float, "warmup as a fraction of the decay length"),
     "--distributed-timeout-minutes": (float, "collective timeout in minutes"),
+    "--num-virtual-stages-per-pipeline-rank": (
+        int, "virtual pipeline stages per pipeline rank (= --virtual-pipeline-model-"
+             "parallel-size; 1 = no interleaving)"),
 }
 _IN_STEPS = {"--train-samples": ("training", "train_iters", "--train-iters"),
              "--lr-decay-samples": ("optimizer", "decay_iters", "--lr-decay-iters"),
@@ -96,8 +103,23 @@ def apply_conversions(raw: Dict[str, Any], args: argparse.Namespace) -> List[str
     minutes = given(args, "--distributed-timeout-minutes")
     if minutes is not None:
         _section(raw, "parallel")["distributed_timeout_seconds"] = 60.0 * minutes
+    problems += _virtual_stages(raw, args)
     _upcycling_source(training)
     return problems
+
+
+def _virtual_stages(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+    """Megatron-LM's validate_args: virtual_pipeline_model_parallel_size =
+    num_virtual_stages_per_pipeline_rank, and 1 stage means none (no interleaving)."""
+    stages = given(args, "--num-virtual-stages-per-pipeline-rank")
+    if stages is None:
+        return []
+    if args.virtual_pipeline_model_parallel_size is not None:
+        return ["--num-virtual-stages-per-pipeline-rank: not supported together with "
+                "--virtual-pipeline-model-parallel-size (both set the virtual-pipeline "
+                "size). Use instead: one of them"]
+    _section(raw, "parallel")["vpp"] = stages if stages > 1 else None
+    return []
 
 
 def _upcycling_source(training: Dict[str, Any]) -> None:
@@ -119,10 +141,9 @@ def _warmup_fraction(fraction: float, training: Dict, optimizer: Dict,
         "train_iters", TrainingSection.train_iters)
     steps = fraction * decay
     if abs(steps - round(steps)) > 1e-9:
-        return [f"--lr-warmup-fraction {fraction}: not supported: {fraction} x {decay} decay "
-                f"steps = {steps:g} is not a whole step. Use instead: --lr-warmup-iters "
-                f"{int(steps)} or {int(steps) + 1}"]
-    optimizer["warmup_iters"] = int(round(steps))
+        optimizer["warmup_fraction"] = fraction  # ends mid-step, as in Megatron-LM
+    else:
+        optimizer["warmup_iters"] = int(round(steps))
     return []
 
 

@@ -6,7 +6,8 @@ arguments.py by tools/gen_megatron_lm_flags.py) gets one classification here:
   (megatron_flags.ACCEPTED, or `NOTED` below, or its group's note in `GROUP_NOTES`);
 - refused: `not supported: why. Use instead: ...` (megatron_flags.UNSUPPORTED, or its group's
   reason in `GROUP_REFUSALS`). A refused flag given with Megatron-LM's own default value
-  changes nothing, so it is accepted with a note saying so.
+  changes nothing, so it is accepted with a note saying so (and nothing more: it may belong
+  to a feature that does not run here).
 
 Why group rules: Megatron-LM has ~850 flags; whole groups (inference, RL, vision, logging
 back-ends, profiling, ...) share one reason. Flags that a real MoE launch script passes get
@@ -149,7 +150,10 @@ def classify(name: str, value: Any) -> Verdict:
     if row.group in GROUP_NOTES:
         return Verdict(f"{name}: {GROUP_NOTES[row.group].format(group=row.group)}", None)
     if _is_default(row, value):
-        return Verdict(f"{name} {value}: Megatron-LM's default, which is what runs here", None)
+        # Only what is true of every such flag: the line means the same without it (it may
+        # belong to a feature that does not run here, e.g. --muon-momentum under Adam).
+        return Verdict(f"{name} {value}: Megatron-LM's default value; the line means the "
+                       "same without it", None)
     why, instead = REFUSED.get(name) or GROUP_REFUSALS.get(row.group, _GENERIC)
     return Verdict(None, f"{name}: not supported: {why}. Use instead: "
                          f"{instead.format(default=row.default)}")

@@ -60,6 +60,10 @@ class OptimizerSection:
     """Floor of the cosine decay."""
     warmup_iters: int = 0
     """Linear warmup steps from 0 to lr (must be below the decay length)."""
+    warmup_fraction: Optional[float] = None
+    """Warmup as this fraction of the decay length when that is not a whole number of steps
+    (Megatron-LM's --lr-warmup-fraction: its scheduler counts samples, so warmup may end
+    mid-step); set, it replaces warmup_iters. None = warmup_iters."""
     init_lr: float = 0.0
     """Learning rate at the start of warmup (Megatron-LM's --lr-warmup-init)."""
     decay_iters: Optional[int] = None
@@ -275,6 +279,10 @@ class RunConfig:
         _require(o.warmup_iters >= 0 and (t.train_iters == 0 or o.warmup_iters < decay), "optimizer.warmup_iters",
                  f"{o.warmup_iters} warmup steps must be < decay steps {decay}",
                  "lower --lr-warmup-iters or raise --lr-decay-iters/--train-iters")
+        _require(o.warmup_fraction is None or (0 <= o.warmup_fraction < 1 and
+                                               o.warmup_iters == 0), "optimizer.warmup_fraction",
+                 f"{o.warmup_fraction} must be in [0, 1) with warmup_iters 0",
+                 "give one of --lr-warmup-fraction (below 1) and --lr-warmup-iters")
         _require(not t.moe_use_upcycling or t.warm_start_from is not None,
                  "training.moe_use_upcycling", "no dense checkpoint to upcycle from",
                  "pass --warm-start-from <dense checkpoint> (or Megatron-LM's --load <dense "

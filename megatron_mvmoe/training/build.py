@@ -103,8 +103,12 @@ def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
     o, t = run.optimizer, run.training
     # train_iters = 0 (save/evaluate the initial model) still needs a valid schedule.
     decay = max(o.decay_iters or t.train_iters, o.warmup_iters + 1)
+    # A fractional warmup ends mid-step, as in Megatron-LM's sample-counting scheduler: the
+    # LR is a function of step / warmup and (step - warmup) / (decay - warmup), ratios
+    # that counting in samples (all three x global batch) leaves unchanged.
+    warmup = o.warmup_iters if o.warmup_fraction is None else o.warmup_fraction * decay
     return OptimizerParamScheduler(
-        optimizer, init_lr=o.init_lr, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
+        optimizer, init_lr=o.init_lr, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay, lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
         **scheduler_switches(t))

@@ -197,3 +197,48 @@ def test_logging_level_sets_the_root_level_as_megatron_lm_does(monkeypatch):
     assert apply_logging_level(None) == 30 and root.level == 30
     monkeypatch.delenv("MEGATRON_LOGGING_LEVEL")
     assert apply_logging_level(None) is None and root.level == 30
+
+
+def test_a_default_valued_flag_is_noted_without_claiming_it_runs():
+    """The note said "--muon-momentum 0.9: Megatron-LM's default, which is what runs here"
+    while Adam runs: a flag given at its default changes nothing, and that is all it says."""
+    note = mlt.classify("--muon-momentum", "0.9").note
+    assert "runs here" not in note and note.endswith("the line means the same without it")
+
+
+def test_virtual_stages_per_pipeline_rank_is_the_virtual_pipeline_size():
+    """Megatron-LM's validate_args: virtual_pipeline_model_parallel_size =
+    num_virtual_stages_per_pipeline_rank (1 = none); it was dropped without a word."""
+    line = ["--model-preset", "tiny_smoe", "--num-layers", "4",
+            "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank"]
+    assert flags.config_from_args(line + ["2"]).parallel.vpp == 2
+    assert flags.config_from_args(line + ["1"]).parallel.vpp is None
+    text = _refusals(line + ["2", "--virtual-pipeline-model-parallel-size", "2"])
+    assert "--num-virtual-stages-per-pipeline-rank: not supported together with " \
+           "--virtual-pipeline-model-parallel-size" in text
+
+
+def test_fractional_warmup_gives_megatron_lms_learning_rates(monkeypatch):
+    """--lr-warmup-fraction 0.15 of 10 steps is 1.5 steps: refused before; Megatron-LM counts
+    samples (warmup = 0.15 x 10 x 16 samples), so its warmup ends mid-step. Its own
+    get_optimizer_param_scheduler, from its own parser, against ours, step by step."""
+    import gen_megatron_lm_parity as gen
+    import torch
+    from megatron.training import global_vars
+
+    from megatron_mvmoe.training.build import _scheduler
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS"):
+        monkeypatch.setenv(name, os.environ.get(name, "0"))  # restored after the test
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
+    line = gen.BARE_LINE + gen.EXPLICIT + ["--disable-bias-linear", "--lr-warmup-fraction",
+                                           "0.15", "--lr-warmup-init", "1e-5"]
+    args = gen.megatron_lm_args(line)  # WORLD_SIZE 8: DP 8, global batch 16
+    theirs = gen.megatron_lm_scheduler(args)
+    run = flags.config_from_args(line)
+    assert run.training.global_batch_size == args.global_batch_size == 16
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=run.optimizer.lr)
+    mine = _scheduler(run, adam)
+    assert theirs.lr_warmup_steps == 24.0 and mine.lr_warmup_steps * 16 == pytest.approx(24)
+    megatron, ours = _lrs(theirs, 10, 16), _lrs(mine, 10, 1)
+    assert megatron == pytest.approx(ours, rel=1e-12, abs=0) and len(set(megatron)) == 10
