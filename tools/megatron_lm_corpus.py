@@ -107,6 +107,14 @@ def generate(mirror: str) -> dict:
             "shrink": SHRINK, "cases": cases}
 
 
+def corpus_text(corpus: dict) -> str:
+    """JSON with one line per case (a diff shows which line changed)."""
+    head = {k: v for k, v in corpus.items() if k != "cases"}
+    cases = ",\n".join(f" {json.dumps(name)}: {json.dumps(line)}"
+                        for name, line in corpus["cases"].items())
+    return json.dumps(head, indent=1)[:-2] + ',\n "cases": {\n' + cases + "\n }\n}\n"
+
+
 def load_cases() -> Dict[str, List[str]]:
     with open(ASSET) as fh:
         return json.load(fh)["cases"]
@@ -267,7 +275,7 @@ def main(argv=None) -> int:
                   f"directory of a NVIDIA/Megatron-LM clone holding {COMMIT[:8]}",
                   file=sys.stderr)
             return 2
-        text = json.dumps(generate(args.mirror), indent=1) + "\n"
+        text = corpus_text(generate(args.mirror))
         if args.check:
             same = os.path.isfile(ASSET) and open(ASSET).read() == text
             print("corpus up to date" if same else "corpus differs: rerun without --check")
@@ -297,7 +305,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print("| case | ranks | outcome | last loss | s |\n|---|---|---|---|---|")
+        print("| case | ranks | outcome | last loss printed | s |\n|---|---|---|---|---|")
         for row in rows:
             result = "trained 2 steps" if row["rc"] == 0 else f"{row['rc']}: {row.get('error')}"
             print(f"| {row['case']} | {row['ranks']} | {result} | {row.get('last_loss')} | "
