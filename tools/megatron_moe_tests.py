@@ -2,7 +2,7 @@
 through our platform layer, and print passed/failed/skipped per file and failures by cause.
 
     python tools/megatron_moe_tests.py --megatron-lm-src ~/src/Megatron-LM \\
-        [--ref core_r0.19.0 | --ref worktree] [--ranks 1 2] [--files test_routers.py ...] \\
+        [--ref core_r0.19.0 | --ref worktree] [--ranks auto | --ranks 1 2] [--files test_routers.py ...] \\
         [-k EXPR] [--per-test-timeout 120] [--timeout 3600] [--isolate-files] [--keep DIR] \\
         [--skip-patch NAME ...] [--json]
 
@@ -24,9 +24,16 @@ earlier `--json` runs side by side (markdown; with --json one object holding bot
 --skip-patch leaves a named platform patch out (names: megatron_mvmoe.platform.cpu_patches
 .ALL_PATCHES), to count what it fixes.
 
-Each rank count is one pytest session per rank over the selected files (launched like
+--ranks auto (the default) runs each file at the rank counts its layouts need, read from
+the file (its parametrized tp/ep/pp/cp sizes and initialize_model_parallel calls: the
+smallest of 1, 2, 4, 8 that each layout fits, always 1; megatron_mvmoe/testing/
+megatron_layouts.py; checked against core_r0.19.0's files by
+tests/platform/test_megatron_layouts.py); --ranks 1 2 runs every file at those counts.
+
+Each rank count is one pytest session per rank over the files run at it (launched like
 Megatron's CI: WORLD_SIZE / LOCAL_RANK / MASTER_PORT; --isolate-files: one per file). A test
-passes at N ranks when it passes on every rank. Filter with --files / -k.
+passes at N ranks when it passes on every rank. Per file the report gives each count and
+the best one (most tests passed). Filter with --files / -k.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--ref", default=suite.DEFAULT_REF,
                         help=f"git ref to read the tests at (default {suite.DEFAULT_REF}); "
                              "'worktree' = the checkout's files")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--ranks", nargs="+", default=["auto"],
+                        help="'auto' (each file at the counts its layouts need) or counts")
     parser.add_argument("--files", nargs="+", default=[],
                         help="only these test files (e.g. test_routers.py)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
@@ -76,26 +84,46 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     unknown = [n for n in args.skip_patch if n not in names]
     if unknown:
         parser.error(f"--skip-patch {unknown[0]!r}: no such patch. Fix: use one of {names}")
-    bad = [n for n in args.ranks if n < 1]
-    if bad:
-        parser.error(f"--ranks {bad[0]}: must be >= 1")
+    args.ranks = _rank_counts(parser, args.ranks)
     for name in ("per_test_timeout", "timeout"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be > 0")
     return args
 
 
-def print_table(results: List[suite.FileResult], ranks: List[int]) -> None:
-    header = " | ".join(f"{n} rank{'s' * (n > 1)} pass/fail/skip" for n in ranks)
-    print(f"| file | {header} |")
-    print("|---|" + "---|" * len(ranks))
+def _rank_counts(parser: argparse.ArgumentParser, values: List[str]) -> Optional[List[int]]:
+    """None for 'auto', else the counts (each >= 1)."""
+    if values == ["auto"]:
+        return None
+    if "auto" in values:
+        parser.error(f"--ranks {' '.join(values)}: 'auto' stands alone (or give counts, "
+                     "e.g. --ranks 1 2)")
+    for value in values:
+        if not value.isdigit() or int(value) < 1:
+            parser.error(f"--ranks {value}: a rank count must be >= 1 (or --ranks auto)")
+    return sorted({int(v) for v in values})
+
+
+def _cell(r: Optional[suite.FileResult]) -> str:
+    if r is None:
+        return "-"
+    return f"{r.passed}/{r.failed}/{r.skipped}" + (" (killed)" if r.killed else "")
+
+
+def print_table(results: List[suite.FileResult]) -> None:
+    ranks = sorted({r.world_size for r in results})
+    header = " | ".join(f"{n} rank{'s' * (n > 1)}" for n in ranks)
+    print(f"| file (pass/fail/skip) | {header} | best |")
+    print("|---|" + "---|" * (len(ranks) + 1))
     by_key = {(r.file, r.world_size): r for r in results}
-    for file in dict.fromkeys(r.file for r in results):
-        cells = []
-        for n in ranks:
-            r = by_key[(file, n)]
-            cells.append(f"{r.passed}/{r.failed}/{r.skipped}" + (" (killed)" if r.killed else ""))
+    best = suite.best_per_file(results)
+    for file, top in best.items():
+        cells = [_cell(by_key.get((file, n))) for n in ranks]
+        cells.append(f"{_cell(top)} at {top.world_size}")
         print(f"| {os.path.basename(file)} | {' | '.join(cells)} |")
+    t = suite.totals(list(best.values()))
+    print(f"total, best per file: {t['passed']} passed, {t['failed']} failed, "
+          f"{t['skipped']} skipped")
     for n in ranks:
         t = suite.totals([r for r in results if r.world_size == n])
         print(f"total at {n} rank(s): {t['passed']} passed, {t['failed']} failed, "
@@ -155,9 +183,11 @@ def run(args: argparse.Namespace, tests_dir: str) -> List[suite.FileResult]:
     ref = None if args.ref == "worktree" else args.ref
     suite.extract_tests(args.megatron_lm_src, ref, tests_dir)
     files = suite.test_files(tests_dir, args.files)
-    sessions = [[f] for f in files] if args.isolate_files else [files]
+    plan = suite.rank_plan(tests_dir, files, args.ranks)
     results = []
-    for n in args.ranks:
+    for n in sorted({n for counts in plan.values() for n in counts}):
+        files_n = [f for f in files if n in plan[f]]
+        sessions = [[f] for f in files_n] if args.isolate_files else [files_n]
         for session in sessions:
             for result in suite.run_files(tests_dir, session, n, keyword=args.keyword,
                                           per_test_timeout_s=args.per_test_timeout,
@@ -169,6 +199,27 @@ def run(args: argparse.Namespace, tests_dir: str) -> List[suite.FileResult]:
                           f"passed, {result.failed} failed, {result.skipped} skipped",
                           flush=True)
     return results
+
+
+def report(args: argparse.Namespace, results: List[suite.FileResult]) -> dict:
+    """The --json object: every (file, rank count) result, totals and causes per count, and
+    per file the rank counts run and the best of them."""
+    ranks = sorted({r.world_size for r in results})
+    by_ranks = {str(n): dict(totals=suite.totals([r for r in results if r.world_size == n]),
+                             causes=dict(suite.causes(
+                                 [r for r in results if r.world_size == n]).most_common()))
+                for n in ranks}
+    best = suite.best_per_file(results)
+    rank_counts = {os.path.basename(f): sorted(r.world_size for r in results if r.file == f)
+                   for f in best}
+    return dict(ref=args.ref, ranks="auto" if args.ranks is None else args.ranks,
+                keyword=args.keyword, skipped_patches=args.skip_patch,
+                files=[asdict(r) for r in results], by_ranks=by_ranks,
+                rank_counts=rank_counts,
+                best={os.path.basename(f): dict(world_size=r.world_size, passed=r.passed,
+                                                failed=r.failed, skipped=r.skipped)
+                      for f, r in best.items()},
+                best_totals=suite.totals(list(best.values())))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -187,15 +238,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        by_ranks = {str(n): dict(totals=suite.totals([r for r in results if r.world_size == n]),
-                                 causes=dict(suite.causes(
-                                     [r for r in results if r.world_size == n]).most_common()))
-                    for n in args.ranks}
-        print(json.dumps(dict(ref=args.ref, ranks=args.ranks, keyword=args.keyword,
-                              skipped_patches=args.skip_patch,
-                              files=[asdict(r) for r in results], by_ranks=by_ranks), indent=1))
+        print(json.dumps(report(args, results), indent=1))
     else:
-        print_table(results, args.ranks)
+        print_table(results)
     return 0
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megatron_mvmoe.launch.local_ranks import free_port
+from megatron_mvmoe.testing.megatron_layouts import rank_counts
 from megatron_mvmoe.platform.cpu_patches import SKIP_ENV
 from megatron_mvmoe.testing.megatron_test_adapter import PG_TIMEOUT_ENV, REPORT_ENV, TESTS_ROOT_ENV
 
@@ -128,6 +129,19 @@ def test_files(tests_dir: str, only: Sequence[str] = ()) -> List[str]:
                              f"of {', '.join(names)}")
         names = [n for n in names if n in only or n[:-3] in only]
     return [f"{MOE_TESTS}/{n}" for n in names]
+
+
+def rank_plan(tests_dir: str, files: Sequence[str],
+              ranks: Optional[Sequence[int]] = None) -> Dict[str, List[int]]:
+    """file -> the rank counts to run it at: `ranks` for every file, or (None) the counts
+    its layouts need (megatron_layouts.rank_counts, read from the file, always 1)."""
+    if ranks is not None:
+        return {f: sorted(set(ranks)) for f in files}
+    plan = {}
+    for f in files:
+        with open(os.path.join(tests_dir, f)) as source:
+            plan[f] = rank_counts(source.read())
+    return plan
 
 
 # ---------------------------------------------------------------- running one file
@@ -296,6 +310,15 @@ def cause_of(error: str) -> str:
 
 def causes(results: Sequence[FileResult]) -> Counter:
     return Counter(cause_of(err) for r in results for err in r.failures.values())
+
+
+def best_per_file(results: Sequence[FileResult]) -> Dict[str, FileResult]:
+    """file -> its result at the rank count where most of its tests pass (ties: fewer
+    failures, then fewer ranks)."""
+    best: Dict[str, FileResult] = {}
+    for r in sorted(results, key=lambda r: (-r.passed, r.failed, r.world_size)):
+        best.setdefault(r.file, r)
+    return best
 
 
 def totals(results: Sequence[FileResult]) -> Dict[str, int]:
