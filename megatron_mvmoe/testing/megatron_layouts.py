@@ -63,20 +63,15 @@ def layouts(source: str) -> Iterator[Dict[str, int]]:
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     yield from _function_layouts(item, class_marks)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_top_level(
-                tree, node):
-            yield from _function_layouts(node, [])
-
-
-def _is_top_level(tree: ast.Module, node: ast.AST) -> bool:
-    return node in tree.body
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in tree.body:
+            yield from _function_layouts(node, [])  # a module-level test
 
 
 def _function_layouts(func, class_marks: List[List[Dict[str, object]]]):
     """The function's parametrized rows (crossed over its marks) merged with its literal
     initialize_model_parallel calls."""
     marks = class_marks + _parametrizations(func.decorator_list)
-    dim_of_arg = {name: dim for name, dim in _DIM_OF_NAME.items()}
+    dim_of_arg = dict(_DIM_OF_NAME)
     literal_calls = []
     for call in _init_calls(func):
         literal, named = _call_dims(call)
@@ -171,7 +166,7 @@ def _row_values(element: ast.expr, width: int):
     return list(values)
 
 
-_UNREADABLE = object()
+_UNREADABLE = object()  # a value ast.literal_eval cannot read (a name, a call)
 
 
 def _literal(node: ast.expr):
