@@ -5,7 +5,9 @@ The publish sequence (rank 0, after every rank's files and the manifest are writ
   1. a re-save of step N (iter_N exists, often the one `latest` names): rename it to
      .old_iter_N -- kept, not deleted, until the new copy is in place
   2. rename .tmp_iter_N to iter_N
-  3. point `latest` at iter_N (temp file + os.replace)
+  3. point `latest` at iter_N (temp file + os.replace), then Megatron-LM's tracker
+     `latest_checkpointed_iteration.txt` at N (the same way; its content is what
+     Megatron-LM writes: the bare iteration number), so Megatron-LM's tooling finds it
   4. delete .old_iter_N; retention renames each pruned iter_M to .deleted_iter_M, then
      deletes it (integrity.prune)
 Each step is one rename (or a delete of something no longer needed), so a kill between
@@ -21,12 +23,15 @@ Recovery (collective, before resume, under the save-dir lock):
   is ever renamed to iter_N), deleted; with iter_N missing it is renamed back.
 - .deleted_*: the remains of a delete that was cut short; deleted.
 `latest` is only ever rewritten by a publish: a recovery never re-points it at an older
-or newer checkpoint the user chose not to load.
+or newer checkpoint the user chose not to load. The tracker follows `latest`: recovery
+rewrites it when it is missing or names another step (a kill between steps 3's two
+writes, or a root saved before the tracker existed).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import List
@@ -35,6 +40,10 @@ import torch.distributed as dist
 
 from megatron_mvmoe.checkpointing import integrity
 from megatron_mvmoe.checkpointing.directory import LATEST, OLD_PREFIX, TMP_PREFIX
+
+TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's tracker file (megatron/training/checkpointing.py,
+get_checkpoint_tracker_filename): the iteration `latest` names, as a bare number."""
 
 
 @dataclass
@@ -60,8 +69,30 @@ def publish(root: str, name: str, keep_last: int = 0) -> List[str]:
         os.rename(final, old)
     os.rename(tmp, final)
     integrity.write_json_atomic(os.path.join(root, LATEST), name + "\n")
+    write_tracker(root, name)
     shutil.rmtree(old, ignore_errors=True)
     return integrity.prune(root, keep_last, name)
+
+
+def write_tracker(root: str, name: str) -> None:
+    """Megatron-LM's tracker at the iteration of `name` (iter_<N>), written atomically."""
+    match = re.fullmatch(r"iter_(\d+)", name)
+    if match:
+        integrity.write_json_atomic(os.path.join(root, TRACKER), str(int(match.group(1))))
+
+
+def _sync_tracker(root: str) -> None:
+    """Rank 0: the tracker names what `latest` names (rewritten only when it does not)."""
+    latest = os.path.join(root, LATEST)
+    if not os.path.isfile(latest):
+        return
+    with open(latest) as fh:
+        name = fh.read().strip()
+    match = re.fullmatch(r"iter_(\d+)", name)
+    tracker = os.path.join(root, TRACKER)
+    current = open(tracker).read().strip() if os.path.isfile(tracker) else None
+    if match and current != str(int(match.group(1))):
+        write_tracker(root, name)
 
 
 def _leftovers(root: str, prefix: str) -> List[str]:
@@ -111,4 +142,5 @@ def _recover_files(root: str, finished: List[str]) -> Recovery:
             done.restored.append(name)
     for name in _leftovers(root, integrity.DELETED_PREFIX):
         shutil.rmtree(os.path.join(root, integrity.DELETED_PREFIX + name), ignore_errors=True)
+    _sync_tracker(root)
     return done

@@ -65,7 +65,7 @@ def _kill_everywhere_then_recover(rank, world_size, reference, scratch, new, kee
     recovery; returns, per k, what `latest` names, whether its manifest is the reference's,
     what is left in the root and which iter_* dirs in it verify against their manifest."""
     from megatron_mvmoe.checkpointing.integrity import IntegrityError, verify_manifest
-    from megatron_mvmoe.checkpointing.publish import publish, recover
+    from megatron_mvmoe.checkpointing.publish import TRACKER, publish, recover
 
     def complete(directory):
         try:
@@ -84,9 +84,11 @@ def _kill_everywhere_then_recover(rank, world_size, reference, scratch, new, kee
                 pass
         recover(root)
         latest = _read(os.path.join(root, "latest")).decode().strip()
-        left = sorted(d for d in os.listdir(root) if d != "latest.tmp")
+        left = sorted(d for d in os.listdir(root) if not d.endswith(".tmp"))
+        tracker = os.path.join(root, TRACKER)
         manifest = os.path.join(root, latest, "manifest.json")
         seen.append(dict(kill_at=kill_at, latest=latest, left=left,
+                         tracker=_read(tracker).decode() if os.path.isfile(tracker) else None,
                          reference=os.path.isfile(manifest) and _read(manifest) == _read(
                              os.path.join(reference, latest, "manifest.json")),
                          complete=[d for d in left if d.startswith("iter_") and
@@ -97,15 +99,16 @@ def _kill_everywhere_then_recover(rank, world_size, reference, scratch, new, kee
 
 
 @pytest.mark.parametrize("new,keep_last,operations", [
-    ("iter_0000004", 1, 8),   # the re-save `latest` names, pruning iter_2
-    ("iter_0000005", 2, 5)],  # a new step, pruning iter_2
+    ("iter_0000004", 1, 9),   # the re-save `latest` names, pruning iter_2
+    ("iter_0000005", 2, 6)],  # a new step, pruning iter_2
     ids=["re-save", "new-step"])
 def test_kill_before_every_publish_operation_leaves_latest_complete(finished, tmp_path, new,
                                                                    keep_last, operations):
     """After a kill at any point and the start-up recovery, `latest` names a checkpoint
     whose manifest verifies and is byte for byte one the uninterrupted run saved (so its
     resume is that run's: the next test resumes one), every iter_* left is complete, and
-    nothing half-done is left."""
+    nothing half-done is left. Megatron-LM's tracker names `latest`'s step after every
+    recovery, as Megatron-LM writes it (the bare number)."""
     reference, _ = finished
     seen = run_distributed(_kill_everywhere_then_recover, 1, timeout_s=120,
                            args=(reference, str(tmp_path), new, keep_last))[0]
@@ -114,6 +117,7 @@ def test_kill_before_every_publish_operation_leaves_latest_complete(finished, tm
         assert case["complete"] == [d for d in case["left"] if d.startswith("iter_")], case
         assert new in case["complete"] and "iter_0000004" in case["complete"], case
         assert [d for d in case["left"] if d.startswith(".")] == [], case
+        assert case["tracker"] == str(int(case["latest"][len("iter_"):])), case
     assert len(seen) == operations + 1, seen  # each kill point, then an uninterrupted run
     assert seen[-1]["latest"] == new and "iter_0000002" not in seen[-1]["left"]
 
