@@ -6,10 +6,13 @@ shards), and writes config.json, sharded model-*.safetensors with their index, t
 files and generation_config.json, atomically (a failed export leaves no directory behind).
 
 Classes (megatron_mvmoe/hf/config_map.py): dense -> LlamaForCausalLM; smoe with softmax
-top-k and no shared expert -> MixtralForCausalLM; smoe with sigmoid (+ expert bias) and a
-shared expert -> Glm4MoeForCausalLM; every other variant (latent, multi_router, multi_view
-with its gamma, mh_moe, BitNet) -> our MVMoEForCausalLM, loadable with
-AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).
+top-k and no shared expert -> MixtralForCausalLM (with --qk-layernorm: Qwen3MoeForCausalLM);
+smoe with sigmoid (+ expert bias) and a shared expert -> Glm4MoeForCausalLM; every other
+model (latent, multi_router, multi_view with its gamma, mh_moe, BitNet, Megatron-LM's
+--multi-latent-attention, group-limited routing, shared-expert gates, QK norm elsewhere)
+-> our MVMoEForCausalLM, loadable with
+AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True). A setting no class
+computes is refused before anything is written, every such field named in one error.
 
 Examples:
     python tools/export_hf.py --load runs/main_job/checkpoints --out runs/main_job/hf
@@ -46,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-class", default="auto",
                    help="auto (default: a stock class where one computes the model exactly), "
                    "mvmoe (always our class), or LlamaForCausalLM / MixtralForCausalLM / "
-                   "Glm4MoeForCausalLM (refused when it would not compute the model)")
+                   "Qwen3MoeForCausalLM / Glm4MoeForCausalLM (refused when it would not "
+                   "compute the model)")
     p.add_argument("--max-shard-size", type=shard_bytes, default=shard_bytes("2GB"),
                    help="largest safetensors shard (default 2GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")

@@ -6,11 +6,15 @@ Design choices:
   |---|---|---|
   | dense | LlamaForCausalLM | RMSNorm, RoPE (rotate-half), GQA, SwiGLU, no biases |
   | smoe, softmax top-k, no shared expert | MixtralForCausalLM | softmax over all logits, top-k, renormalised = Megatron's softmax over the top-k logits |
+  | the same with QK layer norm | Qwen3MoeForCausalLM | Mixtral's routing (norm_topk_prob) + RMSNorm of each head's q and k before RoPE (q_norm / k_norm) |
   | smoe, sigmoid (+ expert bias), shared expert a multiple of the expert width | Glm4MoeForCausalLM | sigmoid, top-k on score + e_score_correction_bias, gates from the unbiased scores / (sum + 1e-20), x routed_scaling_factor; ungated shared experts |
   Everything else (latent, Multi-Router, Multi-View, MH-MoE, BitNet, pre-softmax routing,
-  a dense/MoE layer mix, ...) is our own MVMoEForCausalLM (hf/remote/) through auto_map.
-- Megatron settings that neither path computes are refused naming the field
-  (`unsupported_settings`), before anything is written.
+  a dense/MoE layer mix, and Megatron-LM's QK layer norm outside that case, multi-latent
+  attention (RoPE or YaRN), group-limited routing and shared-expert gates) is our own
+  MVMoEForCausalLM
+  (hf/remote/) through auto_map.
+- Megatron settings that neither path computes are refused before anything is written,
+  all of them in one error, each naming its field (`unsupported_settings`).
 - The stock configs hold only what their classes read; our own config also keeps the run's
   whole model section (`megatron_mvmoe`), from which tools/import_hf.py rebuilds the run.
 """
@@ -26,32 +30,54 @@ from megatron_mvmoe.config.variants import get_variant
 from megatron_mvmoe.errors import require
 
 OURS = "MVMoEForCausalLM"
-STOCK_CLASSES = ("LlamaForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
+STOCK_CLASSES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                 "Glm4MoeForCausalLM")
 HF_CLASSES = ("auto", "mvmoe") + STOCK_CLASSES
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral",
-               "Glm4MoeForCausalLM": "glm4_moe", OURS: "mvmoe"}
+               "Qwen3MoeForCausalLM": "qwen3_moe", "Glm4MoeForCausalLM": "glm4_moe",
+               OURS: "mvmoe"}
 
 _FIXED = (  # (Megatron field, the value both exported paths compute with)
     ("normalization", "RMSNorm"), ("gated_linear_unit", True), ("add_bias_linear", False),
-    ("add_qkv_bias", False), ("qk_layernorm", False), ("multi_latent_attention", False),
-    ("rotary_interleaved", False), ("apply_residual_connection_post_layernorm", False),
-    ("layernorm_zero_centered_gamma", False), ("moe_shared_expert_gate", False),
-    ("moe_router_num_groups", None), ("moe_router_group_topk", None))
+    ("add_qkv_bias", False), ("qk_l2_norm", False), ("rotary_interleaved", False),
+    ("apply_residual_connection_post_layernorm", False),
+    ("layernorm_zero_centered_gamma", False))
+_MLA_FIXED = (("rotary_percent", 1.0), ("cache_mla_latents", False))
+
+OPTIONS = ("qk_layernorm", "multi_latent_attention", "moe_router_num_groups",
+           "moe_router_group_topk", "moe_shared_expert_gate")
+"""Megatron-LM options only our class computes (QK norm alone: also Qwen3-MoE)."""
 
 
 def unsupported_settings(config) -> None:
-    """Refuse (ValueError naming the field) a Megatron setting the exported model lacks."""
-    for name, value in _FIXED:
+    """Refuse a Megatron setting the exported model lacks: one ValueError naming every
+    such field with its fix (a user learns all of them in one pass)."""
+    problems = [f"{name}: {got!r} is not expressed by the exported model (it computes "
+                f"with {value!r}). Fix: export a model trained with {value!r}"
+                for name, value, got in _mismatches(config)]
+    act = config.activation_func
+    if act is not torch.nn.functional.silu:
+        problems.append(f"activation_func: {getattr(act, '__name__', act)} is not SwiGLU's "
+                        "silu. Fix: export a model trained with --swiglu")
+    if config.num_moe_experts and config.moe_router_score_function not in ("softmax",
+                                                                           "sigmoid"):
+        problems.append(f"moe_router_score_function: {config.moe_router_score_function!r} "
+                        "routing is not exported. Fix: use softmax or sigmoid routing")
+    if getattr(config, "multi_latent_attention", False) and getattr(
+            config, "rope_type", "rope") not in ("rope", "yarn"):
+        problems.append(f"rope_type: {config.rope_type!r} is not exported. Fix: use rope "
+                        "or yarn")
+    if problems:
+        raise ValueError(f"{len(problems)} setting(s) not exported: " + "; ".join(problems))
+
+
+def _mismatches(config):
+    """(field, the value the export computes with, the model's) for each that differs."""
+    fixed = _FIXED + (_MLA_FIXED if getattr(config, "multi_latent_attention", False) else ())
+    for name, value in fixed:
         got = getattr(config, name, value)
-        require(got == value, name, f"{got!r} is not expressed by the exported model "
-                f"(it computes with {value!r})", f"export a model trained with {value!r}")
-    require(config.activation_func is torch.nn.functional.silu, "activation_func",
-            f"{getattr(config.activation_func, '__name__', config.activation_func)} is not "
-            "SwiGLU's silu", "export a model trained with --swiglu")
-    if config.num_moe_experts:
-        require(config.moe_router_score_function in ("softmax", "sigmoid"),
-                "moe_router_score_function", f"{config.moe_router_score_function!r} routing "
-                "is not exported", "use softmax or sigmoid routing")
+        if got != value:
+            yield name, value, got
 
 
 def layer_types(state: Dict[str, torch.Tensor], num_layers: int) -> List[str]:
@@ -97,7 +123,7 @@ def _stock_candidate(config) -> Optional[str]:
     if not get_variant(config.moe_variant).routed_experts:
         return "LlamaForCausalLM"
     if config.moe_router_score_function == "softmax":
-        return "MixtralForCausalLM"
+        return "Qwen3MoeForCausalLM" if config.qk_layernorm else "MixtralForCausalLM"
     return "Glm4MoeForCausalLM"
 
 
@@ -105,6 +131,11 @@ def _why_not_stock(config, types: List[str]) -> Optional[str]:
     """None when the stock candidate computes the model, else the reason it does not."""
     if config.bitnet.enabled:
         return "BitNet's quantized forward"
+    used = [name for name in OPTIONS if getattr(config, name, None)]
+    qwen3 = (used == ["qk_layernorm"] and config.num_moe_experts
+             and config.moe_router_score_function == "softmax")
+    if used and not qwen3:
+        return f"Megatron-LM's {', '.join(used)}"
     variant = get_variant(config.moe_variant)
     if not variant.routed_experts:
         return None
@@ -136,7 +167,7 @@ def _common(config, model, vocab_size: int) -> Dict[str, Any]:
                 head_dim=config.kv_channels, intermediate_size=config.ffn_hidden_size,
                 rms_norm_eps=config.layernorm_epsilon, hidden_act="silu",
                 max_position_embeddings=model.seq_length, tie_word_embeddings=False,
-                attention_bias=False, mlp_bias=False, torch_dtype="float32")
+                attention_bias=False, mlp_bias=False)
 
 
 def _rope(model) -> Dict[str, Any]:
@@ -154,6 +185,12 @@ def hf_config(hf_class: str, config, model, types: List[str], vocab_size: int,
         return dict(out, **_rope(model), num_local_experts=config.num_moe_experts,
                     num_experts_per_tok=config.moe_router_topk, sliding_window=None,
                     intermediate_size=config.moe_ffn_hidden_size, router_jitter_noise=0.0)
+    if hf_class == "Qwen3MoeForCausalLM":
+        return dict(out, **_rope(model), num_experts=config.num_moe_experts,
+                    num_experts_per_tok=config.moe_router_topk,
+                    moe_intermediate_size=config.moe_ffn_hidden_size, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                    sliding_window=None)
     if hf_class == "Glm4MoeForCausalLM":
         rope = {**_rope(model)["rope_parameters"], "partial_rotary_factor": 1.0}
         return dict(out, rope_parameters=rope, n_routed_experts=config.num_moe_experts,
@@ -186,8 +223,27 @@ def _ours(config, model, types: List[str], gamma: List[int]) -> Dict[str, Any]:
         mh_head_projection=mh.head_projection, mh_merge_projection=mh.merge_projection,
         bitnet=bitnet.enabled, bitnet_activation_bits=bitnet.activation_bits,
         bitnet_input_norm=bitnet.input_norm, megatron_mvmoe=model_section_dict(model),
+        **_megatron_lm_options(config),
         auto_map={"AutoConfig": "configuration_mvmoe.MVMoEConfig",
                   "AutoModelForCausalLM": "modeling_mvmoe.MVMoEForCausalLM"})
+
+
+def _megatron_lm_options(config) -> Dict[str, Any]:
+    """QK norm, group-limited routing, the shared-expert gate and MLA's fields."""
+    out = dict(qk_layernorm=bool(config.qk_layernorm),
+               router_num_groups=config.moe_router_num_groups,
+               router_group_topk=config.moe_router_group_topk,
+               shared_expert_gate=bool(config.moe_shared_expert_gate),
+               multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)))
+    if out["multi_latent_attention"]:
+        out.update({name: getattr(config, name) for name in MLA_FIELDS})
+    return out
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "rope_type", "rotary_scaling_factor",
+              "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim")
 
 
 def model_section_dict(model) -> Dict[str, Any]:

@@ -105,7 +105,7 @@ def export_loaded(ckpt: LoadedCheckpoint, out: str, hf_class: str = "auto",
     source = {"step": ckpt.step}
     if ckpt.schedule is not None:
         source["scheduler"] = ckpt.schedule
-    hf_cfg.update(token_ids(eod), megatron_mvmoe_source=source)
+    hf_cfg.update(token_ids(eod), megatron_mvmoe_source=source, dtype=weights_dtype(tensors))
     generation = generation_config(eod, getattr(ckpt.tokenizer, "vocab_size", vocab_size),
                                    vocab_size)
 
@@ -130,6 +130,14 @@ def hf_state(hf_class: str, config, types, state: Dict[str, torch.Tensor]):
     if hf_class == config_map.OURS:
         return names.to_mvmoe(state)
     return stock_names(hf_class, config, types).to_hf(state)
+
+
+def weights_dtype(tensors: Dict[str, torch.Tensor]) -> str:
+    """config.json's `dtype`: that of the word embeddings, as the weights are written (a
+    bf16 run's weights are bf16; fp32 buffers such as the expert bias stay fp32)."""
+    embedding = next(t for name, t in tensors.items() if name.endswith("embed_tokens.weight")
+                     or name.endswith("word_embeddings.weight"))
+    return str(embedding.dtype).removeprefix("torch.")
 
 
 def stock_names(hf_class: str, config, types) -> names.StockNames:

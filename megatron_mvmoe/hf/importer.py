@@ -1,4 +1,5 @@
-"""A Hugging Face directory (ours, or a stock Llama / Mixtral / Glm4Moe one) -> our checkpoint.
+"""A Hugging Face directory (ours, or a stock Llama / Mixtral / Qwen3Moe / Glm4Moe one) -> our
+checkpoint.
 
 Design choices:
 - The run's model comes from config.json: our class carries the source run's whole model
@@ -93,7 +94,8 @@ def _stock_section(cfg: Dict, arch: str, hf_dir: str) -> Dict:
                        ("rope_parameters.rope_type", rope.get("rope_type") == "default"),
                        ("rope_parameters.partial_rotary_factor",
                         rope.get("partial_rotary_factor", 1.0) == 1.0),
-                       ("use_qk_norm", not cfg.get("use_qk_norm", False))):
+                       ("use_qk_norm", not cfg.get("use_qk_norm", False)),
+                       ("use_sliding_window", not cfg.get("use_sliding_window", False))):
         require(ok, f"{where}: {field_}", f"{cfg.get(field_.split('.')[0])!r} is not "
                 "expressed by our model", "import a checkpoint without it")
     heads = cfg["num_attention_heads"]
@@ -115,12 +117,27 @@ def _stock_section(cfg: Dict, arch: str, hf_dir: str) -> Dict:
     if arch == "MixtralForCausalLM":
         return dict(section, num_experts=cfg["num_local_experts"],
                     moe_ffn_hidden_size=cfg["intermediate_size"])
+    if arch == "Qwen3MoeForCausalLM":
+        return dict(section, **_qwen3_moe_fields(cfg, where, extra))
     return dict(section, **_glm4_moe_fields(cfg, where, extra))
 
 
 def _query_groups(kv_heads: Optional[int], heads: int) -> Optional[int]:
     """Our spelling: None means one group per head (as the presets write it)."""
     return None if kv_heads in (None, heads) else kv_heads
+
+
+def _qwen3_moe_fields(cfg: Dict, where: str, extra: Dict) -> Dict:
+    """Qwen3-MoE: Mixtral's routing when norm_topk_prob, every layer MoE, QK norm."""
+    for field_, ok in (("norm_topk_prob", cfg.get("norm_topk_prob") is True
+                        or cfg["num_experts_per_tok"] == 1),
+                       ("decoder_sparse_step", cfg.get("decoder_sparse_step", 1) == 1),
+                       ("mlp_only_layers", not cfg.get("mlp_only_layers"))):
+        require(ok, f"{where}: {field_}", f"{cfg.get(field_)!r} is not expressed by our "
+                "model (softmax over the top-k, every layer MoE)",
+                "import a checkpoint without it")
+    extra["qk_layernorm"] = True
+    return dict(num_experts=cfg["num_experts"], moe_ffn_hidden_size=cfg["moe_intermediate_size"])
 
 
 def _glm4_moe_fields(cfg: Dict, where: str, extra: Dict) -> Dict:
@@ -161,16 +178,24 @@ def check_against_model(state: Dict[str, torch.Tensor], model_state: Dict, hf_di
     """Every weight the model has, with its shape; nothing extra."""
     expected = names.weights_only(model_state)
     missing = sorted(set(expected) - set(state))
-    require(not missing, f"{hf_dir}: weights", f"{len(missing)} the config's model needs are "
-            f"missing (first: {missing[:1]})", "the config.json does not describe these "
-            "weights: export the model again")
     unknown = sorted(set(state) - set(expected))
-    require(not unknown, f"{hf_dir}: weights", f"{unknown[:1]} (and {len(unknown) - 1} more) "
-            "have no place in the config's model", "fix config.json or export again")
+    require(not missing and not unknown, f"{hf_dir}: weights",
+            f"{_listed(missing)} the config's model needs are missing; {_listed(unknown)} "
+            "in the directory have no place in it (a renamed weight shows in both)",
+            "the config.json does not describe these weights: fix it or export the model "
+            "again")
     for name, tensor in expected.items():
         require(tuple(state[name].shape) == tuple(tensor.shape), f"{hf_dir}: {name}",
                 f"shape {tuple(state[name].shape)} but config.json gives "
                 f"{tuple(tensor.shape)}", "fix config.json or export again")
+
+
+def _listed(names_: list, shown: int = 3) -> str:
+    """'2 [a, b]' or '7 [a, b, c, ...]' ('0' when empty)."""
+    if not names_:
+        return "0"
+    more = ", ..." if len(names_) > shown else ""
+    return f"{len(names_)} [{', '.join(names_[:shown])}{more}]"
 
 
 def run_mapping(section: Dict, parallel: Dict, tokenizer_json: Optional[str]) -> Dict:

@@ -98,7 +98,8 @@ def _swiglu_from(prefix: str, hf: Dict[str, torch.Tensor], megatron_prefix: str)
 
 
 class StockNames:
-    """Megatron <-> one stock class (Llama, Mixtral or Glm4Moe) for a model's shape."""
+    """Megatron <-> one stock class (Llama, Mixtral, Qwen3Moe or Glm4Moe) for a model's
+    shape."""
 
     def __init__(self, hf_class: str, heads: int, groups: int, head_dim: int,
                  num_experts: Optional[int], mlp_layer_types: List[str]) -> None:
@@ -126,6 +127,9 @@ class StockNames:
                f"{p}.self_attn.o_proj.weight": w.pop("self_attention.linear_proj.weight"),
                f"{p}.input_layernorm.weight": w.pop("input_layernorm.weight"),
                f"{p}.post_attention_layernorm.weight": w.pop("pre_mlp_layernorm.weight")}
+        if self.hf_class == "Qwen3MoeForCausalLM":  # Megatron's per-head QK RMSNorm
+            out[f"{p}.self_attn.q_norm.weight"] = w.pop("self_attention.q_layernorm.weight")
+            out[f"{p}.self_attn.k_norm.weight"] = w.pop("self_attention.k_layernorm.weight")
         if kind == "dense":
             out.update(_swiglu_to(f"{p}.mlp", w.pop("mlp.linear_fc1.weight"),
                                   w.pop("mlp.linear_fc2.weight")))
@@ -167,6 +171,9 @@ class StockNames:
                f"{m}.self_attention.linear_proj.weight": hf[f"{p}.self_attn.o_proj.weight"],
                f"{m}.input_layernorm.weight": hf[f"{p}.input_layernorm.weight"],
                f"{m}.pre_mlp_layernorm.weight": hf[f"{p}.post_attention_layernorm.weight"]}
+        if self.hf_class == "Qwen3MoeForCausalLM":
+            out[f"{m}.self_attention.q_layernorm.weight"] = hf[f"{p}.self_attn.q_norm.weight"]
+            out[f"{m}.self_attention.k_layernorm.weight"] = hf[f"{p}.self_attn.k_norm.weight"]
         if kind == "dense":
             out.update(_swiglu_from(f"{p}.mlp", hf, f"{m}.mlp"))
             return out

@@ -13,6 +13,8 @@ Design choices:
 - Shards fill in state-dict order up to `max_shard_bytes` (one tensor never splits); the
   index is written even for one shard, so readers find weights one way.
 - Tensors are written contiguous and unshared (safetensors refuses shared storage).
+- Every file gets the mode the process's umask gives a new file (0644 under umask 022):
+  safetensors writes its files 0600, which others sharing the filesystem cannot read.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from megatron_mvmoe.errors import require
 
 REMOTE_DIR = Path(__file__).resolve().parent / "remote"
 FUNCTIONAL_DIR = Path(__file__).resolve().parents[1] / "functional"
-REMOTE_FILES = ("configuration_mvmoe.py", "modeling_mvmoe.py")
+REMOTE_FILES = ("configuration_mvmoe.py", "modeling_mvmoe.py", "mla_attention.py")
 FUNCTIONAL_FILES = ("routing.py", "mixing.py", "quantize.py")
 INDEX = "model.safetensors.index.json"
 
@@ -107,6 +109,7 @@ def write_atomically(out: str, fill: Callable[[str], None], overwrite: bool = Fa
     os.makedirs(partial)
     try:
         fill(partial)
+        respect_umask(partial)
         if os.path.exists(out):
             old = f"{out}.old-{os.getpid()}"
             os.rename(out, old)
@@ -117,6 +120,20 @@ def write_atomically(out: str, fill: Callable[[str], None], overwrite: bool = Fa
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def respect_umask(directory: str) -> None:
+    """chmod every file under `directory` to 0666 & ~umask (what open() would give)."""
+    mode = 0o666 & ~current_umask()
+    for path in Path(directory).rglob("*"):
+        if path.is_file():
+            os.chmod(path, mode)
 
 
 def directory_bytes(directory: str) -> int:

@@ -5,7 +5,7 @@ Held-out text is the Jargon File, never trained on."""
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from harness import train
 from textdata import build_megatron_prefixes
@@ -22,8 +22,10 @@ def prefixes(out_dir: str) -> Dict:
 
 
 def train_checkpoint(root: str, data: Dict, preset: str, flags: Sequence[str] = (),
-                     world: int = 1, iters: int = 3, timeout_s: float = 240) -> str:
-    """Train `preset` for `iters` steps on `world` gloo ranks and save to `root`."""
+                     world: int = 1, iters: int = 3, timeout_s: float = 240,
+                     extra: Optional[Dict] = None) -> str:
+    """Train `preset` for `iters` steps on `world` gloo ranks and save to `root`
+    (`extra`: model.extra fields no flag sets, e.g. moe_shared_expert_gate)."""
     run = config_from_args([
         "--model-preset", preset, "--seq-length", "32", "--train-iters", str(iters),
         "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-iters", "0",
@@ -32,6 +34,7 @@ def train_checkpoint(root: str, data: Dict, preset: str, flags: Sequence[str] = 
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", data["tokenizer"],
         "--data-path", data["tech"], "--split", "90,10,0", *flags])
     run.model.vocab_size = None
+    run.model.extra.update(extra or {})
     train(run.to_dict(), world, timeout_s=timeout_s)
     return root
 

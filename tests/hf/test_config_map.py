@@ -36,6 +36,16 @@ SIGMOID = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bia
     ("tiny_latent", {}, "MVMoEForCausalLM"),
     ("tiny_multi_view", {}, "MVMoEForCausalLM"),
     ("tiny_mh_moe", {}, "MVMoEForCausalLM"),
+    # Megatron-LM's options no stock class we write computes (issue 36)
+    ("tiny_smoe", dict(qk_layernorm=True), "Qwen3MoeForCausalLM"),
+    ("tiny_dense", dict(qk_layernorm=True), "MVMoEForCausalLM"),
+    ("tiny_smoe", dict(SIGMOID, moe_shared_expert_intermediate_size=128, qk_layernorm=True),
+     "MVMoEForCausalLM"),
+    ("tiny_smoe", dict(SIGMOID, moe_shared_expert_intermediate_size=128,
+                       moe_router_num_groups=2, moe_router_group_topk=1), "MVMoEForCausalLM"),
+    ("tiny_smoe", dict(SIGMOID, moe_shared_expert_intermediate_size=128,
+                       moe_shared_expert_gate=True), "MVMoEForCausalLM"),
+    ("tiny_dense", dict(multi_latent_attention=True), "MVMoEForCausalLM"),
 ])
 def test_class_choice(preset, extra, expected):
     shared = extra.pop("moe_shared_expert_intermediate_size", None)
@@ -54,9 +64,24 @@ def test_bitnet_and_layer_mix_go_to_our_class_and_a_wrong_request_is_refused():
     latent, _ = _config("tiny_latent")
     with pytest.raises(ValueError, match=r"--hf-class: MixtralForCausalLM does not compute"):
         config_map.choose_class(latent, ["moe", "moe"], "MixtralForCausalLM")
-    with pytest.raises(ValueError, match=r"qk_layernorm"):
-        config.qk_layernorm = True
+    config.bitnet.enabled = False
+    config.qk_layernorm = True  # Megatron-LM's options: our class computes them (issue 36)
+    config_map.unsupported_settings(config)
+    assert config_map.choose_class(config, ["moe", "moe"]) == "Qwen3MoeForCausalLM"
+    config.moe_router_num_groups, config.moe_router_group_topk = 2, 1
+    assert config_map.choose_class(config, ["moe", "moe"]) == "MVMoEForCausalLM"
+
+
+def test_every_setting_the_export_cannot_express_is_named_in_one_error():
+    config, _ = _config("tiny_smoe")
+    config.normalization, config.add_bias_linear = "LayerNorm", True
+    config.activation_func = torch.nn.functional.gelu
+    with pytest.raises(ValueError, match=r"^3 setting\(s\) not exported: ") as err:
         config_map.unsupported_settings(config)
+    for name in ("normalization: 'LayerNorm'", "add_bias_linear: True",
+                 "activation_func: gelu"):
+        assert name in str(err.value), err.value
+    assert str(err.value).count("Fix:") == 3
 
 
 def _stock_pair(hf_class, preset, shared=None, **extra):
@@ -88,9 +113,11 @@ GLM_PERTURB = dict(MIXTRAL_PERTURB, routed_scaling_factor=3.0, norm_topk_prob=Fa
 
 
 @pytest.mark.parametrize("hf_class,perturb", [("MixtralForCausalLM", MIXTRAL_PERTURB),
+                                              ("Qwen3MoeForCausalLM", MIXTRAL_PERTURB),
                                               ("Glm4MoeForCausalLM", GLM_PERTURB)])
 def test_each_mapped_field_changes_the_logits(hf_class, perturb):
-    extra = SIGMOID if hf_class == "Glm4MoeForCausalLM" else {}
+    extra = {"Glm4MoeForCausalLM": SIGMOID,
+             "Qwen3MoeForCausalLM": dict(qk_layernorm=True)}.get(hf_class, {})
     shared = 128 if hf_class == "Glm4MoeForCausalLM" else None
     _, _, fields = _stock_pair(hf_class, "tiny_smoe", shared, **extra)
     cls = getattr(transformers, hf_class)

@@ -1,4 +1,6 @@
-"""Exported directories compute our model: for every variant (and BitNet), and for source
+"""Exported directories compute our model: for every variant (and BitNet), for models with
+Megatron-LM's QK layer norm, multi-latent attention (YaRN), group-limited routing and
+shared-expert gates (issue 36), and for source
 checkpoints saved at EP=2 and at TP=2 x PP=2 x EP=2, AutoModelForCausalLM.from_pretrained
 (trust_remote_code=True) in fp32 on CPU gives logits within 1e-5 of ours on held-out text,
 and its greedy generate() gives the tokens of tools/generate.py's generation code (the tool
@@ -24,13 +26,27 @@ CASES = {  # name: (preset, extra flags, class auto must choose)
     "dense": ("tiny_dense", [], "LlamaForCausalLM"),
     "smoe": ("tiny_smoe", [], "MixtralForCausalLM"),
     "smoe_sigmoid_shared": ("tiny_smoe", SIGMOID_SHARED, "Glm4MoeForCausalLM"),
+    "smoe_qk_norm": ("tiny_smoe", ["--qk-layernorm"], "Qwen3MoeForCausalLM"),
     "latent": ("tiny_latent", [], "MVMoEForCausalLM"),
     "multi_router": ("tiny_multi_router", [], "MVMoEForCausalLM"),
     "multi_view": ("tiny_multi_view", [], "MVMoEForCausalLM"),
     "mh_moe": ("tiny_mh_moe", [], "MVMoEForCausalLM"),
     "multi_view_bitnet": ("tiny_multi_view", ["--bitnet"], "MVMoEForCausalLM"),
     "mh_moe_bitnet": ("tiny_mh_moe", ["--bitnet"], "MVMoEForCausalLM"),
+    # DeepSeek-style: MLA (q through a normalised latent, YaRN x2), QK norm, sigmoid routing
+    # limited to 1 of 2 expert groups, a gated shared expert (TopKRouter's group path)
+    "mla_qk_norm_group_limited": ("tiny_smoe", [
+        "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "32", "--kv-lora-rank",
+        "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+        "--rotary-scaling-factor", "2", "--moe-router-num-groups", "2",
+        "--moe-router-group-topk", "1", *SIGMOID_SHARED], "MVMoEForCausalLM"),
+    # QK norm on standard attention, the Multi-Router's group path, a gated shared expert
+    "multi_view_qk_norm_group_limited": ("tiny_multi_view", [
+        "--qk-layernorm", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+        "--moe-shared-expert-intermediate-size", "128"], "MVMoEForCausalLM"),
 }
+GATED = {"mla_qk_norm_group_limited", "multi_view_qk_norm_group_limited"}
+"""Cases trained with moe_shared_expert_gate (model.extra: no trainer flag sets it)."""
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +71,15 @@ def _check_equal(data, root, out, hf_class="auto"):
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_variant_exports_with_equal_logits(data, tmp_path, name):
     preset, flags, expected_class = CASES[name]
-    root = train_checkpoint(str(tmp_path / "ck"), data, preset, flags)
+    extra = {"moe_shared_expert_gate": True} if name in GATED else None
+    root = train_checkpoint(str(tmp_path / "ck"), data, preset, flags, extra=extra)
     summary, model = _check_equal(data, root, str(tmp_path / "hf"))
     assert summary["hf_class"] == expected_class
     assert type(model).__name__ == expected_class
     if expected_class == "MVMoEForCausalLM":  # the remote code imports nothing of ours
         assert _imported_modules(tmp_path / "hf") <= {
             "torch", "transformers", "typing", "__future__", "routing", "mixing",
-            "quantize", "configuration_mvmoe"}
+            "quantize", "configuration_mvmoe", "mla_attention", "math"}
 
 
 def _imported_modules(directory):

@@ -69,13 +69,15 @@ def _assert_bit_identical(a, b):
     assert different == [], different
 
 
-@pytest.mark.parametrize("flags", [[], SIGMOID_SHARED], ids=["mvmoe", "glm4_moe"])
-def test_export_import_is_bit_identical(data, multi_view, tmp_path, flags):
+@pytest.mark.parametrize("flags,hf_class", [
+    ([], "MVMoEForCausalLM"), (SIGMOID_SHARED, "Glm4MoeForCausalLM"),
+    (["--qk-layernorm"], "Qwen3MoeForCausalLM")], ids=["mvmoe", "glm4_moe", "qwen3_moe"])
+def test_export_import_is_bit_identical(data, multi_view, tmp_path, flags, hf_class):
     root = multi_view if not flags else train_checkpoint(str(tmp_path / "ck"), data,
                                                          "tiny_smoe", flags)
     out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
     exported = _ok("export_hf", "--load", root, "--out", out, "--max-shard-size", "500KB")
-    assert exported["hf_class"] == ("MVMoEForCausalLM" if not flags else "Glm4MoeForCausalLM")
+    assert exported["hf_class"] == hf_class
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     assert len(set(index["weight_map"].values())) > 1  # sharded, read back through the index
     summary = _ok("import_hf", "--hf", out, "--save", imported,
@@ -241,3 +243,52 @@ def test_hf_dense_decoder_seeds_an_upcycled_warm_start_or_is_refused(data, tmp_p
     raw["data"].update(path=[data["tech"]], split="90,10,0")
     result = train(raw, 1)
     assert len(result["losses"]) == 1 and 3.0 < result["losses"][0] < 8.0, result
+
+
+def test_a_renamed_weight_is_named_both_missing_and_unexpected(exported, tmp_path):
+    """The import error names the weight the model misses and the one it does not know."""
+    from safetensors.torch import load_file, save_file
+
+    out = str(tmp_path / "hf")
+    shutil.copytree(exported, out)
+    shard = os.path.join(out, sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))[0])
+    tensors = load_file(shard)
+    old = "model.decoder.layers.0.pre_mlp_layernorm.weight"
+    tensors["model.decoder.layers.0.post_attention_layernorm.weight"] = tensors.pop(old)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    line = _refused("import_hf", "--hf", out, "--save", str(tmp_path / "imported"))
+    assert "1 [decoder.layers.0.pre_mlp_layernorm.weight] the config's model needs are " \
+        "missing; 1 [decoder.layers.0.post_attention_layernorm.weight] in the directory " \
+        "have no place" in line, line
+    assert not os.path.exists(tmp_path / "imported")
+
+
+def _export_in_bf16(rank, world_size, root, out, umask):
+    """The checkpoint's weights as a bf16 run holds them, exported under `umask`."""
+    import dataclasses
+
+    from megatron_mvmoe.hf.export import export_loaded, read_checkpoint
+
+    ckpt = read_checkpoint(root)
+    state = {k: v.bfloat16() if v.is_floating_point() else v for k, v in ckpt.state.items()}
+    previous = os.umask(umask)
+    try:
+        return export_loaded(dataclasses.replace(ckpt, state=state), out)["hf_class"]
+    finally:
+        os.umask(previous)
+
+
+def test_exported_files_follow_the_umask_and_config_dtype_is_the_weights(multi_view,
+                                                                          exported, tmp_path):
+    """safetensors wrote its shards 0600 (unreadable to the group on a shared filesystem),
+    and config.json said float32 whatever the weights were."""
+    assert json.load(open(os.path.join(exported, "config.json")))["dtype"] == "float32"
+    out = str(tmp_path / "hf")
+    run_distributed(_export_in_bf16, 1, timeout_s=300, args=(multi_view, out, 0o027))
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    modes = {name: oct(os.stat(os.path.join(out, name)).st_mode & 0o777)
+             for name in os.listdir(out)}
+    assert set(modes.values()) == {oct(0o640)}, modes
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True)
+    assert model.dtype == torch.bfloat16  # transformers reads the dtype we wrote

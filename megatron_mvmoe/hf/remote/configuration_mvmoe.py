@@ -10,7 +10,8 @@ from transformers import PretrainedConfig
 
 
 class MVMoEConfig(PretrainedConfig):
-    """Decoder-only MoE LM: RMSNorm, RoPE, GQA, SwiGLU; the MLP of each layer is dense or
+    """Decoder-only MoE LM: RMSNorm, RoPE, GQA (optionally QK-normed) or multi-latent
+    attention, SwiGLU; the MLP of each layer is dense or
     one of the MoE variants (smoe, latent, multi_router, multi_view, mh_moe), optionally
     BitNet b1.58 quantized."""
 
@@ -29,7 +30,12 @@ class MVMoEConfig(PretrainedConfig):
                  gamma_ramp_steps=0, gamma_step=0, mh_num_heads=1, mh_head_projection=True,
                  mh_merge_projection=True, bitnet=False, bitnet_activation_bits=8,
                  bitnet_input_norm=True, megatron_mvmoe=None, tie_word_embeddings=False,
-                 **kwargs):
+                 qk_layernorm=False, router_num_groups=None, router_group_topk=None,
+                 shared_expert_gate=False, multi_latent_attention=False, q_lora_rank=None,
+                 kv_lora_rank=None, qk_head_dim=None, qk_pos_emb_head_dim=None,
+                 v_head_dim=None, rope_type="rope", rotary_scaling_factor=1.0,
+                 original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                 mscale=1.0, mscale_all_dim=0.0, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -66,6 +72,25 @@ class MVMoEConfig(PretrainedConfig):
         self.bitnet_activation_bits = bitnet_activation_bits
         self.bitnet_input_norm = bitnet_input_norm
         self.megatron_mvmoe = megatron_mvmoe or {}
+        # Megatron-LM's attention and routing options (issue 36): QK norm, group-limited
+        # routing, the shared expert's sigmoid gate, multi-latent attention with its RoPE
+        self.qk_layernorm = qk_layernorm
+        self.router_num_groups = router_num_groups
+        self.router_group_topk = router_group_topk
+        self.shared_expert_gate = shared_expert_gate
+        self.multi_latent_attention = multi_latent_attention
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_head_dim = qk_head_dim
+        self.qk_pos_emb_head_dim = qk_pos_emb_head_dim
+        self.v_head_dim = v_head_dim
+        self.rope_type = rope_type
+        self.rotary_scaling_factor = rotary_scaling_factor
+        self.original_max_position_embeddings = original_max_position_embeddings
+        self.beta_fast = beta_fast
+        self.beta_slow = beta_slow
+        self.mscale = mscale
+        self.mscale_all_dim = mscale_all_dim
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property

@@ -18,6 +18,9 @@ Design choices:
 - Experts run on one row per (token, slot): the token itself, its latent z = P h, or its
   Multi-View blend (functional.mixing.blend_views); gated outputs are summed per token in
   Megatron's expert-major order.
+- Megatron-LM's options (issue 36): QK layer norm (RMSNorm over each head's query and key,
+  before RoPE), multi-latent attention (mla_attention.py), group-limited routing
+  (Megatron's group_limited_topk, written out below) and the shared expert's sigmoid gate.
 - A DynamicCache serves generate(); padding masks are honoured. Dropout never exists
   (the trainer uses none).
 """
@@ -35,6 +38,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_mvmoe import MVMoEConfig
 from .mixing import blend_views, mixing_weights
+from .mla_attention import MLASelfAttention, mla_rope_cos_sin
 from .quantize import bitlinear_input, quantize_weight_ste
 from .routing import gates, multi_router_logits, select_topk, sigmoid_scores, sum_over_routers
 
@@ -95,6 +99,10 @@ class SelfAttention(nn.Module):
         qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
         self.linear_qkv = Linear(config.hidden_size, qkv_rows, bits, norm)
         self.linear_proj = Linear(self.heads * self.head_dim, config.hidden_size, bits, norm)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:  # Megatron's SelfAttention: per-head RMSNorm before RoPE
+            self.q_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x_BSD, cos, sin, mask_B1SK, cache) -> torch.Tensor:
         b, s, _ = x_BSD.shape
@@ -103,6 +111,8 @@ class SelfAttention(nn.Module):
         q_BHSC = qkv[:, :, :, :per_group].reshape(b, s, self.heads, -1).transpose(1, 2)
         k_BGSC = qkv[:, :, :, per_group].transpose(1, 2)
         v_BGSC = qkv[:, :, :, per_group + 1].transpose(1, 2)
+        if self.q_layernorm is not None:
+            q_BHSC, k_BGSC = self.q_layernorm(q_BHSC), self.k_layernorm(k_BGSC)
         q_BHSC = q_BHSC * cos + rotate_half(q_BHSC) * sin
         k_BGSC = k_BGSC * cos + rotate_half(k_BGSC) * sin
         if cache is not None:
@@ -132,6 +142,42 @@ class SwiGLU(nn.Module):
         if scale_T is not None:
             hidden = hidden * scale_T.unsqueeze(-1)
         return self.linear_fc2(hidden)
+
+
+class SharedExpert(SwiGLU):
+    """Megatron's SharedExpertMLP: the SwiGLU, times sigmoid(gate_weight . x) when gated."""
+
+    def __init__(self, config: MVMoEConfig) -> None:
+        super().__init__(config.hidden_size, config.shared_expert_intermediate_size, config)
+        self.gate_weight = (nn.Parameter(torch.empty(1, config.hidden_size))
+                            if config.shared_expert_gate else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.gate_weight is None:
+            return out
+        return out * torch.sigmoid(F.linear(x, self.gate_weight))
+
+
+def group_limited_topk(scores_TE: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+    """Megatron's moe_utils.group_limited_topk: keep the group_topk groups whose top
+    (topk / group_topk) scores sum highest, then top-k among their experts."""
+    t, e = scores_TE.shape
+    group_scores_TG = scores_TE.view(t, num_groups, -1).topk(topk // group_topk,
+                                                             dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores_TG, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, group_idx, 1)
+    score_mask_TE = group_mask_TG.unsqueeze(-1).expand(t, num_groups, e // num_groups).reshape(t, e)
+    masked_TE = scores_TE.masked_fill(~score_mask_TE.bool(), float("-inf"))
+    return torch.topk(masked_TE, k=topk, dim=-1)
+
+
+def _topk(scores_TE: torch.Tensor, topk: int, config: MVMoEConfig):
+    """(values, indices): group-limited when the model was trained so, else torch.topk."""
+    if config.router_group_topk:
+        return group_limited_topk(scores_TE, topk, config.router_num_groups,
+                                  config.router_group_topk)
+    return torch.topk(scores_TE, topk, dim=1)
 
 
 class Experts(nn.Module):
@@ -165,6 +211,7 @@ class TopKRouter(nn.Module):
         self.score_function = config.router_score_function
         self.pre_softmax = config.router_pre_softmax
         self.scaling = config.router_topk_scaling_factor
+        self.config = config
         if config.router_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts))
         else:
@@ -174,14 +221,14 @@ class TopKRouter(nn.Module):
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         if self.score_function == "softmax":
             if self.pre_softmax:
-                probs, idx = torch.topk(torch.softmax(logits_TE, dim=-1), self.topk, dim=1)
+                probs, idx = _topk(torch.softmax(logits_TE, dim=-1), self.topk, self.config)
             else:
-                top, idx = torch.topk(logits_TE, self.topk, dim=1)
+                top, idx = _topk(logits_TE, self.topk, self.config)
                 probs = torch.softmax(top, dim=-1)
         else:
             scores_TE = torch.sigmoid(logits_TE)
             choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
-            idx = torch.topk(choice_TE, self.topk, dim=1).indices
+            idx = _topk(choice_TE, self.topk, self.config)[1]
             probs = scores_TE.gather(1, idx)
             if self.topk > 1:
                 probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
@@ -203,12 +250,20 @@ class MultiRouter(nn.Module):
                            if config.learned_gate_scale else float(config.gate_scale))
         self.topk, self.eps = config.num_experts_per_tok, config.normalizer_eps
         self.num_views = config.num_views
+        self.config = config
+
+    def _select(self, summed_TE: torch.Tensor) -> torch.Tensor:
+        """routing/router.py's MultiRouter._select: ascending expert ids per token."""
+        if not self.config.router_group_topk:
+            return select_topk(summed_TE, self.expert_bias, self.topk)
+        idx_TN = _topk(summed_TE + self.expert_bias, self.topk, self.config)[1]
+        return torch.sort(idx_TN, dim=-1).values
 
     def forward(self, x_TD: torch.Tensor):
         weight_RED = self.weight.view(self.num_routers, self.num_experts, -1)
         scores_TRE = sigmoid_scores(multi_router_logits(x_TD, weight_RED, torch.float32))
         summed_TE = sum_over_routers(scores_TRE)
-        idx_TN = select_topk(summed_TE, self.expert_bias, self.topk)
+        idx_TN = self._select(summed_TE)
         gates_TN = gates(summed_TE, idx_TN, self.gate_scale, self.eps, self.num_routers)
         mix_TNR = mixing_weights(scores_TRE, idx_TN) if self.num_views > 1 else None
         return idx_TN, gates_TN.to(x_TD.dtype), mix_TNR
@@ -265,8 +320,7 @@ class MoE(nn.Module):
             self.fc2_latent_proj = Linear(config.latent_size, config.hidden_size, bits, norm)
         self.shared_experts = None
         if shared and config.shared_expert_intermediate_size:
-            self.shared_experts = SwiGLU(config.hidden_size,
-                                         config.shared_expert_intermediate_size, config)
+            self.shared_experts = SharedExpert(config)
 
     def expert_rows(self, x_TD, idx_TN, mix_TNR) -> torch.Tensor:
         """rows_TNL: what the expert of each slot sees."""
@@ -300,7 +354,7 @@ class MultiHeadMoE(nn.Module):
         self.head = Linear(d, d, bits, norm) if config.mh_head_projection else None
         self.moe = MoE(config, width_in=d // self.heads, shared=False)
         self.merge = Linear(d, d, bits, norm) if config.mh_merge_projection else None
-        self.shared_experts = (SwiGLU(d, config.shared_expert_intermediate_size, config)
+        self.shared_experts = (SharedExpert(config)
                                if config.shared_expert_intermediate_size else None)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -326,7 +380,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: MVMoEConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attention = SelfAttention(config, layer_idx)
+        self.self_attention = (MLASelfAttention(config, layer_idx, Linear, RMSNorm)
+                               if config.multi_latent_attention
+                               else SelfAttention(config, layer_idx))
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_mlp(config, layer_idx)
 
@@ -397,7 +453,10 @@ class MVMoEModel(MVMoEPreTrainedModel):
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + s, device=input_ids.device).expand(b, s)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        if self.config.multi_latent_attention:
+            cos, sin = mla_rope_cos_sin(position_ids, self.config)
+        else:
+            cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         mask = attention_mask_B1SK(attention_mask, b, s, past + s, past, input_ids.device)
         x_BSD = self.embedding.word_embeddings(input_ids)
         for layer in self.decoder.layers:
