@@ -96,6 +96,16 @@ FLAGS: List[Flag] = [
     Flag("--vocab-size", "model", "vocab_size", int),
     Flag("--seq-length", "model", "seq_length", int),
     Flag("--rotary-base", "model", "rotary_base", int),
+    # --- architecture (Megatron-LM's meaning; a Megatron-LM style line without them gets
+    # Megatron-LM's GPT-3 choices: megatron_lm_rules.apply_megatron_lm_defaults)
+    Flag("--swiglu", "model", "swiglu", None, "Megatron-LM's switch for SwiGLU", const=True),
+    Flag("--normalization", "model", "normalization", str),
+    Flag("--position-embedding-type", "model", "position_embedding_type", str),
+    Flag("--untie-embeddings-and-output-weights", "model",
+         "untie_embeddings_and_output_weights", None, "Megatron-LM's switch for an LM head "
+         "of its own", const=True),
+    Flag("--disable-bias-linear", "model", "add_bias_linear", None,
+         "Megatron-LM's switch for bias-free linear layers", const=False),
     # --- attention: Megatron-Core's MLA and QK norm (config/mla_config.py; Megatron-LM's
     # defaults)
     Flag("--multi-latent-attention", "model", "extra.multi_latent_attention", None,

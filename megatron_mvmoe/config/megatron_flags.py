@@ -3,9 +3,10 @@ already true, what it checks, and what it refuses with the reason and the altern
 
 Design choices:
 - `ACCEPTED`: switches and values in Megatron-LM launch scripts that describe what this
-  trainer always does (Megatron-Core models, SwiGLU, RMSNorm, RoPE, no biases, untied
-  embeddings, ...) or performance hints it does not act on. They are parsed, checked
-  against the values we implement, and a note per flag is printed at start-up, so a
+  trainer always does (Megatron-Core models, GQA by --num-query-groups, ...) or performance
+  hints it does not act on (the architecture switches --swiglu, --normalization, ... are
+  model fields: config/flag_table.py). They are parsed, checked against the values we
+  implement, and a note per flag is printed at start-up, so a
   Megatron-LM script runs unchanged and the user sees what each such flag meant here.
 - `UNSUPPORTED`: flags we know and do not implement; each gives "not supported: why.
   Use instead: ...". A flag in neither table, nor in flags.FLAGS, gets the closest known
@@ -28,11 +29,6 @@ class Accepted(NamedTuple):
 
 ACCEPTED: Dict[str, Accepted] = {
     "--use-mcore-models": Accepted("models are always Megatron-Core GPTModel"),
-    "--disable-bias-linear": Accepted("linear layers never have biases here"),
-    "--swiglu": Accepted("MLPs and experts are always SwiGLU"),
-    "--untie-embeddings-and-output-weights": Accepted(
-        "embeddings and LM head are always untied here (Megatron-LM ties them without this "
-        "flag; tied embeddings are not implemented)"),
     "--group-query-attention": Accepted("GQA follows --num-query-groups"),
     "--no-masked-softmax-fusion": Accepted("fusions are chosen per platform "
                                            "(models/fast_paths.py)"),
@@ -40,7 +36,9 @@ ACCEPTED: Dict[str, Accepted] = {
     "--no-bias-dropout-fusion": Accepted("bias/dropout fusion is off"),
     "--no-rope-fusion": Accepted("RoPE fusion is off"),
     "--no-gradient-accumulation-fusion": Accepted("gradient-accumulation fusion is off"),
-    "--no-position-embedding": Accepted("RoPE only, no learned position embedding"),
+    "--no-position-embedding": Accepted(
+        "Megatron-Core's GPTModel ignores it: position embeddings follow "
+        "--position-embedding-type"),
     "--sequence-parallel": Accepted("sequence parallelism is on whenever TP > 1 (with TP = 1 "
                                     "Megatron-LM turns it off too)"),
     "--moe-grouped-gemm": Accepted("the platform picks it (models/fast_paths.py): "
@@ -60,8 +58,6 @@ ACCEPTED: Dict[str, Accepted] = {
     "--use-flash-attn": Accepted("the platform picks it (models/fast_paths.py): TE "
                                  "attention on a GPU with TransformerEngine, local "
                                  "DotProductAttention elsewhere"),
-    "--position-embedding-type": Accepted("RoPE is the only position embedding", ("rope",)),
-    "--normalization": Accepted("RMSNorm is the only normalization", ("RMSNorm",)),
     "--transformer-impl": Accepted("the platform picks the spec (models/fast_paths.py): "
                                    "TE on a GPU with TransformerEngine, local elsewhere",
                                    ("local", "transformer_engine")),
@@ -73,8 +69,9 @@ ACCEPTED: Dict[str, Accepted] = {
                                     any_value=True),
     "--num-workers": Accepted("samples are read in the training process", any_value=True),
     "--timing-log-level": Accepted("no timers beyond the progress line", any_value=True),
-    "--max-position-embeddings": Accepted("checked to be >= --seq-length; RoPE needs no "
-                                          "table", any_value=True),
+    "--max-position-embeddings": Accepted(
+        "checked to be >= --seq-length; a learned position table has --seq-length rows "
+        "here (the positions a step uses; Megatron-LM allocates this many)", any_value=True),
 }
 
 UNSUPPORTED: Dict[str, Tuple[str, str]] = {
@@ -92,8 +89,8 @@ UNSUPPORTED: Dict[str, Tuple[str, str]] = {
     "--use-torch-fsdp2": ("FSDP is not wired", "--use-distributed-optimizer (ZeRO-1)"),
     "--use-megatron-fsdp": ("FSDP is not wired", "--use-distributed-optimizer (ZeRO-1)"),
     "--tp-comm-overlap": ("needs TransformerEngine userbuffers", "drop the flag"),
-    "--squared-relu": ("MLPs are SwiGLU", "drop the flag"),
-    "--apply-layernorm-1p": ("normalization is RMSNorm", "drop the flag"),
+    "--squared-relu": ("MLPs are SwiGLU or GeLU", "drop the flag (GeLU) or --swiglu"),
+    "--apply-layernorm-1p": ("norms are plain RMSNorm or LayerNorm", "drop the flag"),
     "--vocab-extra-ids": ("extra ids are not added to tokenizers here", "drop the flag"),
     "--no-persist-layer-norm": ("accepted by Megatron only with TE", "drop the flag"),
     "--legacy-tokenizer": ("tokenizers are built from local files by this package",

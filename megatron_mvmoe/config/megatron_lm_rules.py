@@ -17,13 +17,12 @@ Megatron-LM does:
   --warm-start-from D --load S (a relaunch resumes S).
 
 - a Megatron-LM style line (no --config, no --model-preset) gets Megatron-LM's defaults
-  where a flag is absent: without --swiglu Megatron-LM builds GeLU MLPs, without
-  --normalization LayerNorm, without --position-embedding-type learned positions, without
-  --untie-embeddings-and-output-weights tied embeddings, without --disable-bias-linear
-  biased linear layers. This trainer builds SwiGLU, RMSNorm, RoPE, untied, bias-free, so
-  each absent flag is refused, naming the flag that makes the choice
-  explicit (never a silent change of architecture). The FFN width defaults as in
-  Megatron-LM (`validate_args`), and --vocab-file/--merge-file without --tokenizer-type is
+  where a flag is absent, its GPT-3 architecture included: without --swiglu GeLU MLPs,
+  without --normalization LayerNorm, without --position-embedding-type learned positions,
+  without --untie-embeddings-and-output-weights tied embeddings, without
+  --disable-bias-linear biased linear layers (model fields; models/provider.py builds them
+  as Megatron-Core does). The FFN width defaults as in
+  Megatron-LM (`validate_args`: 4h, or 2/3 of it with --swiglu), and --vocab-file/--merge-file without --tokenizer-type is
   GPT2BPETokenizer, whose vocabulary (padded) is the model's. Every other run-config field
   behind a Megatron-LM flag takes Megatron-LM's parser default (config/megatron_lm_defaults.py:
   optimizer, schedule, precision, timeout, evaluation, logging). Our own YAML presets keep
@@ -148,18 +147,13 @@ def _warmup_fraction(fraction: float, training: Dict, optimizer: Dict,
 
 
 
-# (flag dest in args, Megatron-LM's choice without it, the flag that gives ours)
+# Megatron-LM's GPT-3 architecture on a line without the switch: (args dest, model field,
+# Megatron-LM's value). Value flags (--normalization, --position-embedding-type) take the
+# parser's default like every other flag (megatron_lm_defaults.parser_defaults).
 _ARCHITECTURE = (
-    ("compat_swiglu", "GeLU MLPs (this trainer's MLPs and experts are SwiGLU)", "--swiglu"),
-    ("compat_normalization", "LayerNorm (this trainer's norms are RMSNorm)",
-     "--normalization RMSNorm"),
-    ("compat_position_embedding_type", "learned absolute positions (this trainer uses RoPE)",
-     "--position-embedding-type rope"),
-    ("compat_untie_embeddings_and_output_weights",
-     "embeddings tied to the output layer (this trainer unties them)",
-     "--untie-embeddings-and-output-weights"),
-    ("compat_disable_bias_linear", "a bias in every linear layer (this trainer's linear "
-     "layers have none)", "--disable-bias-linear"),
+    ("swiglu", "swiglu", False),
+    ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", False),
+    ("disable_bias_linear", "add_bias_linear", True),
 )
 
 
@@ -180,19 +174,20 @@ def megatron_lm_style(args: argparse.Namespace) -> bool:
 
 def apply_megatron_lm_defaults(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     """Megatron-LM's defaults for absent flags on a Megatron-LM style line (in place);
-    returns refusal lines for the architecture choices this trainer does not build."""
+    returns refusal lines for the defaults this trainer cannot take on this platform."""
     if not megatron_lm_style(args):
         return []
-    problems = [f"{flag.split()[0]} not given: Megatron-LM then builds {choice}: not "
-                f"supported. Use instead: add {flag}"
-                for dest, choice, flag in _ARCHITECTURE if getattr(args, dest) is None]
     model = _section(raw, "model")
-    problems += _parser_defaults(model, raw)
+    for dest, name, value in _ARCHITECTURE:
+        if getattr(args, dest) is None:
+            model.setdefault(name, value)
+    problems = _parser_defaults(model, raw)
     megatron_lm_defaults.apply(raw, args)
     hidden = model.get("hidden_size")
     if model.get("ffn_hidden_size") is None and hidden is not None:
-        # Megatron-LM validate_args with --swiglu (required above): 2/3 of 4h, to 64.
-        model["ffn_hidden_size"] = int((4 * hidden * 2 / 3) / 64) * 64
+        # Megatron-LM validate_args: 4h, with --swiglu 2/3 of it rounded down to 64.
+        model["ffn_hidden_size"] = int((4 * hidden * 2 / 3) / 64) * 64 if model["swiglu"] \
+            else 4 * hidden
     if model.get("num_experts") and model.get("moe_ffn_hidden_size") is None:
         model["moe_ffn_hidden_size"] = model.get("ffn_hidden_size")
     data = _section(raw, "data")

@@ -56,7 +56,8 @@ NOTED: Dict[str, str] = {
                               "with the key named",
     "--deterministic-mode": "not acted on: it sets NCCL/cuBLAS determinism; CPU/gloo runs "
                             "repeat bit for bit already (tests/training/test_golden_losses.py)",
-    "--no-bias-gelu-fusion": "bias/activation fusion is off (linear layers have no bias)",
+    "--no-bias-gelu-fusion": "GeLU is never fused here; SwiGLU's fusion follows the "
+                            "platform (models/fast_paths.py)",
     "--use-persistent-ckpt-worker": "async saves use Megatron's own background writer",
     "--ckpt-fully-parallel-load": "dist-checkpointing chooses the load strategy",
     "--ckpt-fully-parallel-save": "dist-checkpointing chooses the save strategy",

@@ -4,8 +4,10 @@ is imported only to read MLA's defaults), so both ask the same numbers.
 
 Design choices:
 - Parameter counts are analytic, per module, mirroring what models/provider.py builds
-  (Megatron's local spec: RMSNorm weight only, no biases, SwiGLU fc1 of 2F rows, untied
-  embedding and LM head, RoPE); an MoE layer's count is its variant record's
+  (Megatron's local spec) for the model's architecture fields: RMSNorm (weight) or
+  LayerNorm (weight and bias), SwiGLU fc1 of 2F rows or GeLU of F, biases or none, untied
+  LM head or the embedding reused, RoPE or a learned table of seq_length positions); an MoE
+  layer's count is its variant record's
   (config/variants.py, `Variant.layer_params`). tests/training/test_plan.py checks them
   against the built tiny models exactly.
 - Layer placement is Megatron's `moe_layer_freq` (`moe_layer_pattern`): the seed-2 family's
@@ -21,20 +23,28 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 from megatron_mvmoe.config.model_section import ModelSection
-from megatron_mvmoe.config.variants import SWIGLU_MATRICES, MoEDims
+from megatron_mvmoe.config.variants import GELU_MATRICES, SWIGLU_MATRICES, MoEDims
 from megatron_mvmoe.errors import require
 
 
+def norm_params(m: ModelSection, width: int) -> int:
+    """One norm over `width`: RMSNorm's weight, LayerNorm's weight and bias."""
+    return width * (2 if m.normalization == "LayerNorm" else 1)
+
+
 def attention_params(m: ModelSection) -> int:
-    """One layer's attention (standard or MLA) plus its input and pre-MLP RMSNorm weights."""
+    """One layer's attention (standard or MLA) plus its input and pre-MLP norms."""
+    norms = 2 * norm_params(m, m.hidden_size)
     if m.extra.get("multi_latent_attention"):
-        return mla_params(m) + 2 * m.hidden_size
+        return mla_params(m) + norms
     kv_channels = m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
-    qkv = (m.num_attention_heads + 2 * groups) * kv_channels * m.hidden_size
+    qkv_rows = (m.num_attention_heads + 2 * groups) * kv_channels
+    qkv = qkv_rows * m.hidden_size
     proj = m.hidden_size * m.num_attention_heads * kv_channels
-    qk_norms = 2 * kv_channels if m.extra.get("qk_layernorm") else 0
-    return qkv + proj + qk_norms + 2 * m.hidden_size
+    biases = qkv_rows + m.hidden_size if m.add_bias_linear else 0
+    qk_norms = 2 * norm_params(m, kv_channels) if m.extra.get("qk_layernorm") else 0
+    return qkv + proj + biases + qk_norms + norms
 
 
 def mla_params(m: ModelSection) -> int:
@@ -56,13 +66,21 @@ def mla_params(m: ModelSection) -> int:
     if q_rank is None:
         query = D * h * (qk + pos)
     else:
-        query = D * q_rank + q_rank * h * (qk + pos) + (q_rank if norms else 0)
-    kv = D * (kv_rank + pos) + kv_rank * h * (qk + v) + (kv_rank if norms else 0)
+        query = D * q_rank + q_rank * h * (qk + pos) + (norm_params(m, q_rank) if norms else 0)
+    kv = D * (kv_rank + pos) + kv_rank * h * (qk + v) + \
+        (norm_params(m, kv_rank) if norms else 0)
     return query + kv + h * v * D
 
 
 def swiglu(d_in: int, width: int) -> int:
     return SWIGLU_MATRICES * d_in * width  # fc1 [2F, d_in] + fc2 [d_in, F]
+
+
+def dense_mlp_params(m: ModelSection, d_in: int, width: int) -> int:
+    """A dense MLP of the model's architecture: SwiGLU or GeLU, with or without biases."""
+    matrices = SWIGLU_MATRICES if m.swiglu else GELU_MATRICES
+    biases = (matrices - 1) * width + d_in if m.add_bias_linear else 0
+    return matrices * d_in * width + biases
 
 
 def moe_params(m: ModelSection) -> Dict[str, int]:
@@ -92,7 +110,7 @@ def moe_layer_pattern(m: ModelSection) -> Tuple[bool, ...]:
 
 
 def _dense_mlp(m: ModelSection) -> Dict[str, int]:
-    dense = swiglu(m.hidden_size, m.ffn_hidden_size)
+    dense = dense_mlp_params(m, m.hidden_size, m.ffn_hidden_size)
     return {"dense": dense, "non_expert": 0, "experts": 0, "active": dense}
 
 
@@ -113,7 +131,7 @@ def mtp_params(m: ModelSection) -> Dict[str, int]:
     layer (attention + its MLP). Embedding and LM head are the main model's (shared)."""
     n = mtp_num_layers(m)
     D, mlp = m.hidden_size, _layer_mlp(m, moe=moe_layer_pattern(m)[-1])  # the last layer's
-    own = 3 * D + 2 * D * D + attention_params(m)
+    own = 3 * norm_params(m, D) + 2 * D * D + attention_params(m)
     return {"total": n * (own + mlp["dense"] + mlp["non_expert"] + mlp["experts"]),
             "active": n * (own + mlp["active"]), "experts": n * mlp["experts"],
             "non_expert": n * (own + mlp["dense"] + mlp["non_expert"])}
@@ -122,7 +140,9 @@ def mtp_params(m: ModelSection) -> Dict[str, int]:
 def parameter_counts(m: ModelSection) -> Dict[str, int]:
     """Every parameter the provider builds, MTP layers included ("mtp": their share)."""
     D, V = m.hidden_size, m.vocab_size
-    embedding, head, final_norm = V * D, V * D, D
+    positions = m.seq_length * D if m.position_embedding_type == "learned_absolute" else 0
+    embedding, final_norm = V * D + positions, norm_params(m, D)
+    head = V * D if m.untie_embeddings_and_output_weights else 0
     attention = attention_params(m) * m.num_layers
     pattern, mtp = moe_layer_pattern(m), mtp_params(m)
     mlps = [_layer_mlp(m, moe) for moe in pattern]
@@ -145,7 +165,9 @@ def flops_per_token(m: ModelSection) -> Dict[str, float]:
     scores."""
     counts = parameter_counts(m)
     n_mtp = mtp_num_layers(m)
-    matmul = counts["active"] - counts["embedding"] + n_mtp * counts["lm_head"]
+    head_matmul = m.vocab_size * m.hidden_size  # the LM head's, tied or not
+    matmul = counts["active"] - counts["embedding"] - counts["lm_head"] + \
+        (1 + n_mtp) * head_matmul
     attention_scores = 4 * m.seq_length * m.hidden_size * (m.num_layers + n_mtp)
     forward = 2 * matmul + attention_scores
     return {"forward": float(forward), "train": float(3 * forward)}

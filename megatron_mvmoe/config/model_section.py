@@ -72,6 +72,22 @@ class ModelSection:
     """Sequence length in tokens."""
     rotary_base: int = 10000
     """RoPE base (Megatron's --rotary-base)."""
+    swiglu: bool = True
+    """SwiGLU MLPs and experts (Megatron-LM's --swiglu: gated_linear_unit with silu);
+    False = GeLU MLPs of one fc1 of F rows (Megatron-LM without --swiglu, GPT-3)."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Every norm of the model (Megatron-LM's --normalization; LayerNorm has a bias)."""
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    """RoPE, or a learned table of seq_length positions added to the token embedding
+    (Megatron-LM's --position-embedding-type; learned_absolute is its default, GPT-3)."""
+    untie_embeddings_and_output_weights: bool = True
+    """Separate LM head; False = the output layer reuses the word embedding (Megatron-LM's
+    --untie-embeddings-and-output-weights; tied is its default, GPT-3)."""
+    add_bias_linear: bool = False
+    """Biases in attention, MLP, expert and router linears (Megatron-LM's default; its
+    --disable-bias-linear gives False). Refused with the variants whose own projections are
+    defined without biases (latent, multi_router, multi_view, mh_moe), BitNet and a shared
+    expert (MVMoETransformerConfig.validate_mvmoe)."""
     multi_view: MultiViewConfig = field(default_factory=MultiViewConfig)
     """Multi-Router / Multi-View: R heads, K views, gamma ramp, gates, kernels (seed 000)."""
     multi_head: MultiHeadConfig = field(default_factory=MultiHeadConfig)
@@ -111,6 +127,11 @@ class ModelSection:
             raise ValueError(run_field_names(str(err))) from None
 
 
+ARCHITECTURE_FIELDS = ("swiglu", "normalization", "position_embedding_type",
+                       "untie_embeddings_and_output_weights", "add_bias_linear")
+"""The architecture switches (Megatron-LM's --swiglu, --normalization, ...): a warm start
+or upcycling keeps them."""
+
 _REQUIRED = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads",
              "ffn_hidden_size", "vocab_size", "seq_length")
 _NESTED = ("multi_view", "multi_head", "bitnet")
@@ -129,6 +150,7 @@ LEGACY_FIELDS = {
 
 _MEGATRON_TO_RUN = {
     "num_moe_experts": "model.num_experts",
+    "gated_linear_unit": "model.swiglu",
     **{f.name: f"model.{f.name}" for f in dataclasses.fields(ModelSection)
        if f.name not in ("preset", "extra", "num_experts")}}
 """MVMoETransformerConfig names of what the section models -> where a run config sets it.

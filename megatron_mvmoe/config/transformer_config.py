@@ -174,6 +174,7 @@ class MVMoETransformerConfig(TransformerConfig):
         _require(not (self.bitnet.enabled and self.moe_grouped_gemm), "moe_grouped_gemm",
                  "TE's grouped experts are not BitNet linears, so BitNet would leave the "
                  "experts full precision", "set moe_grouped_gemm=False under BitNet")
+        self._validate_biases(variant)
         if variant.routed_experts or self.moe_dispatcher != DEFAULT_DISPATCHER:
             check_dispatcher(self)
         if not variant.routed_experts:
@@ -188,6 +189,27 @@ class MVMoETransformerConfig(TransformerConfig):
             self._validate_multi_view()
         if variant.multi_head:
             self._validate_multi_head()
+
+    def _validate_biases(self, variant) -> None:
+        """Biased linears (Megatron-LM's default, GPT-3) where their math is defined: the
+        latent family's projections and views and MH-MoE's head/merge projections are
+        defined without biases (seed 000 / 001), BitNet b1.58's BitLinear has none, and
+        Megatron's shared expert asserts bias-free linears; MLA with biases is not counted
+        yet."""
+        if not self.add_bias_linear:
+            return
+        fix = "add --disable-bias-linear (model.add_bias_linear false)"
+        _require(not (variant.latent or variant.multi_head), "add_bias_linear",
+                 f"variant {self.moe_variant}'s own projections are defined without biases",
+                 fix + " or use moe_variant smoe / dense")
+        _require(not self.bitnet.enabled, "add_bias_linear",
+                 "BitNet b1.58's BitLinear has no bias", fix + " or drop BitNet")
+        _require(not self.moe_shared_expert_intermediate_size, "add_bias_linear",
+                 "Megatron's shared expert has no biases",
+                 fix + " or drop the shared expert")
+        _require(not getattr(self, "multi_latent_attention", False), "add_bias_linear",
+                 "MLA's biases are not in the parameter and FLOP counts "
+                 "(config/model_costs.py)", fix + " or drop --multi-latent-attention")
 
     def _validate_experts(self) -> None:
         num_experts = self.num_moe_experts

@@ -27,7 +27,7 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -35,7 +35,10 @@ from megatron_mvmoe.errors import require
 from megatron_mvmoe.functional.parity import LayerParams, MoELayerShape, layer_params
 
 SWIGLU_MATRICES = 3
-"""Every expert (and shared expert) is SwiGLU: fc1 [2F, d_in] + fc2 [d_in, F]."""
+"""A SwiGLU expert (and shared expert): fc1 [2F, d_in] + fc2 [d_in, F]."""
+
+GELU_MATRICES = 2
+"""A GeLU expert (Megatron-LM without --swiglu): fc1 [F, d_in] + fc2 [d_in, F]."""
 
 LAYER_BUILDERS = ("dense", "stock", "latent", "multi_view", "multi_head")
 """`Variant.layer`: dense MLP, Megatron's own MoELayer, LatentMoELayer, MultiViewMoELayer,
@@ -82,6 +85,11 @@ class MoEDims:
     """MH-MoE's D x D projection before the split."""
     merge_projection: bool = True
     """MH-MoE's D x D projection after the concatenation."""
+    expert_matrices: int = SWIGLU_MATRICES
+    """SWIGLU_MATRICES or GELU_MATRICES (model.swiglu)."""
+    biases: bool = False
+    """model.add_bias_linear: every expert's fc1 / fc2 and the router have a bias (only
+    the stock layer: validate_mvmoe refuses biases with the others' projections)."""
 
     @classmethod
     def of(cls, section) -> "MoEDims":
@@ -92,7 +100,9 @@ class MoEDims:
                    shared_ffn=section.moe_shared_expert_intermediate_size or 0,
                    latent=section.latent_size, routers=mv.num_routers, views=mv.num_views,
                    heads=mh.num_heads, head_projection=mh.head_projection,
-                   merge_projection=mh.merge_projection)
+                   merge_projection=mh.merge_projection,
+                   expert_matrices=SWIGLU_MATRICES if section.swiglu else GELU_MATRICES,
+                   biases=section.add_bias_linear)
 
 
 @dataclass(frozen=True)
@@ -161,15 +171,15 @@ class Variant:
     def layer_params(self, d: MoEDims) -> LayerParams:
         """Parameters of one MoE layer, by component."""
         if not self.latent:
-            return layer_params(self._parity_shape(d))
+            return _with_biases(layer_params(self._parity_shape(d)), d)
         L = self.expert_input(d.hidden, d.latent, d.heads)
-        expert = SWIGLU_MATRICES * L * d.expert_ffn
+        expert = d.expert_matrices * L * d.expert_ffn
         views = (d.views - 1) * L * d.hidden if self.multi_view else 0
         routers = d.routers if self.multi_router else 1
         return LayerParams(projections=2 * L * d.hidden + views, expert=expert,
                            experts_total=d.experts * expert, experts_active=d.topk * expert,
                            router=routers * d.experts * d.hidden,
-                           shared=SWIGLU_MATRICES * d.hidden * d.shared_ffn)
+                           shared=d.expert_matrices * d.hidden * d.shared_ffn)
 
     def matmul_flops_per_token(self, d: MoEDims) -> int:
         """The planner's forward count: 2 x the active parameters (routers included)."""
@@ -200,11 +210,21 @@ class Variant:
                              num_heads=d.heads if mh else 1,
                              head_projection=mh and d.head_projection,
                              merge_projection=mh and d.merge_projection,
-                             shared_expert_ffn=d.shared_ffn, expert_matrices=SWIGLU_MATRICES)
+                             shared_expert_ffn=d.shared_ffn, expert_matrices=d.expert_matrices)
 
     def _require_routed(self) -> None:
         require(self.routed_experts, "moe_variant",
                 f"{self.name!r} has no MoE layer to count", "ask a routed variant")
+
+
+def _with_biases(params: LayerParams, d: MoEDims) -> LayerParams:
+    """Megatron's stock MoE layer with add_bias_linear: each expert's fc1 bias (its rows)
+    and fc2 bias (D), and the router's bias of E."""
+    if not d.biases:
+        return params
+    expert = params.expert + (d.expert_matrices - 1) * d.expert_ffn + d.hidden
+    return replace(params, expert=expert, experts_total=d.experts * expert,
+                   experts_active=d.topk * expert, router=params.router + d.experts)
 
 
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (

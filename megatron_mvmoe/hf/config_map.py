@@ -80,6 +80,20 @@ def _mismatches(config):
             yield name, value, got
 
 
+def unsupported_architecture(model) -> None:
+    """Refuse (ValueError naming the run-config field) what the exported classes do not
+    compute: they have their own LM head and RoPE (GPT-3's tied embeddings and learned
+    positions are model fields, outside Megatron's TransformerConfig)."""
+    require(model.untie_embeddings_and_output_weights,
+            "model.untie_embeddings_and_output_weights", "tied embeddings are not expressed "
+            "by the exported model (it has its own LM head)",
+            "export a model trained with --untie-embeddings-and-output-weights")
+    require(model.position_embedding_type == "rope", "model.position_embedding_type",
+            f"{model.position_embedding_type!r} is not expressed by the exported model "
+            "(it computes with RoPE)", "export a model trained with "
+            "--position-embedding-type rope")
+
+
 def layer_types(state: Dict[str, torch.Tensor], num_layers: int) -> List[str]:
     """'moe' or 'dense' per layer, read from which MLP weights exist."""
     def is_moe(i: int) -> bool:

@@ -95,6 +95,7 @@ def export_loaded(ckpt: LoadedCheckpoint, out: str, hf_class: str = "auto",
     """The writing half of `export_checkpoint` (all checks first, then the atomic write)."""
     start = time.time()
     config_map.unsupported_settings(ckpt.config)
+    config_map.unsupported_architecture(ckpt.model_section)
     types = config_map.layer_types(ckpt.state, ckpt.config.num_layers)
     chosen = config_map.choose_class(ckpt.config, types, hf_class)
     vocab_size = ckpt.state["embedding.word_embeddings.weight"].shape[0]

@@ -65,6 +65,14 @@ def _routing(model: ModelSection) -> Dict[str, Any]:
     return dict(common, **model.variant.routing_defaults)  # config/variants.py
 
 
+def architecture_fields(model: ModelSection) -> Dict[str, Any]:
+    """The TransformerConfig fields of the model's architecture switches, as Megatron-LM's
+    arguments.py sets them: --swiglu is a gated silu, its absence GeLU."""
+    return dict(normalization=model.normalization, gated_linear_unit=model.swiglu,
+                activation_func=torch.nn.functional.silu if model.swiglu
+                else torch.nn.functional.gelu, add_bias_linear=model.add_bias_linear)
+
+
 def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
                        etp: int = 1, vpp: Optional[int] = None, use_bf16: bool = False,
                        on_cpu: bool = True, cp: int = 1) -> MVMoETransformerConfig:
@@ -73,9 +81,7 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
     kwargs: Dict[str, Any] = dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        ffn_hidden_size=model.ffn_hidden_size, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, init_method_std=0.02,
+        ffn_hidden_size=model.ffn_hidden_size, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
@@ -88,10 +94,13 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         multi_head=dataclasses.replace(model.multi_head),
         bitnet=dataclasses.replace(model.bitnet),
     )
+    kwargs.update(architecture_fields(model))
     kwargs.update(_numerics(use_bf16, on_cpu))
     kwargs.update(config_fields(choose_fast_paths(
         target_for(on_cpu), model.moe_variant, bitnet=model.bitnet.enabled,
         expert_elements=expert_matrix_elements(model, etp))))
+    if not model.swiglu:  # Megatron fuses GeLU only with a bias, and not in experts that
+        kwargs["bias_activation_fusion"] = False  # scale rows by their probs (SequentialMLP)
     kwargs.update(_routing(model))
     kwargs.update(model.extra)
     config_class = megatron_config_class(kwargs)  # MLA's config with multi_latent_attention
@@ -116,14 +125,16 @@ def _stage_flags(vp_stage: Optional[int]) -> Dict[str, bool]:
 def build_gpt_chunk(config: MVMoETransformerConfig, model: ModelSection, pg_collection=None,
                     vp_stage: Optional[int] = None, pre_process: bool = True,
                     post_process: bool = True) -> GPTModel:
-    """One GPTModel holding this stage's layers (RoPE, untied embeddings), and on the last
-    stage the MTP block when `config.mtp_num_layers` is set (models/mtp_spec.py)."""
+    """One GPTModel holding this stage's layers (the model's position embedding and
+    embedding tying), and on the last stage the MTP block when `config.mtp_num_layers` is
+    set (models/mtp_spec.py)."""
     block = decoder_block_spec(config, vp_stage)
     return GPTModel(config=config, transformer_layer_spec=block,
                     mtp_block_spec=build_mtp_block_spec(config, block, vp_stage),
                     vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
                     pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+                    position_embedding_type=model.position_embedding_type,
                     rotary_base=model.rotary_base,
                     pg_collection=pg_collection, vp_stage=vp_stage)
 

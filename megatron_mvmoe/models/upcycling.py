@@ -90,6 +90,10 @@ def upcycle_problems(dense, target, new_heads: str = "fresh") -> List[str]:
         if target.multi_view.gate_scale != 1.0:
             problems.append(f"multi_view.gate_scale: {target.multi_view.gate_scale} scales "
                             "every gate, so the output would be alpha x the dense MLP; use 1.0")
+    if target.add_bias_linear:
+        problems.append("add_bias_linear: upcycling copies weights only (expert and router "
+                        "biases are not mapped); upcycle a model trained with "
+                        "--disable-bias-linear")
     if target.moe_shared_expert_intermediate_size:
         problems.append("moe_shared_expert_intermediate_size: a shared expert would add its "
                         "fresh init to the dense output; upcycle without one")

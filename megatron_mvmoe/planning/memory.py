@@ -72,7 +72,8 @@ from typing import Dict, List, Optional
 
 from megatron_mvmoe.planning.plan import PlanTarget
 from megatron_mvmoe.config.model_costs import (attention_params, moe_layer_pattern, moe_params,
-                                               mtp_num_layers, mtp_params, swiglu)
+                                               mtp_num_layers, mtp_params,
+                                               dense_mlp_params)
 from megatron_mvmoe.planning.context_parallel import (cp_attention_correction_elements,
                                                            local_tokens)
 from megatron_mvmoe.config.model_section import ModelSection
@@ -118,11 +119,13 @@ def stage_parameters(m: ModelSection, target: PlanTarget, stage: int) -> Dict[st
         width = m.latent_size if m.is_latent else D
         largest = 2 * m.moe_ffn_hidden_size * width // lay.etp
     if layers > moe_layers:  # dense FFN layers (all of a dense model's; moe_layer_freq)
-        dense += swiglu(D, m.ffn_hidden_size) // lay.tp * (layers - moe_layers)
-    if stage == 0:
-        dense += V * D // lay.tp
-    if stage == lay.pp - 1:
-        dense += V * D // lay.tp + D
+        dense += dense_mlp_params(m, D, m.ffn_hidden_size) // lay.tp * (layers - moe_layers)
+    if stage == 0:  # word embedding (split over TP) and a learned position table (not)
+        dense += V * D // lay.tp + \
+            (m.seq_length * D if m.position_embedding_type == "learned_absolute" else 0)
+    if stage == lay.pp - 1:  # LM head (tied: the embedding itself, or its copy at PP > 1)
+        own_head = m.untie_embeddings_and_output_weights or lay.pp > 1
+        dense += (V * D // lay.tp if own_head else 0) + D
         mtp = mtp_params(m)  # Megatron puts every MTP layer on the last stage
         dense += mtp["non_expert"] // lay.tp
         experts += mtp["experts"] // lay.ep // lay.etp

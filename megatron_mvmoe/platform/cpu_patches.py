@@ -24,7 +24,8 @@ Design choices:
   Megatron's own callers (and its tests) on the original.
 - `UPSTREAM_FIXES` carry Megatron-LM fixes made after 0.19.2 to bugs the stock router has
   on every platform (aux-loss bookkeeping, platform/upstream_router_fixes.py) and torch-Adam
-  load repairs (platform/torch_adam_fixes.py); they apply with CUDA too. The group pool
+  load repairs (platform/torch_adam_fixes.py), and the in-place expert-bias add of
+  platform/expert_bias_fix.py (not fixed upstream yet); they apply with CUDA too. The group pool
   (platform/group_pool.py) is a CPU patch kept in its own module for its size.
 - MVMOE_CPU_PATCHES_SKIP="name,name" leaves patches out, to show what breaks without them.
 """
@@ -42,7 +43,8 @@ from typing import List
 import numpy as np
 import torch
 
-from megatron_mvmoe.platform import group_pool, torch_adam_fixes, upstream_router_fixes
+from megatron_mvmoe.platform import (expert_bias_fix, group_pool, torch_adam_fixes,
+                                     upstream_router_fixes)
 from megatron_mvmoe.platform.patch import Patch, rebind
 
 MEGATRON_VERSION_PATCHED = "0.19.2"
@@ -503,6 +505,7 @@ PATCHES: List[Patch] = [
 UPSTREAM_FIXES: List[Patch] = [
     *torch_adam_fixes.EVERY_PLATFORM,
     *upstream_router_fixes.ROUTER_FIXES,
+    *expert_bias_fix.EXPERT_BIAS_FIXES,
 ]
 
 ALL_PATCHES: List[Patch] = UPSTREAM_FIXES + PATCHES

@@ -37,7 +37,7 @@ from megatron_mvmoe import platform
 from megatron_mvmoe.checkpointing import directory as ckpt_dir
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.weights import model_sharded_state_dict, set_model_weights
-from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ARCHITECTURE_FIELDS, ModelSection
 from megatron_mvmoe.config.run_config import RunConfig, saved_config_from_dict
 from megatron_mvmoe.config.variants import VARIANTS
 from megatron_mvmoe.models.build import model_config
@@ -53,12 +53,13 @@ UPCYCLE_VARIANTS = tuple(n for n, v in VARIANTS.items() if v.routed_experts and 
 """("smoe", "latent", "multi_router", "multi_view"): experts that can hold the dense MLP."""
 # A dense checkpoint and its upcycled MoE model share everything but the MLPs.
 _UPCYCLE_SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads",
-                          "num_query_groups", "vocab_size")
+                          "num_query_groups", "vocab_size", *ARCHITECTURE_FIELDS)
 # ModelSection fields that must agree between baseline and target (everything the latent
 # backbone's parameters are made of); routers and views are what the warm start adds.
 _SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                   "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
-                  "moe_shared_expert_intermediate_size", "latent_size", "vocab_size")
+                  "moe_shared_expert_intermediate_size", "latent_size", "vocab_size",
+                  *ARCHITECTURE_FIELDS)
 
 
 def check_target(model: ModelSection, upcycling: bool = False) -> None:

@@ -49,8 +49,8 @@ def test_megatron_switches_and_transformer_fields_map():
     (["--fp16"], "--fp16: not supported: fp16 needs loss scaling.*Use instead: --bf16"),
     (["--num-layers-per-virtual-pipeline-stage", "2"],
      "not supported.*--virtual-pipeline-model-parallel-size"),
-    (["--normalization", "LayerNorm"], "--normalization LayerNorm: not supported.*RMSNorm"),
-    (["--position-embedding-type", "learned_absolute"], "not supported.*rope"),
+    (["--position-embedding-type", "mrope"],
+     "model.position_embedding_type: unknown 'mrope'.*rope, learned_absolute"),
     (["--max-position-embeddings", "16"], "below --seq-length 32"),
     (["--lr-decay-styl", "cosine"], "unknown flag.*did you mean --lr-decay-style"),
     (["--lr-decay", "cosine"], "unknown flag"),  # no prefix matching onto --lr-decay-iters

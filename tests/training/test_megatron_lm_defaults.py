@@ -1,5 +1,5 @@
 """A Megatron-LM style launch line (no --config / --model-preset) gets Megatron-LM's defaults
-for absent flags, or a refusal naming the flag that makes the choice explicit.
+for absent flags (its GPT-3 architecture included), or a refusal naming the flag.
 
 The line is Megatron-LM's functional test
 tests/functional_tests/test_cases/moe/gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel/model_config.yaml
@@ -30,16 +30,20 @@ EXPLICIT = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type
             "--untie-embeddings-and-output-weights"]
 
 
-def test_absent_architecture_flags_are_refused_by_name_in_one_pass():
+def test_absent_architecture_flags_give_megatron_lm_gpt3_architecture():
+    """Without --swiglu / --normalization / --position-embedding-type /
+    --untie-embeddings-and-output-weights the line is Megatron-LM's GPT-3 (GeLU, LayerNorm,
+    learned positions, tied); it is refused only for ETP = TP on gloo, by name. The model
+    built from such a line equals Megatron-LM's: tests/training/test_gpt3_architecture.py."""
     with pytest.raises(ValueError) as err:
         flags.config_from_args(GPT3_MOE)
-    lines = str(err.value).splitlines()
-    assert lines[0] == "5 flags refused:", err.value
-    for fix in ("add --swiglu", "add --normalization RMSNorm",
-                "add --position-embedding-type rope",
-                "add --untie-embeddings-and-output-weights",
-                "add --expert-tensor-parallel-size 1"):  # ETP = TP: not on gloo
-        assert any(line.endswith(fix) for line in lines), (fix, err.value)
+    assert str(err.value).startswith("--expert-tensor-parallel-size not given") and \
+        str(err.value).endswith("add --expert-tensor-parallel-size 1"), err.value
+    m = flags.config_from_args(GPT3_MOE + ["--expert-tensor-parallel-size", "1"]).model
+    assert (m.swiglu, m.normalization, m.position_embedding_type,
+            m.untie_embeddings_and_output_weights, m.add_bias_linear) == \
+        (False, "LayerNorm", "learned_absolute", False, False)  # the line disables biases
+    assert m.ffn_hidden_size == m.moe_ffn_hidden_size == 4 * 512  # validate_args, GeLU
 
 
 def test_megatron_lm_defaults_fill_the_rest():
