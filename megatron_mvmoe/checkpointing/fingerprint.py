@@ -22,7 +22,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, List
 
 from megatron_mvmoe.checkpointing.errors import CheckpointError
-from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ARCHITECTURE_FIELDS, ModelSection
 from megatron_mvmoe.config.transformer_config import MultiHeadConfig
 
 if TYPE_CHECKING:
@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 SHAPE_FIELDS = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads",
                 "num_query_groups", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size",
                 "moe_router_topk", "moe_shared_expert_intermediate_size", "latent_size",
-                "vocab_size", "rotary_base", "extra")
+                "vocab_size", "rotary_base", *ARCHITECTURE_FIELDS, "extra")
 """ModelSection fields recorded and compared as they are (RoPE's base changes what the
-attention weights compute; `extra` holds Megatron fields we do not model, compared but for
+attention weights compute, the architecture switches which weights exist and what they
+compute; `extra` holds Megatron fields we do not model, compared but for
 EXTRA_NOT_STRUCTURAL, because some of them shape parameters)."""
 
 EXTRA_NOT_STRUCTURAL = (
@@ -66,10 +67,12 @@ not compared either (`bitnet` above records only whether it is on)."""
 RECORDED_NOT_COMPARED = ("moe_dispatcher", "moe_dispatch_ranks_per_node")
 """Written since ecf52e9 (older code reading a new checkpoint expects them), never compared."""
 
-ADDED_LATER = {"rotary_base": 10000}
+ADDED_LATER = {"rotary_base": 10000, **{name: ModelSection.__dataclass_fields__[name].default
+                                        for name in ARCHITECTURE_FIELDS}}
 """Structural fields newer than the first checkpoints -> the value every model had before
 they were recorded (a checkpoint without the field was built with it: 0.16.1's had no
-rotary_base). The one table; tests/checkpointing/test_fingerprint_history.py checks it
+rotary_base; none before issue 36 had the architecture switches, all SwiGLU, RMSNorm, RoPE,
+untied, bias-free). The one table; tests/checkpointing/test_fingerprint_history.py checks it
 against a stored run_state.json of each on-disk format."""
 
 

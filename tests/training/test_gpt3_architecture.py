@@ -216,3 +216,30 @@ def test_export_and_upcycling_refuse_what_they_do_not_map():
     dense = _model("tiny_dense", {"add_bias_linear": True})
     problems = upcycle_problems(dense, _model("tiny_smoe", {"add_bias_linear": True}))
     assert [p.split(":")[0] for p in problems] == ["add_bias_linear"], problems
+
+
+def test_resume_refuses_another_architecture_and_reads_older_checkpoints():
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
+    from megatron_mvmoe.checkpointing.fingerprint import check_fingerprint, model_fingerprint
+    from megatron_mvmoe.config.model_section import ARCHITECTURE_FIELDS
+
+    ours, gpt3 = _model("tiny_smoe", {}), _model("tiny_smoe", dict(GPT3, add_bias_linear=True))
+    with pytest.raises(CheckpointError) as err:
+        check_fingerprint(model_fingerprint(gpt3), model_fingerprint(ours), "ckpt")
+    assert all(f"{name}: checkpoint" in str(err.value) for name in ARCHITECTURE_FIELDS)
+    before_issue_36 = {k: v for k, v in model_fingerprint(ours).items()
+                       if k not in ARCHITECTURE_FIELDS}
+    check_fingerprint(before_issue_36, model_fingerprint(ours), "ckpt")  # ours, as always
+
+
+def test_trainer_saves_and_resumes_a_gpt3_model_exactly(tmp_path, text_tokens):
+    """The trainer's own path (data, DDP, optimizer, dist checkpoint of tied embeddings, biases,
+    LayerNorm and the position table): a resume from step 2 repeats steps 3-4 bit for bit."""
+    from harness import tiny_run, train
+
+    raw = tiny_run(text_tokens, preset="tiny_smoe", train_iters=4, save_interval=2,
+                   save=str(tmp_path / "ck"))
+    raw["model"].update(GPT3, add_bias_linear=True)
+    full = train(raw, 1)["losses"]
+    raw["training"].update(load=str(tmp_path / "ck"), ckpt_step=2, save=str(tmp_path / "ck2"))
+    assert train(raw, 1)["losses"] == full[2:]
