@@ -21,8 +21,8 @@ Megatron-LM does:
   without --normalization LayerNorm, without --position-embedding-type learned positions,
   without --untie-embeddings-and-output-weights tied embeddings, without
   --disable-bias-linear biased linear layers (model fields; models/provider.py builds them
-  as Megatron-Core does). The FFN width defaults as in
-  Megatron-LM (`validate_args`: 4h, or 2/3 of it with --swiglu), and --vocab-file/--merge-file without --tokenizer-type is
+  as Megatron-Core does). The FFN width defaults as in Megatron-LM (`validate_args`: 4h,
+  or 2/3 of it with --swiglu), and --vocab-file/--merge-file without --tokenizer-type is
   GPT2BPETokenizer, whose vocabulary (padded) is the model's. Every other run-config field
   behind a Megatron-LM flag takes Megatron-LM's parser default (config/megatron_lm_defaults.py:
   optimizer, schedule, precision, timeout, evaluation, logging). Our own YAML presets keep

@@ -33,6 +33,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_mvmoe.config.mla_config import megatron_config_class
 from megatron_mvmoe.config.model_section import ModelSection, model_section_from_dict
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
+from megatron_mvmoe.errors import require
 from megatron_mvmoe.models.fast_paths import (Target, choose_fast_paths, config_fields,
                                               expert_matrix_elements)
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
@@ -78,6 +79,11 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
                        on_cpu: bool = True, cp: int = 1) -> MVMoETransformerConfig:
     """The full Megatron config of the model `shape` for one layout, with the fast paths
     the target machine (the CPU, or this process's GPU) takes."""
+    require(model.untie_embeddings_and_output_weights or pp == 1 or not on_cpu,
+            "model.untie_embeddings_and_output_weights",
+            "tied embeddings at PP > 1 need Megatron's copy of the word embedding on the last "
+            "stage, which it moves to CUDA (LanguageModule.setup_embeddings_and_output_layer)",
+            "add --untie-embeddings-and-output-weights, or train tied at PP 1 or on a GPU")
     kwargs: Dict[str, Any] = dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
@@ -129,11 +135,12 @@ def build_gpt_chunk(config: MVMoETransformerConfig, model: ModelSection, pg_coll
     embedding tying), and on the last stage the MTP block when `config.mtp_num_layers` is
     set (models/mtp_spec.py)."""
     block = decoder_block_spec(config, vp_stage)
+    tied = not model.untie_embeddings_and_output_weights
     return GPTModel(config=config, transformer_layer_spec=block,
                     mtp_block_spec=build_mtp_block_spec(config, block, vp_stage),
                     vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
                     pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+                    share_embeddings_and_output_weights=tied,
                     position_embedding_type=model.position_embedding_type,
                     rotary_base=model.rotary_base,
                     pg_collection=pg_collection, vp_stage=vp_stage)

@@ -76,9 +76,10 @@ def _stock_gpt(config, args, vocab_size, pgs):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    tied = not args.untie_embeddings_and_output_weights
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                     max_sequence_length=args.max_position_embeddings,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    share_embeddings_and_output_weights=tied,
                     position_embedding_type=args.position_embedding_type,
                     rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
                     pg_collection=pgs)
@@ -193,6 +194,14 @@ def test_biases_refused_where_undefined(name):
     message = str(err.value)
     assert message.startswith("add_bias_linear: ") and reason in message, message
     assert "--disable-bias-linear" in message and "\n" not in message
+
+
+def test_tied_embeddings_at_pp2_on_cpu_refused_in_one_line():
+    from megatron_mvmoe.models.provider import transformer_config
+
+    with pytest.raises(ValueError, match=r"^model.untie_embeddings_and_output_weights: .*"
+                                         r"--untie-embeddings-and-output-weights"):
+        transformer_config(_model("tiny_smoe", GPT3), pp=2)
 
 
 def test_megatron_lm_line_with_latent_variant_is_refused_in_one_line():
