@@ -16,7 +16,6 @@ job) and --tensorboard-dir another.
     python tools/megatron_lm_corpus.py --generate [--mirror DIR] [--check]
     python tools/megatron_lm_corpus.py --resolve [--json]     # every line, no training
     python tools/megatron_lm_corpus.py --train [CASE ...] [--max-ranks 4] [--timeout 900]
-        [--explicit-architecture]
 
 --resolve resolves every line through config_from_args at WORLD_SIZE 8 (the tests' 8 GPUs) and
 prints each line's outcome and the refusal reasons counted (tests/training/
@@ -261,11 +260,6 @@ def main(argv=None) -> int:
     parser.add_argument("--resolve", action="store_true")
     parser.add_argument("--train", nargs="*", metavar="CASE")
     parser.add_argument("--max-ranks", type=int, default=4)
-    parser.add_argument("--explicit-architecture", action="store_true",
-                        help="append --swiglu --normalization RMSNorm --position-embedding-"
-                        "type rope --untie-embeddings-and-output-weights to each line (until "
-                        "issue 36 item 2 builds Megatron-LM's GPT-3 defaults; the only "
-                        "change, said in the table)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -285,9 +279,6 @@ def main(argv=None) -> int:
         print(f"{len(json.loads(text)['cases'])} lines -> {os.path.relpath(ASSET, ROOT)}")
         return 0
     cases = load_cases()
-    if args.explicit_architecture:
-        from gen_megatron_lm_parity import EXPLICIT
-        cases = {name: line + EXPLICIT for name, line in cases.items()}
     if args.resolve or args.train is None:
         return _print_resolve(resolve_all(cases), args.json)
     outcome = resolve_all({n: cases[n] for n in (args.train or cases)})
