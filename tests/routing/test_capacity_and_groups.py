@@ -75,7 +75,7 @@ def _router(topk=2, num_routers=2, seed=0, **overrides):
         multi_view=MultiViewConfig(num_routers=num_routers, num_views=num_routers,
                                    gate_scale=1.5),
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        use_cpu_initialization=True, **overrides)
+        use_cpu_initialization=True, add_bias_linear=False, **overrides)
     torch.manual_seed(seed)
     router = MultiRouter(config)
     with torch.no_grad():

@@ -18,7 +18,7 @@ def _config(num_routers=2, num_views=2, **overrides):
         moe_variant="multi_view" if num_views > 1 else "multi_router", latent_size=4,
         multi_view=MultiViewConfig(num_routers=num_routers, num_views=num_views),
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        use_cpu_initialization=True)
+        use_cpu_initialization=True, add_bias_linear=False)
     base.update(overrides)
     return MVMoETransformerConfig(**base)
 

@@ -11,7 +11,7 @@ def _config(num_views, **kw):
         num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
         moe_variant="multi_view" if num_views > 1 else "latent", latent_size=4,
         multi_view=MultiViewConfig(num_routers=num_views, num_views=num_views, view_init_std=0.5),
-        use_cpu_initialization=True, **kw)
+        use_cpu_initialization=True, add_bias_linear=False, **kw)
 
 
 def test_views_hand_formula_and_gamma_zero_is_baseline():
