@@ -140,17 +140,15 @@ def _ramp_worker(rank, world_size):
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}
     resumed = build_layer(mv_config("multi_view", num_routers=2, ramp_steps=4), pgs)
     resumed.load_state_dict(state)
-    other = build_layer(mv_config("multi_view", num_routers=2, ramp_steps=8), pgs)
-    try:
-        other.load_state_dict(state)
-        refused = None
-    except ValueError as exc:
-        refused = str(exc)
-    return gammas, resumed.gamma(), refused
+    longer = build_layer(mv_config("multi_view", num_routers=2, ramp_steps=8), pgs)
+    longer.load_state_dict(state)
+    return gammas, resumed.gamma(), longer.gamma()
 
 
 def test_gamma_ramp_is_checkpointed_and_resumes():
-    gammas, resumed_gamma, refused = run_distributed(_ramp_worker, 1)[0]
+    """The ramp's step is checkpointed; a resume with another ramp length keeps the step and
+    ramps on at the new length (issue 35: the ramp may change on resume, named in the log)."""
+    gammas, resumed_gamma, longer_gamma = run_distributed(_ramp_worker, 1)[0]
     assert gammas == [0.0, 0.25, 0.5, 0.75]
     assert resumed_gamma == 0.75
-    assert refused is not None and "gamma_ramp_steps" in refused
+    assert longer_gamma == 3 / 8
