@@ -6,7 +6,7 @@
 - The experts receive E(sum_m a_m v_m): the rows entering the experts equal a naive
   per-(token, expert) blend, and the output equals a naive reference of Eq. 5 (and not
   the sum a E(v) alternative).
-- The gamma ramp is checkpointed in the layer's state dict; another ramp length resumes at the saved step.
+- The gamma ramp is checkpointed in the layer's state dict; another length resumes at its step.
 """
 
 import pytest

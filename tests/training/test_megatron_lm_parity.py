@@ -89,7 +89,7 @@ def test_model_arguments_outside_transformer_config(record, ours):
     run, _ = ours
     args = record["model_args"]
     assert args["position_embedding_type"] == "rope"  # the only one here
-    assert args["untie_embeddings_and_output_weights"] is True  # the line gives --untie-embeddings-and-output-weights
+    assert args["untie_embeddings_and_output_weights"] is True  # by the line's own flag
     assert (run.model.rotary_base, run.model.seq_length, run.data.make_vocab_size_divisible_by,
             run.training.micro_batch_size, run.training.global_batch_size,
             run.training.train_iters) == (
