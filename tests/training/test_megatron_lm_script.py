@@ -280,11 +280,15 @@ EXPLICIT_ARCHITECTURE = ["--swiglu", "--normalization", "RMSNorm", "--position-e
                          "rope", "--untie-embeddings-and-output-weights"]
 
 
-def test_gpt3_top2_refuses_only_the_implicit_architecture():
-    line = gpt3_top2_line("CK", "V.json", "M.txt", "DATA", "CACHE")
-    assert _refused_flags(line) == sorted(["--swiglu", "--normalization",
-                                           "--position-embedding-type",
-                                           "--untie-embeddings-and-output-weights"])
+def test_gpt3_top2_line_as_written_builds_the_gpt3_architecture():
+    """The line leaves the architecture to Megatron-LM's defaults; it was refused by name
+    until GeLU / LayerNorm / learned positions / tied embeddings were built (issue 36)."""
+    from megatron_mvmoe.config.flags import config_from_args
+
+    model = config_from_args(gpt3_top2_line("CK", "V.json", "M.txt", "DATA", "CACHE")).model
+    assert (model.swiglu, model.normalization, model.position_embedding_type,
+            model.untie_embeddings_and_output_weights, model.add_bias_linear) == (
+        False, "LayerNorm", "learned_absolute", False, False)  # --disable-bias-linear given
 
 
 def _gpt2_prefix(tmp):
