@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import logging
 import os
 import warnings
 from typing import List
@@ -45,6 +44,7 @@ import torch
 
 from megatron_mvmoe.platform import (expert_bias_fix, group_pool, torch_adam_fixes,
                                      upstream_router_fixes)
+from megatron_mvmoe.platform.cpu_rng_tracker import cpu_rng_tracker, rng_tracker_breaks
 from megatron_mvmoe.platform.patch import Patch, rebind
 
 MEGATRON_VERSION_PATCHED = "0.19.2"
@@ -272,51 +272,6 @@ def _type_names_break() -> bool:
     return False
 
 
-# ------------------------------------------------------------ RNG tracker on CPU
-def _cpu_rng_tracker() -> None:
-    """The CUDA RNG tracker (used by attention/dropout forks) saves, reseeds and restores
-    the CPU generator, so weight init and forks follow the same order as on a GPU.
-
-    Its fork() also warns "CPU RNG state changed within GPU RNG context" when the CPU
-    generator moved inside a fork: on a GPU that catches CPU randomness drawn where CUDA's
-    was meant. Here the fork's stream IS the CPU generator, so every fork that draws
-    (dropout) moves it by construction and the check cannot hold: the warning printed on
-    every layer of every step. This patch makes the streams one, so it drops that one
-    message of that logger (tests/platform/test_cpu_patches.py)."""
-    random = importlib.import_module("megatron.core.tensor_parallel.random")
-    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
-        torch.get_rng_state())
-    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
-        torch.set_rng_state(new_state))
-    logger = logging.getLogger(random.__name__)
-    if not any(isinstance(f, _ForkOnTheCpuGenerator) for f in logger.filters):
-        logger.addFilter(_ForkOnTheCpuGenerator())
-
-
-class _ForkOnTheCpuGenerator(logging.Filter):
-    """Drops fork()'s CPU-RNG-changed warning, which holds by construction on CPU (above)."""
-
-    MESSAGE = "CPU RNG state changed within GPU RNG context"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != self.MESSAGE
-
-
-def _rng_tracker_breaks() -> bool:
-    """Unpatched, setting a state is deferred to a CUDA init that never comes (a silent
-    no-op), so the tracker would never restore the generator after a fork."""
-    random = importlib.import_module("megatron.core.tensor_parallel.random")
-    state = torch.get_rng_state()
-    torch.rand(1)
-    try:
-        random._set_cuda_rng_state(state)
-    except (AssertionError, RuntimeError, AttributeError):
-        return True
-    restored = torch.equal(torch.get_rng_state(), state)
-    torch.set_rng_state(state)
-    return not restored
-
-
 # ------------------------------------------------------------ MoE-specific patches
 def _numpy_split_sizes() -> None:
     """The alltoall dispatcher converts split sizes to numpy only for CUDA tensors;
@@ -479,7 +434,7 @@ PATCHES: List[Patch] = [
     Patch("CUDA RNG tracker",
           "model_parallel_cuda_manual_seed / get_cuda_rng_tracker().fork() read and set "
           "CUDA generator states (dot_product_attention forks it on every forward).",
-          _cpu_rng_tracker, _rng_tracker_breaks),
+          cpu_rng_tracker, rng_tracker_breaks),
     torch_adam_fixes.STATES_MISSING_FROM_CHECKPOINT,
     group_pool.POOLED_GROUPS,
     Patch("fused_indices_to_multihot on CPU",
