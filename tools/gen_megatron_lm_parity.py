@@ -194,15 +194,14 @@ PARSER = ("megatron/training/arguments.py of megatron-core 0.19.2 (= the file at
 
 def build_record(mirror: str) -> dict:
     config_text = _git_show(mirror, CASE_PATH)
-    line = line_from_config(config_text) + EXPLICIT
-    return {"source": f"NVIDIA/Megatron-LM {COMMIT} {CASE_PATH} MODEL_ARGS + {EXPLICIT}",
+    line = line_from_config(config_text)
+    return {"source": f"NVIDIA/Megatron-LM {COMMIT} {CASE_PATH} MODEL_ARGS",
             "parser": PARSER, "world_size": 8, "line": line, **megatron_lm_record(line)}
 
 
 def build_bare_record() -> dict:
-    line = BARE_LINE + EXPLICIT + ["--disable-bias-linear"]
-    return {"source": f"tools/gen_megatron_lm_parity.py BARE_LINE + {EXPLICIT} + "
-                       "['--disable-bias-linear']",
+    line = list(BARE_LINE)
+    return {"source": "tools/gen_megatron_lm_parity.py BARE_LINE",
             "parser": PARSER, "world_size": 8, "line": line, **megatron_lm_record(line)}
 
 

@@ -172,8 +172,6 @@ REASONS = (
     ("bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)", (
         "--recompute-modules",)),
     ("--padded-vocab-size", ("--padded-vocab-size",)),
-    ("CPU: MTP with pipeline parallelism (Megatron-Core syncs its embedding with .cuda())",
-     ("--mtp-num-layers",)),
 )
 
 

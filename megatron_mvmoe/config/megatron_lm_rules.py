@@ -226,31 +226,14 @@ def _parser_defaults(model: Dict[str, Any], raw: Dict[str, Any]) -> List[str]:
 
 def backend_problems(raw: Dict[str, Any]) -> List[str]:
     """Dispatcher/backend choices that would fail inside the model build, refused first:
-    Megatron's flex dispatcher imports DeepEP or HybridEP when the MoE layer is built; MTP
-    with PP needs CUDA."""
+    Megatron's flex dispatcher imports DeepEP or HybridEP when the MoE layer is built."""
     import importlib.util
     extra = (raw.get("model") or {}).get("extra") or {}
-    problems = _mtp_with_pipeline_on_cpu(raw, extra)
     if extra.get("moe_token_dispatcher_type") != "flex":
-        return problems
+        return []
     if any(importlib.util.find_spec(m) for m in ("deep_ep", "hybrid_ep")):
-        return problems
-    return problems + [
+        return []
+    return [
         "--moe-token-dispatcher-type flex: not supported: it needs DeepEP or HybridEP (pip "
         "install deep_ep, on GPUs with NVSHMEM), and neither is installed. Use instead: "
         "--moe-token-dispatcher-type alltoall"]
-
-
-def _mtp_with_pipeline_on_cpu(raw: Dict[str, Any], extra: Dict[str, Any]) -> List[str]:
-    """MTP under pipeline parallelism needs CUDA (models/mtp_spec.py says why); refused with
-    the line's other refusals instead of on every rank after the launch (Megatron-LM's
-    functional test gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed found it)."""
-    from megatron_mvmoe.platform import is_cuda
-
-    pp = (raw.get("parallel") or {}).get("pp") or 1
-    if not extra.get("mtp_num_layers") or pp <= 1 or is_cuda():
-        return []
-    return [f"--mtp-num-layers {extra['mtp_num_layers']}: not supported: with "
-            f"--pipeline-model-parallel-size {pp} on CPU (Megatron-Core 0.19.2 syncs the MTP "
-            "stage's copy of the word embedding with weight.data.cuda(); models/mtp_spec.py). "
-            "Use instead: --pipeline-model-parallel-size 1 with MTP (TP/EP work), or GPUs"]

@@ -33,7 +33,6 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_mvmoe import platform
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
 from megatron_mvmoe.layers.norm import SequenceParallelTorchNorm
 
@@ -72,13 +71,6 @@ def build_mtp_block_spec(config, block: TransformerBlockSubmodules,
     stage), from the stage's finished decoder-block spec `block`."""
     if not config.mtp_num_layers:
         return None
-    if config.pipeline_model_parallel_size > 1 and not platform.is_cuda():
-        raise ValueError(
-            "mtp_num_layers: with pipeline parallelism the MTP stage keeps a copy of the word "
-            "embedding that Megatron-Core 0.19.2 syncs from the first stage with "
-            "weight.data.cuda() (models/common/language_module/language_module.py:306), which "
-            "needs CUDA. Fix: on CPU use --pipeline-model-parallel-size 1 with MTP (TP/EP "
-            "work), or run on GPUs")
     if not block.layer_specs:
         raise ValueError(
             "mtp_num_layers: the last pipeline stage holds no decoder layer to copy into the "

@@ -68,10 +68,12 @@ def _routing(model: ModelSection) -> Dict[str, Any]:
 
 def architecture_fields(model: ModelSection) -> Dict[str, Any]:
     """The TransformerConfig fields of the model's architecture switches, as Megatron-LM's
-    arguments.py sets them: --swiglu is a gated silu, its absence GeLU."""
+    arguments.py sets them: --swiglu is a gated silu, its absence GeLU; biased linears
+    bias the QKV projection too (`add_qkv_bias`, which --add-qkv-bias in `extra` can set alone)."""
     return dict(normalization=model.normalization, gated_linear_unit=model.swiglu,
                 activation_func=torch.nn.functional.silu if model.swiglu
-                else torch.nn.functional.gelu, add_bias_linear=model.add_bias_linear)
+                else torch.nn.functional.gelu, add_bias_linear=model.add_bias_linear,
+                add_qkv_bias=model.add_bias_linear)
 
 
 def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -79,11 +81,6 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
                        on_cpu: bool = True, cp: int = 1) -> MVMoETransformerConfig:
     """The full Megatron config of the model `shape` for one layout, with the fast paths
     the target machine (the CPU, or this process's GPU) takes."""
-    require(model.untie_embeddings_and_output_weights or pp == 1 or not on_cpu,
-            "model.untie_embeddings_and_output_weights",
-            "tied embeddings at PP > 1 need Megatron's copy of the word embedding on the last "
-            "stage, which it moves to CUDA (LanguageModule.setup_embeddings_and_output_layer)",
-            "add --untie-embeddings-and-output-weights, or train tied at PP 1 or on a GPU")
     kwargs: Dict[str, Any] = dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,

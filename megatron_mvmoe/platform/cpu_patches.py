@@ -44,6 +44,7 @@ import torch
 
 from megatron_mvmoe.platform import (expert_bias_fix, group_pool, torch_adam_fixes,
                                      upstream_router_fixes)
+from megatron_mvmoe.platform.cpu_embedding_copy import embedding_copy_breaks, embedding_copy_on_cpu
 from megatron_mvmoe.platform.cpu_rng_tracker import cpu_rng_tracker, rng_tracker_breaks
 from megatron_mvmoe.platform.patch import Patch, rebind
 
@@ -454,6 +455,10 @@ PATCHES: List[Patch] = [
           "rope_utils.get_pos_emb_on_this_cp_rank (RotaryEmbedding at CP > 1) builds its "
           "chunk index with pin_memory=True and .cuda().",
           _cp_rope_slice_on_cpu, _cp_rope_slice_breaks),
+    Patch("last stage's embedding copy",
+          "LanguageModule.setup_embeddings_and_output_layer moves the last stage's copy of "
+          "the word embedding (tied embeddings or MTP at PP > 1) with .cuda().",
+          embedding_copy_on_cpu, embedding_copy_breaks),
 ]
 
 # Upstream fixes of 0.19.2 bugs, applied on every platform (GPU runs included).

@@ -23,12 +23,16 @@ from test_megatron_lm_parity import DIFFERENCES
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORD = os.path.join(ROOT, "tests", "assets", "megatron_lm_parity", "bare_moe_line.json")
 
-# The GPT-3 line's platform differences that a bare line shares (same reasons), and three
-# more: the bare line leaves gradient-accumulation fusion and TE's weight sharding at
-# Megatron-LM's defaults, which the GPT-3 line switches off.
+# The GPT-3 line's platform differences that a bare line shares (same reasons), and four
+# more: the bare line keeps its biases (so Megatron-LM fuses bias-GeLU) and leaves
+# gradient-accumulation fusion and TE's weight sharding at Megatron-LM's defaults, which the
+# GPT-3 line switches off.
 TRANSFORMER_DIFFERENCES = {
+    "bias_activation_fusion": (True, False, "off with GeLU: Megatron-Core's fused bias-GeLU "
+                                            "does not serve experts that scale rows by their "
+                                            "probs (SequentialMLP); models/provider.py"),
     **{name: DIFFERENCES[name] for name in (
-        "apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+        "bias_dropout_fusion",
         "masked_softmax_fusion", "persist_layer_norm", "cp_comm_type", "inference_sampling_seed",
         "use_cpu_initialization", "deallocate_pipeline_outputs")},
     "gradient_accumulation_fusion": (True, False, "needs APEX's or TE's fused weight-gradient "

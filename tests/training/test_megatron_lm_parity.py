@@ -30,8 +30,6 @@ ETP_AS_MEGATRON_LM = ["--expert-tensor-parallel-size", "2"]
 _PLATFORM = "chosen per machine by models/fast_paths.py (the line's fusion flags are noted)"
 # field: (Megatron-LM's value, ours, why)
 DIFFERENCES = {
-    "apply_rope_fusion": (True, False, _PLATFORM),
-    "bias_activation_fusion": (True, False, _PLATFORM),
     "bias_dropout_fusion": (True, False, _PLATFORM),
     "masked_softmax_fusion": (True, False, _PLATFORM),
     "persist_layer_norm": (True, False, "apex-only; Megatron-Core ignores it without apex"),
@@ -88,8 +86,11 @@ def test_transformer_config_equal_field_by_field(record, ours):
 def test_model_arguments_outside_transformer_config(record, ours):
     run, _ = ours
     args = record["model_args"]
-    assert args["position_embedding_type"] == "rope"  # the only one here
-    assert args["untie_embeddings_and_output_weights"] is True  # by the line's own flag
+    # The line as written is GPT-3 (learned positions, tied embeddings at PP 2): built here
+    assert args["position_embedding_type"] == run.model.position_embedding_type == \
+        "learned_absolute"
+    assert args["untie_embeddings_and_output_weights"] is \
+        run.model.untie_embeddings_and_output_weights is False
     assert (run.model.rotary_base, run.model.seq_length, run.data.make_vocab_size_divisible_by,
             run.training.micro_batch_size, run.training.global_batch_size,
             run.training.train_iters) == (
