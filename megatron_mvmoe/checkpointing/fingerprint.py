@@ -22,7 +22,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, List
 
 from megatron_mvmoe.checkpointing.errors import CheckpointError
-from megatron_mvmoe.config.model_section import ARCHITECTURE_FIELDS, ModelSection
+from megatron_mvmoe.config.model_section import (ARCHITECTURE_FIELDS, ModelSection,
+                                                 position_table_rows)
 from megatron_mvmoe.config.transformer_config import MultiHeadConfig
 
 if TYPE_CHECKING:
@@ -51,16 +52,19 @@ and math precision act on training, not on what a weight means. Every other `ext
 compared (it may shape parameters: MLA ranks, QK norm, MTP layers, the MoE layer pattern)."""
 
 STRUCTURAL = SHAPE_FIELDS + ("num_routers", "num_views", "num_heads_mh",
-                             "learned_gate_scale", "bitnet", "multi_head")
+                             "learned_gate_scale", "bitnet", "multi_head", "position_table_rows")
 """Every compared fingerprint key: the shape fields, then the nested sections' structural
 switches in the flat form of the first checkpoints (R, K, H; learned alpha, BitNet and the
-MH-MoE projections recorded only when not the default)."""
+MH-MoE projections recorded only when not the default), and a learned position table's rows
+when --max-position-embeddings makes them other than the sequence length (every learned
+table before it had seq_length rows, RoPE none)."""
 
 NOT_STRUCTURAL = ("preset", "moe_dispatcher", "moe_dispatch_ranks_per_node", "seq_length",
-                  "multi_view")
+                  "max_position_embeddings", "multi_view")
 """ModelSection fields not compared as they are: the recorded preset name, the token
-dispatcher and its node size (they hold no parameters), the sequence length (RoPE is
-computed, not stored) and multi_view (only R, K and learned alpha enter, flat; its gamma
+dispatcher and its node size (they hold no parameters), the sequence length and the
+position-table size (RoPE is computed, not stored; a learned table's rows enter as
+`position_table_rows`) and multi_view (only R, K and learned alpha enter, flat; its gamma
 ramp, gate scale, kernels, init std do not). bitnet's activation bits and input norm are
 not compared either (`bitnet` above records only whether it is on)."""
 
@@ -92,6 +96,8 @@ def model_fingerprint(model: ModelSection) -> Dict:
         fields["bitnet"] = True
     if dataclasses.replace(heads, num_heads=1) != MultiHeadConfig():
         fields["multi_head"] = dataclasses.asdict(heads)
+    if position_table_rows(model) not in (0, model.seq_length):
+        fields["position_table_rows"] = position_table_rows(model)
     return fields
 
 

@@ -95,6 +95,7 @@ FLAGS: List[Flag] = [
     Flag("--num-heads-mh", "model", "multi_head.num_heads", int),
     Flag("--vocab-size", "model", "vocab_size", int),
     Flag("--seq-length", "model", "seq_length", int),
+    Flag("--max-position-embeddings", "model", "max_position_embeddings", int),
     Flag("--rotary-base", "model", "rotary_base", int),
     # --- architecture (Megatron-LM's meaning; a Megatron-LM style line without them gets
     # Megatron-LM's GPT-3 choices: megatron_lm_rules.apply_megatron_lm_defaults)

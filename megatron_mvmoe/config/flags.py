@@ -131,12 +131,6 @@ def _megatron_rules(raw: Dict[str, Any], args: argparse.Namespace) -> None:
         data["path"] = path[0]  # our preprocessed directory, not a Megatron prefix
     if args.tensorboard_dir:
         raw.setdefault("logging", {})["tensorboard"] = True
-    max_positions = args.compat_max_position_embeddings
-    seq_length = model.get("seq_length", preset.get("seq_length"))
-    if max_positions is not None and seq_length is not None and int(max_positions) < \
-            seq_length:
-        raise ValueError(f"--max-position-embeddings {max_positions}: below --seq-length "
-                         f"{seq_length}. Fix: raise it or lower --seq-length")
 
 
 def _table_given(args: argparse.Namespace):

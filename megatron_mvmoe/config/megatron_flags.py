@@ -69,9 +69,6 @@ ACCEPTED: Dict[str, Accepted] = {
                                     any_value=True),
     "--num-workers": Accepted("samples are read in the training process", any_value=True),
     "--timing-log-level": Accepted("no timers beyond the progress line", any_value=True),
-    "--max-position-embeddings": Accepted(
-        "checked to be >= --seq-length; a learned position table has --seq-length rows "
-        "here (the positions a step uses; Megatron-LM allocates this many)", any_value=True),
 }
 
 UNSUPPORTED: Dict[str, Tuple[str, str]] = {

@@ -6,7 +6,7 @@ Design choices:
 - Parameter counts are analytic, per module, mirroring what models/provider.py builds
   (Megatron's local spec) for the model's architecture fields: RMSNorm (weight) or
   LayerNorm (weight and bias), SwiGLU fc1 of 2F rows or GeLU of F, biases or none, untied
-  LM head or the embedding reused, RoPE or a learned table of seq_length positions); an MoE
+  LM head or the embedding reused, RoPE or a learned table of max_position_embeddings positions); an MoE
   layer's count is its variant record's
   (config/variants.py, `Variant.layer_params`). tests/training/test_plan.py checks them
   against the built tiny models exactly.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ModelSection, position_table_rows
 from megatron_mvmoe.config.variants import GELU_MATRICES, SWIGLU_MATRICES, MoEDims
 from megatron_mvmoe.errors import require
 
@@ -140,7 +140,7 @@ def mtp_params(m: ModelSection) -> Dict[str, int]:
 def parameter_counts(m: ModelSection) -> Dict[str, int]:
     """Every parameter the provider builds, MTP layers included ("mtp": their share)."""
     D, V = m.hidden_size, m.vocab_size
-    positions = m.seq_length * D if m.position_embedding_type == "learned_absolute" else 0
+    positions = position_table_rows(m) * D
     embedding, final_norm = V * D + positions, norm_params(m, D)
     head = V * D if m.untie_embeddings_and_output_weights else 0
     attention = attention_params(m) * m.num_layers

@@ -70,6 +70,9 @@ class ModelSection:
     """Padded vocabulary size (None = the tokenizer's, padded: Megatron-LM's rule)."""
     seq_length: Optional[int] = None
     """Sequence length in tokens."""
+    max_position_embeddings: Optional[int] = None
+    """Rows of the learned position table (Megatron-LM's --max-position-embeddings, which it
+    requires; None = seq_length). At least seq_length; inert with RoPE."""
     rotary_base: int = 10000
     """RoPE base (Megatron's --rotary-base)."""
     swiglu: bool = True
@@ -78,8 +81,9 @@ class ModelSection:
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     """Every norm of the model (Megatron-LM's --normalization; LayerNorm has a bias)."""
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
-    """RoPE, or a learned table of seq_length positions added to the token embedding
-    (Megatron-LM's --position-embedding-type; learned_absolute is its default, GPT-3)."""
+    """RoPE, or a learned table of max_position_embeddings positions added to the token
+    embedding (Megatron-LM's --position-embedding-type; learned_absolute is its default,
+    GPT-3)."""
     untie_embeddings_and_output_weights: bool = True
     """Separate LM head; False = the output layer reuses the word embedding (Megatron-LM's
     --untie-embeddings-and-output-weights; tied is its default, GPT-3)."""
@@ -119,12 +123,25 @@ class ModelSection:
         require(not missing, "model", f"{missing} not set",
                 f"set model.preset (one of {preset_names()}) or give these fields in the "
                 "YAML/flags")
+        require(self.max_position_embeddings is None or self.seq_length is None
+                or self.max_position_embeddings >= self.seq_length,
+                "model.max_position_embeddings",
+                f"{self.max_position_embeddings} is below seq_length {self.seq_length}",
+                "raise --max-position-embeddings or lower --seq-length")
         try:
             self.variant  # noqa: B018  (unknown variant -> ValueError naming moe_variant)
             self.multi_view.validate(self.num_experts)
             self.bitnet.validate()
         except ValueError as err:
             raise ValueError(run_field_names(str(err))) from None
+
+
+def position_table_rows(model: ModelSection) -> int:
+    """Rows of the learned position table (0 with RoPE): Megatron-LM's
+    --max-position-embeddings, else the sequence length."""
+    if model.position_embedding_type != "learned_absolute":
+        return 0
+    return model.max_position_embeddings or model.seq_length
 
 
 ARCHITECTURE_FIELDS = ("swiglu", "normalization", "position_embedding_type",

@@ -135,7 +135,8 @@ def build_gpt_chunk(config: MVMoETransformerConfig, model: ModelSection, pg_coll
     tied = not model.untie_embeddings_and_output_weights
     return GPTModel(config=config, transformer_layer_spec=block,
                     mtp_block_spec=build_mtp_block_spec(config, block, vp_stage),
-                    vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
+                    vocab_size=model.vocab_size,
+                    max_sequence_length=model.max_position_embeddings or model.seq_length,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=tied,
                     position_embedding_type=model.position_embedding_type,

@@ -170,29 +170,38 @@ def attention_score_elements(m: ModelSection, t: int, b: int, tp: int, flash: bo
 
 def moe_elements(m: ModelSection, t: int, tp: int, grouped: bool = False) -> float:
     """Saved per layer and microbatch by the MLP half: the pre-MLP RMSNorm (3 tD), a dense
-    MLP's fc1 output and activation, or an MoE layer's `moe_layer_elements` (MH-MoE: plus
-    its shared expert, which runs outside the inner MoELayer)."""
+    MLP's fc1 output and activation (`mlp_elements`), or an MoE layer's `moe_layer_elements`
+    (MH-MoE: plus its shared expert, which runs outside the inner MoELayer)."""
     D = m.hidden_size
     base = 3 * t * D
     if not m.is_moe:
-        return base + 3 * t * m.ffn_hidden_size / tp
+        return base + t * mlp_elements(m, m.ffn_hidden_size) / tp
     outside = _shared_expert_elements(m, t, tp) if m.variant.multi_head else 0
     return base + outside + moe_layer_elements(m, t, tp, grouped)
 
 
+def mlp_elements(m: ModelSection, F: int, grouped: bool = False) -> float:
+    """Saved per row by an MLP (an expert) of width F: fc1's output, which the activation
+    keeps (2F with SwiGLU, F with GeLU), and the activation, fc2's input (F). The grouped CPU
+    experts also keep the activation before its probability scaling (F) and, with SwiGLU,
+    SiLU's output (F). Biases add none: the bias add saves nothing for the backward."""
+    fc1 = (2 if m.swiglu else 1) * F
+    kept_by_grouped = fc1 if grouped else 0
+    return fc1 + F + kept_by_grouped
+
+
 def _shared_expert_elements(m: ModelSection, t: int, tp: int) -> float:
-    return 3 * t * (m.moe_shared_expert_intermediate_size or 0) / tp
+    return t * mlp_elements(m, m.moe_shared_expert_intermediate_size or 0) / tp
 
 
 def moe_layer_elements(m: ModelSection, t: int, tp: int, grouped: bool = False) -> float:
     """Saved inside MoELayer.forward (what `moe` recompute drops): the router (logits,
-    scores, probabilities: 3 tE per router and MH-MoE sub-token), the shared expert's fc1 output and activation
-    (3 t Fs; not MH-MoE's), the down-projected latent (tL), the Multi-View views (t R L) and
-    blends (t k L), and per routed slot (t k): the expert input after dispatch, fc1 output
-    (2F), activation (F) and the combined output scaled by its probability. `grouped`: the
-    grouped CPU experts (layers/grouped_experts.py) also keep SiLU's output and the
-    probability-scaled activation, 2F more per slot (counted at autograd's saved-tensor
-    hook, tests/layers/test_moe_recompute.py)."""
+    scores, probabilities: 3 tE per router and MH-MoE sub-token), the shared expert's
+    `mlp_elements` (not MH-MoE's), the down-projected latent (tL), the Multi-View views
+    (t R L) and blends (t k L), and per routed slot (t k): the expert input after dispatch,
+    the expert's `mlp_elements` and the combined output scaled by its probability.
+    `grouped`: the grouped CPU experts (layers/grouped_experts.py) keep more (counted at
+    autograd's saved-tensor hook, tests/layers/test_moe_recompute.py)."""
     if not m.is_moe:
         return 0.0
     D = m.hidden_size
@@ -205,7 +214,7 @@ def moe_layer_elements(m: ModelSection, t: int, tp: int, grouped: bool = False) 
     if m.variant.multi_view:
         views = t * m.multi_view.num_views * width + t * k * width
     slots = t * k * heads
-    per_slot = 2 * width + (5 if grouped else 3) * F
+    per_slot = 2 * width + mlp_elements(m, F, grouped)
     return 3 * t * heads * E * routers + shared + latent + views + slots * per_slot
 
 
@@ -241,15 +250,16 @@ def microbatches_in_flight(target: PlanTarget, stage: int) -> int:
 
 
 def stacked_expert_elements(m: ModelSection, target: PlanTarget) -> Dict[str, int]:
-    """Elements of one layer's stacked local expert weights (fc1 [E, 2F, I], fc2 [E, I, F])
-    on the grouped CPU path."""
+    """Elements of one layer's stacked local expert weights (fc1 [E, G, I] with G = 2F for
+    SwiGLU, F for GeLU; fc2 [E, I, F]) on the grouped CPU path."""
     if not m.is_moe:
         return {"fc1": 0, "fc2": 0}
     lay = target.layout
     _, width = _routed_rows_and_width(m)
     local = m.num_experts // lay.ep
     F = m.moe_ffn_hidden_size // lay.etp
-    return {"fc1": local * 2 * F * width, "fc2": local * width * F}
+    fc1_rows = (2 if m.swiglu else 1) * F
+    return {"fc1": local * fc1_rows * width, "fc2": local * width * F}
 
 
 def grouped_experts_on(m: ModelSection, precision: str, bitnet: bool = False) -> bool:

@@ -91,9 +91,10 @@ def _saved_worker(rank, world_size, variant, recompute):
     from megatron_mvmoe.testing.saved_activations import SavedActivations
 
     pgs = initialize_layout(ParallelLayout())
+    variant, architecture = (variant, {}) if variant != "smoe_gpt3" else ("smoe", GPT3)
     latent = variant in ("latent", "multi_router", "multi_view")
     section = model_section_from_dict(dict(
-        moe_variant=variant, num_layers=2, hidden_size=64, num_attention_heads=4,
+        **architecture, moe_variant=variant, num_layers=2, hidden_size=64, num_attention_heads=4,
         ffn_hidden_size=128, num_experts=8, moe_ffn_hidden_size=128, moe_router_topk=4,
         latent_size=32 if latent else None, vocab_size=VOCAB, seq_length=SAVED_SEQ,
         multi_view=dict(num_routers=2, num_views=2 if variant == "multi_view" else 1),
@@ -112,15 +113,19 @@ def _saved_worker(rank, world_size, variant, recompute):
 
 
 SAVED_SEQ = 64
+GPT3 = dict(swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute",
+            untie_embeddings_and_output_weights=False)
+"""GeLU experts and shared expert (fc1 of F rows), LayerNorm, learned positions, tied."""
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + ("smoe_gpt3",))
 def test_recompute_drops_what_the_planner_says(variant):
     """Bytes saved for the backward per microbatch (counted at autograd's saved-tensor hook):
     recompute removes the planner's `moe_layer_elements` (plus the stacked expert copies of
     the grouped CPU path) of both MoE layers, within the planner's activations target
     (planning.validate.TARGET_PERCENT, 15 %; smoe / latent / Multi-Router / Multi-View are within
-    10 %, MH-MoE's sub-token bookkeeping leaves it about 12 % under)."""
+    10 %, MH-MoE's sub-token bookkeeping leaves it about 12 % under). smoe_gpt3: GeLU experts
+    keep less than SwiGLU ones (fc1 of F rows)."""
     from megatron_mvmoe.planning.validate import TARGET_PERCENT
 
     off = run_distributed(_saved_worker, 1, args=(variant, "off"))[0]

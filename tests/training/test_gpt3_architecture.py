@@ -141,6 +141,8 @@ COUNTED = {
     "latent": ("tiny_latent", GPT3),
     "multi_view": ("tiny_multi_view", GPT3),
     "mh_moe": ("tiny_mh_moe", GPT3),
+    "a learned table of --max-position-embeddings rows": (
+        "tiny_smoe", dict(GPT3, max_position_embeddings=96)),
     "MLA with LayerNorm": ("tiny_smoe", dict(GPT3, extra={
         "multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 16,
         "qk_head_dim": 8, "qk_pos_emb_head_dim": 8, "v_head_dim": 8, "qk_layernorm": True})),
@@ -253,6 +255,26 @@ def test_resume_refuses_another_architecture_and_reads_older_checkpoints():
     before_issue_36 = {k: v for k, v in model_fingerprint(ours).items()
                        if k not in ARCHITECTURE_FIELDS}
     check_fingerprint(before_issue_36, model_fingerprint(ours), "ckpt")  # ours, as always
+
+
+def test_a_learned_table_of_other_rows_is_another_model_a_rope_one_is_not():
+    """--max-position-embeddings sizes a learned table (Megatron-LM's GPTModel gets it as
+    max_sequence_length): a checkpoint with other rows is refused by name; one with the
+    sequence length's rows (every learned table before the flag was mapped) or RoPE loads."""
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
+    from megatron_mvmoe.checkpointing.fingerprint import check_fingerprint, model_fingerprint
+
+    def fingerprint(**fields):
+        return model_fingerprint(_model("tiny_smoe", fields))
+
+    seq = _model("tiny_smoe", {}).seq_length
+    with pytest.raises(CheckpointError, match=r"position_table_rows: checkpoint None vs this "
+                                              r"run 96"):
+        check_fingerprint(fingerprint(**GPT3), fingerprint(**GPT3, max_position_embeddings=96),
+                          "ckpt")
+    check_fingerprint(fingerprint(**GPT3), fingerprint(**GPT3, max_position_embeddings=seq),
+                      "ckpt")
+    check_fingerprint(fingerprint(), fingerprint(max_position_embeddings=4 * seq), "ckpt")
 
 
 def test_trainer_saves_and_resumes_a_gpt3_model_exactly(tmp_path, text_tokens):

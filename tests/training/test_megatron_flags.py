@@ -51,7 +51,8 @@ def test_megatron_switches_and_transformer_fields_map():
      "not supported.*--virtual-pipeline-model-parallel-size"),
     (["--position-embedding-type", "mrope"],
      "model.position_embedding_type: unknown 'mrope'.*rope, learned_absolute"),
-    (["--max-position-embeddings", "16"], "below --seq-length 32"),
+    (["--max-position-embeddings", "16"],
+     r"^model.max_position_embeddings: 16 is below seq_length 32.*--max-position-embeddings"),
     (["--lr-decay-styl", "cosine"], "unknown flag.*did you mean --lr-decay-style"),
     (["--lr-decay", "cosine"], "unknown flag"),  # no prefix matching onto --lr-decay-iters
 ])

@@ -96,7 +96,7 @@ def test_model_arguments_outside_transformer_config(record, ours):
             run.training.train_iters) == (
         args["rotary_base"], args["seq_length"], args["make_vocab_size_divisible_by"],
         args["micro_batch_size"], args["global_batch_size"], args["train_iters"])
-    assert int(args["max_position_embeddings"]) >= run.model.seq_length
+    assert args["max_position_embeddings"] == run.model.max_position_embeddings
 
 
 def test_schedule_equal_in_samples(record, ours):

