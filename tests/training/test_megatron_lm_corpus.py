@@ -82,3 +82,17 @@ def test_corpus_is_megatron_lms_files_with_only_the_size_rule():
         pytest.skip(f"the Megatron-LM mirror is not on this machine ({MIRROR})")
     fresh = corpus.generate(MIRROR)
     assert fresh["cases"] == corpus.load_cases() and len(fresh["cases"]) == 63
+
+
+TRAINED_IN_CI = ("gpt3_mcore_te_tp1_pp2_resume_torch_dist_reshard_2x1x4_te_8experts2parallel_"
+                 "dist_optimizer_1node")
+"""The corpus line trained in the suite (docs/megatron_lm.md): GPT-3 as written (GeLU,
+LayerNorm, learned positions, tied embeddings at PP 2), PP 2 x EP 2, the distributed
+optimizer, 4 ranks. (test_megatron_lm_script.py trains the top-2 GPT-3 line at EP 2 with its
+GPT-2 data; `tools/megatron_lm_corpus.py --train` trains every resolving line.)"""
+
+
+def test_a_representative_line_trains_two_steps_as_written():
+    result = corpus.train_one(TRAINED_IN_CI, corpus.load_cases()[TRAINED_IN_CI], 4, 600)
+    assert result["rc"] == 0 and result["last_loss"] is not None, result
+    assert abs(float(result["last_loss"]) - 6.24) < 1.0, result  # near ln 512: a fresh model
