@@ -154,7 +154,6 @@ REASONS = (
     ("FP8 / TransformerEngine", ("fp8", "FP8", "TransformerEngine", "--te-", "--fp4",
                                  "--use-transformer-engine-op-fuser")),
     ("DeepEP / HybridEP", ("DeepEP", "flex")),
-    ("CPU/gloo: ETP = TP (uneven expert all_gather)", ("--expert-tensor-parallel-size not",)),
     ("CUDA graphs / GPU streams / offloading", (
         "cuda-graph", "cuda graph", "CUDA", "offload", "--delay-wgrad-compute",
         "--overlap-moe-expert")),

@@ -200,10 +200,8 @@ def apply_megatron_lm_defaults(raw: Dict[str, Any], args: argparse.Namespace) ->
 def _parser_defaults(model: Dict[str, Any], raw: Dict[str, Any]) -> List[str]:
     """Megatron-LM's parser defaults for absent flags (see _PARSER_DEFAULTS), its
     dispatcher default for its own MoE (our latent variants need alltoall), and its
-    expert-tensor-parallel default (= --tensor-model-parallel-size), which gloo cannot run
-    (its all_gather of uneven token counts): refused on CPU, naming the flag."""
+    expert-tensor-parallel default (= --tensor-model-parallel-size)."""
     from megatron_mvmoe.config.megatron_lm_table import table
-    from megatron_mvmoe.platform import is_cuda
 
     extra = model.setdefault("extra", {})
     for flag, name in _PARSER_DEFAULTS:
@@ -213,14 +211,8 @@ def _parser_defaults(model: Dict[str, Any], raw: Dict[str, Any]) -> List[str]:
                          table()["--moe-token-dispatcher-type"].default)
     parallel = _section(raw, "parallel")
     tp = parallel.get("tp") or 1
-    if parallel.get("etp") is not None or tp == 1 or not model.get("num_experts"):
-        return []
-    if not is_cuda():
-        return [f"--expert-tensor-parallel-size not given: Megatron-LM then uses "
-                f"--tensor-model-parallel-size ({tp}): not supported on CPU/gloo (its "
-                "all_gather of uneven expert token counts). Use instead: add "
-                "--expert-tensor-parallel-size 1"]
-    parallel["etp"] = tp
+    if parallel.get("etp") is None and tp > 1 and model.get("num_experts"):
+        parallel["etp"] = tp  # gloo's uneven all-gather: platform/cpu_uneven_gather.py
     return []
 
 

@@ -46,6 +46,7 @@ from megatron_mvmoe.platform import (expert_bias_fix, group_pool, torch_adam_fix
                                      upstream_router_fixes)
 from megatron_mvmoe.platform.cpu_embedding_copy import embedding_copy_breaks, embedding_copy_on_cpu
 from megatron_mvmoe.platform.cpu_rng_tracker import cpu_rng_tracker, rng_tracker_breaks
+from megatron_mvmoe.platform.cpu_uneven_gather import uneven_gather_breaks, uneven_gather_on_gloo
 from megatron_mvmoe.platform.patch import Patch, rebind
 
 MEGATRON_VERSION_PATCHED = "0.19.2"
@@ -459,6 +460,10 @@ PATCHES: List[Patch] = [
           "LanguageModule.setup_embeddings_and_output_layer moves the last stage's copy of "
           "the word embedding (tied embeddings or MTP at PP > 1) with .cuda().",
           embedding_copy_on_cpu, embedding_copy_breaks),
+    Patch("uneven all-gather on gloo",
+          "_gather_along_first_dim all-gathers unequal token counts (the alltoall "
+          "dispatcher at ETP > 1 with EP) as a list, which gloo refuses.",
+          uneven_gather_on_gloo, uneven_gather_breaks),
 ]
 
 # Upstream fixes of 0.19.2 bugs, applied on every platform (GPU runs included).

@@ -13,19 +13,32 @@ import megatron_lm_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-RESOLVING = {  # docs/megatron_lm.md: 5 once refused only for the GPT-3 architecture, 1 for MTP
+RESOLVING = {  # docs/megatron_lm.md: the 20 lines that resolve as written
     "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic",
-    "gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed",
     "gpt3_mcore_te_tp1_pp2_resume_torch_dist_reshard_2x1x4_te_8experts2parallel_dist_optimizer_1node",
+    "gpt3_mcore_te_tp2_pp1_frozen_resume_torch_dist_te_8experts2parallel_dist_optimizer",
+    "gpt3_mcore_te_tp2_pp1_frozen_resume_torch_dist_te_8experts2parallel_groupedGEMM",
+    "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer_1node",
+    "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_groupedGEMM",
+    "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_top2router",
+    "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_ddp_average_in_collective",
+    "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_ddp_average_in_collective_1node",
+    "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_dist_optimizer",
+    "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_overlap_grad_reduce_param_gather_groupedGEMM",
+    "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_overlap_grad_reduce_param_gather_groupedGEMM_1node",
+    "gpt3_mcore_te_tp2_pp1_te_8experts2parallel_top2router",
     "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4",
+    "gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed",
+    "gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel",
     "gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel",
+    "gpt3_mcore_tp2_pp2_ep2_resume_torch_dist_te_4experts2parallel",
+    "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel",
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node"}
 # reason: refused lines that name it (docs/megatron_lm.md, "The functional-test corpus")
 REASON_COUNTS = {
     # GPT-OSS's clamped quick-GeGLU (--quick-geglu, --glu-linear-offset, ...); GeLU,
     # LayerNorm, learned positions and tied embeddings are built (test_gpt3_architecture.py)
     "GPT-3 architecture (item 2: GeLU / LayerNorm / learned positions / tied)": 1,
-    "CPU/gloo: ETP = TP (uneven expert all_gather)": 20,
     "inference / RL test, not pretraining": 13,
     "CUDA graphs / GPU streams / offloading": 9,
     "checkpoint integrity / async strategy / fault tolerance": 8,

@@ -24,8 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RECORD = os.path.join(ROOT, "tests", "assets", "megatron_lm_parity",
                       "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel.json")
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-# gloo cannot run ETP = TP (megatron_lm_rules): the line names Megatron-LM's own default.
-ETP_AS_MEGATRON_LM = ["--expert-tensor-parallel-size", "2"]
 
 _PLATFORM = "chosen per machine by models/fast_paths.py (the line's fusion flags are noted)"
 # field: (Megatron-LM's value, ours, why)
@@ -60,7 +58,7 @@ def ours(record):
     from megatron_mvmoe.models.build import use_bf16
     from megatron_mvmoe.models.provider import transformer_config
 
-    run = config_from_args(record["line"] + ETP_AS_MEGATRON_LM)
+    run = config_from_args(record["line"])
     p = run.parallel
     config = transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
                                 use_bf16=use_bf16(run), on_cpu=False)
@@ -116,16 +114,14 @@ def test_schedule_equal_in_samples(record, ours):
     assert theirs["start_wd"] == theirs["end_wd"]
 
 
-def test_etp_default_is_refused_by_name_on_gloo(record):
-    from megatron_mvmoe import platform
+def test_etp_default_is_megatron_lms_on_every_platform(record):
+    """Without --expert-tensor-parallel-size Megatron-LM uses the TP size; on gloo it was
+    refused until platform/cpu_uneven_gather.py (tests/platform/test_cpu_uneven_gather.py)."""
     from megatron_mvmoe.config.flags import config_from_args
 
-    if platform.is_cuda():
-        pytest.skip("ETP = TP runs on NCCL")
-    with pytest.raises(ValueError, match=r"^--expert-tensor-parallel-size not given: "
-                                         r"Megatron-LM then uses --tensor-model-parallel-size "
-                                         r"\(2\).*add --expert-tensor-parallel-size 1$"):
-        config_from_args(record["line"])
+    run = config_from_args(record["line"])
+    assert run.parallel.etp == run.parallel.tp == \
+        record["transformer_config"]["expert_tensor_parallel_size"] == 2
 
 
 @pytest.mark.skipif(not os.path.isdir(MIRROR), reason="no Megatron-LM mirror on this machine")
