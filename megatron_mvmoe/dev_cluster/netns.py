@@ -249,7 +249,10 @@ def slurm_conf(c: Layout, state_dir: Path, res: Dict[str, str]) -> str:
         f"SlurmctldPort={c.ctld_port}", f"SlurmdPort={c.slurmd_port}",
         "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", "CredType=cred/munge",
-        f"AuthInfo=socket={p['munge'] / 'munge.socket'}",
+        # cred_expire: a requeued job may start again this long + 1 s after the requeue
+        # (Slurm's default 120 s made the USR1 requeue test wait 2 minutes); also the step
+        # launch credential's lifetime, ample for a launch on one machine.
+        f"AuthInfo=socket={p['munge'] / 'munge.socket'},cred_expire=10",
         f"StateSaveLocation={p['ctld']}", f"SlurmdSpoolDir={p['spool']}/%n",
         f"SlurmctldPidFile={state_dir / 'slurmctld.pid'}",
         f"SlurmdPidFile={state_dir / 'slurmd.%n.pid'}",
@@ -260,6 +263,9 @@ def slurm_conf(c: Layout, state_dir: Path, res: Dict[str, str]) -> str:
         "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
         "JobCompType=jobcomp/none", "MpiDefault=none", "SwitchType=switch/none",
         "ReturnToService=2", "SchedulerType=sched/backfill", "MailProg=/bin/true",
+        # the main scheduling loop every 2 s (default 60): a requeued job starts once
+        # cred_expire has passed, not at the next backfill pass up to 30 s later
+        "SchedulerParameters=sched_interval=2",
         "SlurmdTimeout=30", "KillWait=10", "MessageTimeout=10",
         *nodes,
         f"PartitionName={c.partition} Nodes={','.join(c.names)} Default=YES "
