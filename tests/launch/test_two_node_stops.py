@@ -54,7 +54,9 @@ def test_second_job_on_the_same_save_is_refused_naming_the_holder(cluster, confi
     cluster has only these two nodes), as a copy-pasted sbatch line would be elsewhere."""
     save, shared = tmp_path / "ck", ("--oversubscribe",)
     first_log, second_log = tmp_path / "first.out", tmp_path / "second.out"
-    first = _submit(cluster, "torchrun", config, save, first_log, "--train-iters", "400",
+    # the holder trains until cancelled: 400 steps once ended (at load 20) before the
+    # second job's ranks had started, which then found the lock free
+    first = _submit(cluster, "torchrun", config, save, first_log, "--train-iters", "100000",
                     sbatch_opts=shared)
     try:
         _wait(cluster, first, lambda s: re.search(r"step +2/", _log(first_log)), 240,
