@@ -32,6 +32,13 @@ def multi_view(data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_moe(data, tmp_path_factory):
+    """smoe with QK norm (exports as Qwen3-MoE): trained once for every test of a stock class."""
+    root = str(tmp_path_factory.mktemp("qwen3_moe") / "ck")
+    return train_checkpoint(root, data, "tiny_smoe", ["--qk-layernorm"])
+
+
+@pytest.fixture(scope="module")
 def exported(multi_view, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("exported") / "hf")
     _ok("export_hf", "--load", multi_view, "--out", out)
@@ -69,12 +76,13 @@ def _assert_bit_identical(a, b):
     assert different == [], different
 
 
-@pytest.mark.parametrize("flags,hf_class", [
-    ([], "MVMoEForCausalLM"), (SIGMOID_SHARED, "Glm4MoeForCausalLM"),
-    (["--qk-layernorm"], "Qwen3MoeForCausalLM")], ids=["mvmoe", "glm4_moe", "qwen3_moe"])
-def test_export_import_is_bit_identical(data, multi_view, tmp_path, flags, hf_class):
-    root = multi_view if not flags else train_checkpoint(str(tmp_path / "ck"), data,
-                                                         "tiny_smoe", flags)
+@pytest.mark.parametrize("trained,hf_class", [
+    ("multi_view", "MVMoEForCausalLM"), (SIGMOID_SHARED, "Glm4MoeForCausalLM"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM")], ids=["mvmoe", "glm4_moe", "qwen3_moe"])
+def test_export_import_is_bit_identical(request, data, tmp_path, trained, hf_class):
+    """`trained`: a module fixture's checkpoint, or the flags of a tiny_smoe trained here."""
+    root = (request.getfixturevalue(trained) if isinstance(trained, str) else
+            train_checkpoint(str(tmp_path / "ck"), data, "tiny_smoe", trained))
     out, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
     exported = _ok("export_hf", "--load", root, "--out", out, "--max-shard-size", "500KB")
     assert exported["hf_class"] == hf_class
@@ -187,9 +195,9 @@ def test_layout_that_cannot_be_gathered_is_refused(multi_view, tmp_path):
     assert not os.path.exists(tmp_path / "hf")
 
 
-def test_hf_config_that_does_not_match_is_refused(multi_view, tmp_path):
+def test_hf_config_that_does_not_match_is_refused(exported, tmp_path):
     out = str(tmp_path / "hf")
-    _ok("export_hf", "--load", multi_view, "--out", out)
+    shutil.copytree(exported, out)
     config = json.load(open(os.path.join(out, "config.json")))
     config["megatron_mvmoe"]["latent_size"] = 16  # the weights are 32 wide
     json.dump(config, open(os.path.join(out, "config.json"), "w"))
@@ -203,10 +211,10 @@ def test_hf_config_that_does_not_match_is_refused(multi_view, tmp_path):
     assert "config.json: hidden_size" in line, line
 
 
-def test_stock_config_field_we_do_not_express_is_refused(data, tmp_path):
-    root = train_checkpoint(str(tmp_path / "ck"), data, "tiny_smoe")
+def test_stock_config_field_we_do_not_express_is_refused(qwen3_moe, tmp_path):
     out = str(tmp_path / "hf")
-    _ok("export_hf", "--load", root, "--out", out)
+    assert _ok("export_hf", "--load", qwen3_moe, "--out", out)["hf_class"] == (
+        "Qwen3MoeForCausalLM")
     config = json.load(open(os.path.join(out, "config.json")))
     config["tie_word_embeddings"] = True
     json.dump(config, open(os.path.join(out, "config.json"), "w"))
