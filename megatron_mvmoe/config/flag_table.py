@@ -130,6 +130,8 @@ FLAGS: List[Flag] = [
          "MLA YaRN mscale_all_dim (default 0.0)"),
     Flag("--qk-layernorm", "model", "extra.qk_layernorm", None,
          "norm the queries and keys (MLA: its q/kv latents) in every layer", const=True),
+    Flag("--attention-backend", "model", "attention_backend", str,
+         "Megatron-LM's choices (flash, fused, unfused, local, auto) plus sdpa"),
     # --- Megatron TransformerConfig fields, passed through (Megatron's names and meaning)
     Flag("--moe-router-load-balancing-type", "model", "extra.moe_router_load_balancing_type",
          str, "aux_loss|seq_aux_loss|global_aux_loss|sinkhorn|none (default: aux_loss for "

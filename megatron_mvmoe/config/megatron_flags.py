@@ -56,8 +56,8 @@ ACCEPTED: Dict[str, Accepted] = {
                                                     "always logged"),
     "--log-memory-to-tensorboard": Accepted("peak memory is always logged"),
     "--use-flash-attn": Accepted("the platform picks it (models/fast_paths.py): TE "
-                                 "attention on a GPU with TransformerEngine, local "
-                                 "DotProductAttention elsewhere"),
+                                 "attention on a GPU with TransformerEngine, torch SDPA "
+                                 "elsewhere (--attention-backend)"),
     "--transformer-impl": Accepted("the platform picks the spec (models/fast_paths.py): "
                                    "TE on a GPU with TransformerEngine, local elsewhere",
                                    ("local", "transformer_engine")),
@@ -65,8 +65,6 @@ ACCEPTED: Dict[str, Accepted] = {
                               ("torch_dist",)),
     "--distributed-backend": Accepted("the platform picks NCCL on GPU, gloo on CPU",
                                       ("nccl", "gloo")),
-    "--attention-backend": Accepted("attention is Megatron-Core's local implementation",
-                                    any_value=True),
     "--num-workers": Accepted("samples are read in the training process", any_value=True),
     "--timing-log-level": Accepted("no timers beyond the progress line", any_value=True),
 }

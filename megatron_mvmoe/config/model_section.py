@@ -31,6 +31,21 @@ from megatron_mvmoe.config.typed_config import dataclass_from_dict, deep_merge
 from megatron_mvmoe.config.variants import VARIANT_NAMES, Variant, get_variant
 from megatron_mvmoe.errors import require
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "fused", "unfused", "local")
+"""model.attention_backend values: Megatron-LM's --attention-backend choices and sdpa."""
+
+
+def sdpa_blocker(megatron_fields: Mapping[str, Any]) -> str:
+    """Why SDPA cannot serve a model whose Megatron config sets `megatron_fields` (a run's
+    `model.extra`, or a TransformerConfig's fields); "" when it can."""
+    if megatron_fields.get("window_size") is not None:
+        return (f"window_size={megatron_fields['window_size']}: a sliding window is "
+                "Megatron's masked softmax only")
+    softmax_type = megatron_fields.get("softmax_type", "vanilla")
+    if softmax_type != "vanilla":
+        return f"softmax_type={softmax_type!r}: a softmax offset is not in SDPA"
+    return ""
+
 
 @dataclass
 class ModelSection:
@@ -92,6 +107,14 @@ class ModelSection:
     --disable-bias-linear gives False). Refused with the variants whose own projections are
     defined without biases (latent, multi_router, multi_view, mh_moe), BitNet and a shared
     expert (MVMoETransformerConfig.validate_mvmoe)."""
+    attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
+    """Core attention (Megatron-LM's --attention-backend, plus sdpa). Without
+    TransformerEngine: auto, sdpa, flash and fused run torch's scaled_dot_product_attention
+    (layers/sdpa_attention.py; PyTorch's flash / memory-efficient kernels on a GPU), unfused
+    and local Megatron's DotProductAttention; what SDPA cannot serve (a sliding window, a
+    softmax offset) falls back under auto/flash/fused and is refused under sdpa. With TE,
+    TE's attention with Megatron-LM's meaning (sdpa refused). Not structural: the weights
+    are the same, so a resume may switch it (tests/layers/test_sdpa_attention.py)."""
     multi_view: MultiViewConfig = field(default_factory=MultiViewConfig)
     """Multi-Router / Multi-View: R heads, K views, gamma ramp, gates, kernels (seed 000)."""
     multi_head: MultiHeadConfig = field(default_factory=MultiHeadConfig)
@@ -134,6 +157,13 @@ class ModelSection:
             self.bitnet.validate()
         except ValueError as err:
             raise ValueError(run_field_names(str(err))) from None
+        self._check_sdpa()
+
+    def _check_sdpa(self) -> None:
+        """An explicit sdpa that SDPA cannot serve is refused (auto falls back instead)."""
+        blocker = sdpa_blocker(self.extra) if self.attention_backend == "sdpa" else ""
+        require(not blocker, "model.attention_backend", f"sdpa cannot serve {blocker}",
+                "use --attention-backend unfused (Megatron's DotProductAttention) or auto")
 
 
 def position_table_rows(model: ModelSection) -> int:

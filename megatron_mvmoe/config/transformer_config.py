@@ -159,6 +159,11 @@ class MVMoETransformerConfig(TransformerConfig):
     """Run SequentialMLP's experts as grouped GEMMs on CPU (layers/grouped_experts.py: same
     parameters and checkpoints); set by the fast-path rule `cpu_grouped_experts`."""
 
+    sdpa_attention: bool = False
+    """Core attention on torch's scaled_dot_product_attention instead of Megatron's local
+    DotProductAttention (layers/sdpa_attention.py: same weights and checkpoints); set by the
+    fast-path rule `sdpa_attention` from the run's model.attention_backend."""
+
     multi_view: MultiViewConfig = field(default_factory=MultiViewConfig)
     multi_head: MultiHeadConfig = field(default_factory=MultiHeadConfig)
     bitnet: BitNetConfig = field(default_factory=BitNetConfig)

@@ -87,9 +87,13 @@ def expert_matrix_elements(section, etp: int = 1) -> Optional[int]:
 
 def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
                       distributed_optimizer: bool = True,
-                      expert_elements: Optional[int] = None) -> List[FastPath]:
+                      expert_elements: Optional[int] = None,
+                      attention_backend: str = "auto",
+                      sdpa_blocker: str = "") -> List[FastPath]:
     """Every fast-path decision for one model variant on `target`; `expert_elements`:
-    `expert_matrix_elements` of the model (None: not known, the CPU grouped path stays on)."""
+    `expert_matrix_elements` of the model (None: not known, the CPU grouped path stays on);
+    `attention_backend`: the model's (Megatron-LM's --attention-backend, or sdpa);
+    `sdpa_blocker`: why SDPA cannot serve the model (layers/sdpa_attention.sdpa_blocker)."""
     gpu = target.cuda
     te = gpu and target.te and not bitnet
     no_te = _no_te_reason(target, bitnet)
@@ -105,7 +109,8 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
               {"moe_grouped_gemm": te and moe}),
         _cpu_grouped_experts(target, variant, bitnet, expert_elements),
         _path("flash_attention", te, "TEDotProductAttention (flash/fused backend)",
-              no_te + " (Megatron's DotProductAttention)"),
+              no_te + " (torch SDPA or Megatron's DotProductAttention: sdpa_attention)"),
+        _sdpa_attention(te, attention_backend, sdpa_blocker),
         _path("rope_fusion", te, "TE fused RoPE", no_te, {"apply_rope_fusion": te}),
         _path("bias_activation_fusion", gpu, "fused SwiGLU (bias_swiglu_impl)",
               "CPU: unfused SwiGLU", {"bias_activation_fusion": gpu}),
@@ -165,6 +170,50 @@ def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool,
     return _path("cpu_grouped_experts", not why_off,
                  "CPU: all local experts as 2 grouped GEMMs (torch._grouped_mm), "
                  f"SequentialMLP's parameters{size}", why_off, {"cpu_grouped_experts": not why_off})
+
+
+SDPA_BACKENDS = ("auto", "sdpa", "flash", "fused")
+"""--attention-backend values served by torch SDPA where TE is absent: auto (Megatron-LM's
+auto picks TE's fused/flash kernels; SDPA is the nearest without TE), sdpa, and flash / fused
+(SDPA's own flash and memory-efficient kernels on a GPU). unfused / local keep Megatron's
+DotProductAttention."""
+
+
+def _sdpa_attention(te: bool, backend: str, blocker: str) -> FastPath:
+    """torch SDPA as the core attention (layers/sdpa_attention.py) where TE is absent."""
+    from megatron_mvmoe.layers.sdpa_attention import torch_version
+
+    from megatron_mvmoe.errors import require
+
+    require(not (te and backend == "sdpa"), "model.attention_backend",
+            "sdpa replaces Megatron's local core attention, and this machine builds "
+            "TransformerEngine's", "use --attention-backend auto / flash / fused (TE's "
+            "kernels) here")
+    if te:
+        why_off = f"TEDotProductAttention runs (--attention-backend {backend})"
+    elif backend not in SDPA_BACKENDS:
+        why_off = f"--attention-backend {backend} asks for it"
+    elif blocker:
+        why_off = f"{blocker}: falls back"
+    else:
+        why_off = ""
+    return _path("sdpa_attention", not why_off,
+                 f"torch scaled_dot_product_attention (torch {torch_version()}; "
+                 f"--attention-backend {backend})", why_off,
+                 {"sdpa_attention": not why_off})
+
+
+def attention_line(paths: List[FastPath]) -> str:
+    """The start-up banner's line: which core attention runs, and why."""
+    flash = next(p for p in paths if p.name == "flash_attention")
+    if flash.on:
+        return "attention: TransformerEngine (TEDotProductAttention)"
+    sdpa = next(p for p in paths if p.name == "sdpa_attention")
+    if sdpa.on:
+        from megatron_mvmoe.layers.sdpa_attention import torch_version
+
+        return f"attention: sdpa (torch {torch_version()})"
+    return f"attention: unfused (Megatron's DotProductAttention; {sdpa.why})"
 
 
 def _path(name: str, on: bool, why_on: str, why_off: str,

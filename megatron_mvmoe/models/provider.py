@@ -29,9 +29,11 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.enums import AttnBackend
 
 from megatron_mvmoe.config.mla_config import megatron_config_class
-from megatron_mvmoe.config.model_section import ModelSection, model_section_from_dict
+from megatron_mvmoe.config.model_section import (ModelSection, model_section_from_dict,
+                                                  sdpa_blocker)
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.models.fast_paths import (Target, choose_fast_paths, config_fields,
@@ -99,9 +101,13 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
     )
     kwargs.update(architecture_fields(model))
     kwargs.update(_numerics(use_bf16, on_cpu))
+    target = target_for(on_cpu)
     kwargs.update(config_fields(choose_fast_paths(
-        target_for(on_cpu), model.moe_variant, bitnet=model.bitnet.enabled,
-        expert_elements=expert_matrix_elements(model, etp))))
+        target, model.moe_variant, bitnet=model.bitnet.enabled,
+        expert_elements=expert_matrix_elements(model, etp),
+        attention_backend=model.attention_backend, sdpa_blocker=sdpa_blocker(model.extra))))
+    if target.te:  # Megatron-LM's meaning: it picks TE's kernel (LanguageModule env vars)
+        kwargs["attention_backend"] = AttnBackend[model.attention_backend]
     if not model.swiglu:  # Megatron fuses GeLU only with a bias, and not in experts that
         kwargs["bias_activation_fusion"] = False  # scale rows by their probs (SequentialMLP)
     kwargs.update(_routing(model))

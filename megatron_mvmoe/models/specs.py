@@ -27,6 +27,9 @@ Design choices:
   its RoPE-key gradient is never summed over TP; layers/local_mla.py). At CP > 1 the local
   core attention (standard or MLA's) becomes the all-gather CP attention
   (layers/cp_attention.py), which Megatron's local backend lacks.
+- With `config.sdpa_attention` (the fast-path rule from model.attention_backend) the local
+  core attention, MLA's and CP's included, runs on torch SDPA (layers/sdpa_attention.py):
+  same constructor, parameters and checkpoints, only the forward differs.
 - BitNet (`config.bitnet.enabled`): the finished block goes through `maybe_bitnet_spec`, so
   attention, dense MLPs, experts and shared experts use the Bit linears; our latent, view and
   MH-MoE head/merge projections quantize themselves from the config. Routers, embeddings and
@@ -58,6 +61,7 @@ from megatron_mvmoe.layers.latent_moe import LatentMoELayer
 from megatron_mvmoe.layers.local_mla import LocalMLASelfAttention, MLADotProductAttention
 from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
 from megatron_mvmoe.layers.norm import SequenceParallelTorchNorm
+from megatron_mvmoe.layers.sdpa_attention import CP_SDPA_OF, SDPA_OF
 
 _LAYER_NORM_SLOTS = ("input_layernorm", "pre_cross_attn_layernorm", "pre_mlp_layernorm")
 _ATTENTION_NORM_SLOTS = ("q_layernorm", "k_layernorm", "kv_layernorm")
@@ -83,6 +87,9 @@ def build_decoder_block_spec(config, vp_stage: Optional[int] = None,
         block = _sequence_parallel_norms(block)
     if getattr(config, "multi_latent_attention", False) and not use_te:
         block = _local_mla(block)
+    if getattr(config, "sdpa_attention", False) and not use_te:
+        block = _swap_attention_slots(block, ("core_attention",),
+                                      lambda core: SDPA_OF.get(core, core))
     if config.context_parallel_size > 1 and not use_te:
         block = _swap_attention_slots(block, ("core_attention",), _context_parallel_core)
     return maybe_bitnet_spec(block, config)
@@ -93,7 +100,7 @@ def _context_parallel_core(core):
     asserts CP == 1, so it becomes the all-gather CP attention (layers/cp_attention.py), MLA's
     included."""
     return {DotProductAttention: CPDotProductAttention,
-            MLADotProductAttention: CPMLADotProductAttention}.get(core, core)
+            MLADotProductAttention: CPMLADotProductAttention, **CP_SDPA_OF}.get(core, core)
 
 
 def _choose_te(config, use_te: Optional[bool]) -> bool:

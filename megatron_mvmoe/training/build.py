@@ -24,7 +24,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe import platform
-from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.config.model_section import ModelSection, sdpa_blocker
 from megatron_mvmoe.config.run_config import RunConfig
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.models.build import build_model
@@ -64,7 +64,9 @@ def run_fast_paths(run: RunConfig) -> List[FastPath]:
                              bitnet=run.model.bitnet.enabled,
                              distributed_optimizer=run.optimizer.use_distributed_optimizer,
                              expert_elements=expert_matrix_elements(run.model,
-                                                                    run.parallel.etp))
+                                                                    run.parallel.etp),
+                             attention_backend=run.model.attention_backend,
+                             sdpa_blocker=sdpa_blocker(run.model.extra))
 
 
 def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:

@@ -174,11 +174,20 @@ def banner(run, model, counts: Dict[str, int], world_size: int, peak: Dict,
         f"batch: global {t.global_batch_size} x {model.seq_length} tokens, micro "
         f"{t.micro_batch_size}, {t.train_iters} steps, precision {t.precision}",
         f"peak for MFU: {peak['flops'] / 1e9:.1f} GFLOP/s per rank ({peak['source']})",
+        _attention_line(run),
         f"versions: python {info['python']}, torch {info['torch']}, megatron-core "
         f"{info['megatron_core']}, commit {str(git.get('commit'))[:12]}"
         + (" (uncommitted changes)" if git.get("dirty") else ""),
         "=" * 72]
     return "\n".join(lines)
+
+
+def _attention_line(run) -> str:
+    """Which core attention this run builds (the provider's fast-path rule, same inputs)."""
+    from megatron_mvmoe.models.fast_paths import attention_line
+    from megatron_mvmoe.training.build import run_fast_paths
+
+    return attention_line(run_fast_paths(run))
 
 
 class Efficiency:
