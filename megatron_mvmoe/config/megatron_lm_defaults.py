@@ -49,6 +49,12 @@ def _none_is_zero(value: Any) -> Any:
     return 0 if value is None else value
 
 
+def _enum_member_name(value: Any) -> Any:
+    """'<AttnBackend.auto: 5>' (an enum default as the flags JSON stores it) -> 'auto'."""
+    text = str(value)
+    return text.split(".", 1)[1].split(":", 1)[0] if text.startswith("<") else value
+
+
 TRANSLATED: Dict[str, Callable[[Any], Any]] = {
     # Megatron-LM: None = no periodic evaluation (validation once at the end) / no periodic
     # save (at the end only); ours spells both 0.
@@ -61,6 +67,8 @@ TRANSLATED: Dict[str, Callable[[Any], Any]] = {
     "data.train_path": lambda value: [] if value is None else value,
     "data.valid_path": lambda value: [] if value is None else value,
     "data.test_path": lambda value: [] if value is None else value,
+    # Megatron-LM's AttnBackend enum; ours names its member (auto).
+    "model.attention_backend": _enum_member_name,
 }
 """path -> Megatron-LM's default in our field's terms."""
 

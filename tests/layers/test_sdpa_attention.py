@@ -161,6 +161,12 @@ def test_what_sdpa_cannot_serve_falls_back_under_auto_and_is_refused_under_sdpa(
         choose_fast_paths(Target(cuda=True, te=True), "smoe", attention_backend="sdpa")
 
 
+MEGATRON_LM_LINE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                    "--seq-length", "32", "--vocab-size", "512", "--swiglu",
+                    "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                    "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
 def test_attention_backend_flag_and_resume_switch():
     """--attention-backend sets model.attention_backend; an unknown value names the field;
     the field is not structural: a checkpoint of either backend loads in the other, and the
@@ -169,11 +175,16 @@ def test_attention_backend_flag_and_resume_switch():
                                                           model_fingerprint)
     from megatron_mvmoe.config.flags import config_from_args
 
+    from megatron_mvmoe.models.provider import transformer_config
+
     base = ["--model-preset", "tiny_smoe", "--vocab-size", "512", "--seq-length", "32"]
     unfused = config_from_args(base + ["--attention-backend", "unfused"]).model
     assert unfused.attention_backend == "unfused"
     with pytest.raises(ValueError, match="attention_backend"):
         config_from_args(base + ["--attention-backend", "fast"])
+    # A bare Megatron-LM line: its parser's default (auto) -> SDPA without TE.
+    bare = config_from_args(MEGATRON_LM_LINE).model
+    assert bare.attention_backend == "auto" and transformer_config(bare).sdpa_attention
     auto = config_from_args(base).model
     check_fingerprint(model_fingerprint(unfused), model_fingerprint(auto), "ckpt")
     assert any(line.startswith("attention_backend") for line in changed_on_resume(unfused, auto))

@@ -37,8 +37,8 @@ def _output_weights():
                        dtype=torch.float64)
 
 
-def _cp_attention_rank(rank, world_size):
-    attention, pgs = cp_attention_on_this_rank(world_size, HEADS, GROUPS, HEAD_DIM)
+def _cp_attention_rank(rank, world_size, sdpa=False):
+    attention, pgs = cp_attention_on_this_rank(world_size, HEADS, GROUPS, HEAD_DIM, sdpa)
     # This rank's token positions as Megatron's own load-balanced split gives them.
     split = get_batch_on_this_cp_rank({"positions": torch.arange(SEQ)[None], "cu_seqlens": None},
                                       is_hybrid_cp=False, cp_group=pgs.cp)
@@ -51,12 +51,15 @@ def _cp_attention_rank(rank, world_size):
             "v": v.grad}
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cp_attention_matches_full_sequence(cp):
+@pytest.mark.parametrize("cp,sdpa", [(2, False), (4, False), (2, True)],
+                         ids=["cp2", "cp4", "cp2_sdpa"])
+def test_cp_attention_matches_full_sequence(cp, sdpa):
+    """cp2_sdpa: the CP attention on torch SDPA (layers/sdpa_attention.py) gathers and masks
+    the same way."""
     q, k, v = (t.clone().requires_grad_(True) for t in _global_qkv())
     out = _naive_attention(q, k, v)
     (out * _output_weights()).sum().backward()
-    results = run_distributed(_cp_attention_rank, cp)
+    results = run_distributed(_cp_attention_rank, cp, args=(sdpa,))
     assert sorted(torch.cat([r["positions"] for r in results]).tolist()) == list(range(SEQ))
     k_grad, v_grad = torch.zeros_like(k), torch.zeros_like(v)
     for r in results:

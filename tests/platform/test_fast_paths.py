@@ -29,8 +29,9 @@ def test_gpu_with_te_takes_every_fast_path_for_multi_view():
     assert ddp_fields(paths) == {"overlap_grad_reduce": True, "overlap_param_gather": True}
 
 
-CPU_FAST = ("cpu_grouped_experts",)
-"""The CPU's own fast paths (torch._grouped_mm runs on CPU in torch 2.13)."""
+CPU_FAST = ("cpu_grouped_experts", "sdpa_attention")
+"""The CPU's own fast paths (torch._grouped_mm runs on CPU in torch 2.13; torch SDPA as the
+core attention, issue 42)."""
 
 
 def test_cpu_runs_the_local_equivalents_and_says_why():
@@ -38,7 +39,8 @@ def test_cpu_runs_the_local_equivalents_and_says_why():
     assert not any(p.on for p in paths if p.name not in CPU_FAST)
     assert all(is_on(paths, name) for name in CPU_FAST)
     assert all(p.why for p in paths)
-    assert {k: v for k, v in config_fields(paths).items() if v} == {"cpu_grouped_experts": True}
+    assert {k: v for k, v in config_fields(paths).items() if v} == {"cpu_grouped_experts": True,
+                                                                    "sdpa_attention": True}
 
 
 def test_baseline_latent_keeps_te_permute_and_router_fusion():

@@ -33,7 +33,8 @@ DIFFERENCES = {
     "persist_layer_norm": (True, False, "apex-only; Megatron-Core ignores it without apex"),
     "transformer_impl": ("local", "transformer_engine",
                          "the spec is picked per machine (TE spec only with TE installed)"),
-    "attention_backend": ("unfused", "auto", "--attention-backend is noted: local attention"),
+    "attention_backend": ("unfused", "auto", "--attention-backend is model.attention_backend "
+                          "(unfused here); Megatron's field is set only with TE"),
     "deterministic_mode": (True, False, "--deterministic-mode is noted (NCCL/cuBLAS only)"),
     "deallocate_pipeline_outputs": (True, False,
                                     "Megatron-LM's memory saving for PP outputs; not wired"),
