@@ -11,6 +11,9 @@
 #   3. tools/bench_moe_layer.py --preset mvmoe_10b_a1b: one 10B-A1B MoE layer at real size,
 #      forward + backward per variant (latent baseline, Multi-Router, Multi-View) with the
 #      GPU fast paths: achieved TFLOP/s, peak memory, MV/baseline time ratio
+#   3b. tools/bench_attention.py: the core attention on torch SDPA vs Megatron's unfused one
+#      (no TransformerEngine on the image): which aten SDPA kernel ran (flash / efficient /
+#      cudnn / math), torch.backends.cuda's switches, TFLOP/s of each, the time ratio
 #   4. tools/plan.py --fast-paths --target here: which fast path this machine takes
 #   5. 20 training steps of the tiny Multi-View model through the whole stack (TE specs,
 #      grouped experts, bf16, overlapped DDP) on one GPU
@@ -45,6 +48,8 @@ if [ "$MODE" = gpu ]; then
         --topk 8 --dtype bf16 --json
   stage layer_10b 150 "$PY" tools/bench_moe_layer.py --preset mvmoe_10b_a1b --dtype bf16 \
         --tokens 16384 --warmup 3 --repeats 10 --json
+  stage attention 90 "$PY" tools/bench_attention.py --dtype bf16 --clock wall --heads 16 \
+        --head-dim 128 --seq 4096 --batch 2 --rounds 10 --json
   TRAIN_ARGS=(--train-iters 20 --lr-warmup-iters 2 --expert-model-parallel-size 1 --precision bf16)
 else
   stage gpu_tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider --collect-only tests
@@ -52,6 +57,8 @@ else
         --latent 16 --iters 1 --warmup 0 --json
   stage layer_10b 240 "$PY" tools/bench_moe_layer.py --preset mvmoe_10b_a1b --hidden 64 \
         --latent 32 --experts 8 --topk 2 --expert-ffn 32 --tokens 32 --warmup 0 --repeats 1 --json
+  stage attention 120 "$PY" tools/bench_attention.py --seq 32 --batch 1 --rounds 1 --warmup 0 \
+        --json
   TRAIN_ARGS=(--train-iters 2 --lr-warmup-iters 1 --expert-model-parallel-size 1 --global-batch-size 2
               --micro-batch-size 1 --seq-length 32)
 fi
@@ -95,6 +102,12 @@ try:
     summary["mv_over_baseline_time"] = layer["variants"]["multi_view"]["time_ratio"]
 except (OSError, ValueError, KeyError) as err:
     summary["layer_10b"] = f"unavailable: {err}"
+try:
+    attention = json.loads((out / "attention.out").read_text())
+    summary["attention"] = {k: attention[k] for k in ("sdpa_kernels", "sdpa_switches",
+                                                      "tflops", "sdpa_over_unfused")}
+except (OSError, ValueError, KeyError) as err:
+    summary["attention"] = f"unavailable: {err}"
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps(summary, indent=1))
 sys.exit(0 if all(s["exit"] == 0 for s in stages.values()) else 1)
