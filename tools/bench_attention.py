@@ -47,6 +47,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--clock", choices=sorted(lb.CLOCKS), default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--model-step", action="store_true",
+                   help="also time whole-model forward + backward pairs: issue 42's smoe "
+                        "(4 layers, QK norm, 8 experts of 512, top-2, vocabulary 4096) "
+                        "built with each backend, the same weights")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p.parse_args(argv)
 
@@ -101,6 +105,57 @@ def timed_pairs(cores: Dict[str, torch.nn.Module], qkv, args) -> Dict[str, List[
             platform.synchronize()
             start = now()
             forward_backward(cores[name], qkv)
+            platform.synchronize()
+            if round_index >= args.warmup:
+                times[name].append(now() - start)
+    return times
+
+
+ISSUE_42_MODEL = dict(moe_variant="smoe", num_layers=4, num_experts=8, moe_ffn_hidden_size=512,
+                      moe_router_topk=2, ffn_hidden_size=1024, vocab_size=4096,
+                      extra=dict(qk_layernorm=True))
+"""Issue 42's baseline model; heads, head width and sequence come from the flags."""
+
+
+def build_models(args, pgs) -> Dict[str, torch.nn.Module]:
+    """The same smoe model (same seed, so the same weights) with each core attention."""
+    from megatron_mvmoe.config.model_section import model_from_preset
+    from megatron_mvmoe.models.provider import transformer_config
+    from megatron_mvmoe.models.specs import build_decoder_block_spec
+    from megatron_mvmoe.testing.gpt_harness import build_gpt
+
+    models = {}
+    for name, backend in (("unfused", "unfused"), ("sdpa", "sdpa")):
+        section = model_from_preset(
+            "tiny_smoe", **ISSUE_42_MODEL, hidden_size=args.heads * args.head_dim,
+            num_attention_heads=args.heads, num_query_groups=args.groups,
+            seq_length=args.seq, attention_backend=backend)
+        config = transformer_config(section, on_cpu=not torch.cuda.is_available(),
+                                    use_bf16=args.dtype == "bf16")
+        assert config.sdpa_attention is (backend == "sdpa")
+        models[name] = build_gpt(config, build_decoder_block_spec(config),
+                                 section.vocab_size, args.seq, pgs).module.train()
+    return models
+
+
+def model_step(model, tokens_BS1: torch.Tensor) -> None:
+    tokens, labels = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+    positions = torch.arange(tokens.size(1), device=tokens.device)[None].expand_as(tokens)
+    model(tokens, positions, None, labels=labels).mean().backward()
+
+
+def timed_model_pairs(models, args) -> Dict[str, List[float]]:
+    from megatron_mvmoe import platform
+
+    tokens = torch.randint(0, ISSUE_42_MODEL["vocab_size"], (args.batch, args.seq + 1),
+                           generator=torch.Generator().manual_seed(1)).to(platform.device())
+    now, names = lb.CLOCKS[args.clock], list(models)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for round_index in range(args.warmup + args.rounds):
+        for name in names[round_index % 2:] + names[:round_index % 2]:
+            platform.synchronize()
+            start = now()
+            model_step(models[name], tokens)
             platform.synchronize()
             if round_index >= args.warmup:
                 times[name].append(now() - start)
@@ -167,6 +222,13 @@ def text(out: Dict) -> str:
                      f"{out['tflops'][name]:.4f} TFLOP/s")
     lines.append(f"sdpa / unfused per pair: median {ratio['median']:.3f} [min "
                  f"{ratio['min']:.3f}, max {ratio['max']:.3f}] over {out['rounds']} pairs")
+    step = out.get("model_step")
+    if step:
+        r, s = step["sdpa_over_unfused"], step["seconds"]
+        lines.append(f"whole smoe model fwd+bwd (issue 42's shape): unfused "
+                     f"{s['unfused']['median']:.3f} s, sdpa {s['sdpa']['median']:.3f} s; "
+                     f"sdpa / unfused per pair: median {r['median']:.3f} [min {r['min']:.3f}, "
+                     f"max {r['max']:.3f}]")
     return "\n".join(lines)
 
 
@@ -181,6 +243,11 @@ def main(argv: List[str]) -> int:
         seed_all(0)  # Megatron's RNG tracker, forked by dropout
         cores, qkv = build_pair(args, pgs), inputs(args)
         out = report(args, timed_pairs(cores, qkv, args), sdpa_kernels_ran(cores["sdpa"], qkv))
+        if args.model_step:
+            times = timed_model_pairs(build_models(args, pgs), args)
+            out["model_step"] = {"seconds": {n: lb.spread(t) for n, t in times.items()},
+                                 "sdpa_over_unfused": lb.pair_ratios(times["sdpa"],
+                                                                     times["unfused"])}
     print(json.dumps(out, indent=1) if args.json else text(out))
     return 0
 
