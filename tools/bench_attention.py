@@ -120,9 +120,8 @@ ISSUE_42_MODEL = dict(moe_variant="smoe", num_layers=4, num_experts=8, moe_ffn_h
 def build_models(args, pgs) -> Dict[str, torch.nn.Module]:
     """The same smoe model (same seed, so the same weights) with each core attention."""
     from megatron_mvmoe.config.model_section import model_from_preset
-    from megatron_mvmoe.models.provider import transformer_config
-    from megatron_mvmoe.models.specs import build_decoder_block_spec
-    from megatron_mvmoe.testing.gpt_harness import build_gpt
+    from megatron_mvmoe.models.provider import build_model_chunks, transformer_config
+    from megatron_mvmoe.platform import seed_all
 
     models = {}
     for name, backend in (("unfused", "unfused"), ("sdpa", "sdpa")):
@@ -133,8 +132,8 @@ def build_models(args, pgs) -> Dict[str, torch.nn.Module]:
         config = transformer_config(section, on_cpu=not torch.cuda.is_available(),
                                     use_bf16=args.dtype == "bf16")
         assert config.sdpa_attention is (backend == "sdpa")
-        models[name] = build_gpt(config, build_decoder_block_spec(config),
-                                 section.vocab_size, args.seq, pgs).module.train()
+        seed_all(0)
+        models[name] = build_model_chunks(config, section, pgs)[0].train()
     return models
 
 
@@ -142,6 +141,7 @@ def model_step(model, tokens_BS1: torch.Tensor) -> None:
     tokens, labels = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
     positions = torch.arange(tokens.size(1), device=tokens.device)[None].expand_as(tokens)
     model(tokens, positions, None, labels=labels).mean().backward()
+    model.zero_grad(set_to_none=True)
 
 
 def timed_model_pairs(models, args) -> Dict[str, List[float]]:
@@ -233,11 +233,9 @@ def text(out: Dict) -> str:
 
 
 def main(argv: List[str]) -> int:
-    from bench_moe_layer import single_rank_layout
-
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    with single_rank_layout() as pgs:
+    with lb.single_rank_layout() as pgs:
         from megatron_mvmoe.platform import seed_all
 
         seed_all(0)  # Megatron's RNG tracker, forked by dropout

@@ -181,7 +181,7 @@ def main(argv: List[str]) -> int:
     from megatron_mvmoe.toolkit.output import emit
 
     shape = base_shape(args)
-    with single_rank_layout() as pgs:
+    with lb.single_rank_layout() as pgs:
         if args.sweep:
             from megatron_mvmoe.analysis import scaling_report
 
@@ -197,27 +197,6 @@ def main(argv: List[str]) -> int:
                memory_kind="cuda_peak" if torch.cuda.is_available() else "saved_activations")
     emit(out, args.json, point_text(out, args.tolerance))
     return 0
-
-
-@lb.contextlib.contextmanager
-def single_rank_layout():
-    """A one-rank process group (gloo, or NCCL on a GPU) and Megatron's EP = 1 groups."""
-    import torch.distributed as dist
-
-    from megatron_mvmoe import platform
-    from megatron_mvmoe.launch.local_ranks import free_port
-    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
-
-    if not platform.is_cuda():
-        platform.apply_cpu_patches()
-    platform.set_local_device(0)
-    dist.init_process_group(platform.backend(), rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{free_port()}")
-    try:
-        yield initialize_layout(ParallelLayout())
-    finally:
-        destroy_layout()
-        dist.destroy_process_group()
 
 
 def point_text(out: Dict, tolerance: float) -> str:

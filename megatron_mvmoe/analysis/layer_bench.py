@@ -244,3 +244,24 @@ def summarize(times: Dict[str, List[float]], flops: Dict[str, int], tokens: int,
             rows[key]["speedup_vs_sequential"] = pair_ratios(times[f"{variant}/sequential"],
                                                              seconds)
     return rows
+
+
+@contextlib.contextmanager
+def single_rank_layout():
+    """A one-rank process group (gloo, or NCCL on a GPU) and Megatron's EP = 1 groups."""
+    import torch.distributed as dist
+
+    from megatron_mvmoe import platform
+    from megatron_mvmoe.launch.local_ranks import free_port
+    from megatron_mvmoe.parallel import ParallelLayout, destroy_layout, initialize_layout
+
+    if not platform.is_cuda():
+        platform.apply_cpu_patches()
+    platform.set_local_device(0)
+    dist.init_process_group(platform.backend(), rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        yield initialize_layout(ParallelLayout())
+    finally:
+        destroy_layout()
+        dist.destroy_process_group()

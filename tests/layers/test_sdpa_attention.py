@@ -147,8 +147,14 @@ def test_attention_backend_picks_the_core_attention(backend, sdpa):
 
 
 def test_what_sdpa_cannot_serve_falls_back_under_auto_and_is_refused_under_sdpa():
+    from megatron_mvmoe.models.fast_paths import Target, attention_line, choose_fast_paths
+
     window = dict(extra=dict(window_size=[4, 0]))
     assert _transformer_config(**window).sdpa_attention is False
+    blocker = "window_size=[4, 0]: a sliding window is Megatron's masked softmax only"
+    assert attention_line(choose_fast_paths(Target(cuda=False, te=False), "smoe",
+                                            sdpa_blocker=blocker)) == (
+        f"attention: unfused (Megatron's DotProductAttention; {blocker}: falls back)")
     with pytest.raises(ValueError, match=r"^model\.attention_backend: sdpa cannot serve "
                                          r"window_size=\[4, 0\].*Fix: use --attention-backend "
                                          r"unfused"):
@@ -156,8 +162,6 @@ def test_what_sdpa_cannot_serve_falls_back_under_auto_and_is_refused_under_sdpa(
                                      **window)).validate()
     with pytest.raises(ValueError, match=r"model\.attention_backend: sdpa replaces Megatron's "
                                          r"local core attention"):
-        from megatron_mvmoe.models.fast_paths import Target, choose_fast_paths
-
         choose_fast_paths(Target(cuda=True, te=True), "smoe", attention_backend="sdpa")
 
 
