@@ -21,6 +21,10 @@ Design choices:
   stacked grad back in backward), page faults of the fresh GB-sized buffers included:
   that copy grows with I x F, the overhead it saves does not. Not under BitNet (its expert
   linears are Bit linears), and only where torch runs _grouped_mm on CPU.
+- Without TE (CPU, a GPU image without it, BitNet) the core attention is torch's SDPA
+  (`sdpa_attention`, layers/sdpa_attention.py) unless model.attention_backend asks for
+  Megatron's unfused / local module or SDPA cannot serve the model (then the reason is the
+  banner's attention line).
 - BitNet quantizes Megatron's local Column/RowParallelLinear: TE linears (and so TE grouped
   experts, fused RoPE, TE attention) are off under BitNet, with that reason.
 - Multi-View's per-row dispatcher gathers (token, slot) rows itself: TE's fused permute
