@@ -1,0 +1,117 @@
+"""The trainer's step against the bare model step of the same model and batch (issue 42 item 3).
+
+    OMP_NUM_THREADS=1 python tools/bench_trainer_overhead.py                 # 1 rank
+    OMP_NUM_THREADS=1 python tools/bench_trainer_overhead.py --world 2 --ep 2 --json
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/bench_trainer_overhead.py --ep 2
+
+Builds the smoe baseline at issue 42's shape (analysis/step_bench.py: 4 layers, D 256, 4
+heads with QK-norm, 8 SwiGLU experts of width 512, top-2, vocab 4096, seq 256, 1024 tokens
+per step per rank, fp32, dropout off) twice from the same seed: (a) the bare step (forward,
+token-mean loss, backward, clip 1.0, torch AdamW), (b) the pretrain loop's iteration with
+the run's defaults (DDP, Megatron's optimizer, the schedule, the NaN check, the progress
+line every log_interval steps, Megatron's mock data). Rounds interleave (a) and (b) with the
+order rotated; it prints seconds per step, the per-round overhead (b) / (a) - 1 with its
+median and spread, and where (b)'s time goes (data, forward/backward, grad reduction,
+optimizer, logging, other). One thread per rank (--threads). Not a test: a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List
+
+import torch
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["issue", "wide"], default="issue")
+    p.add_argument("--variant", default="smoe", help="moe_variant (config/variants.py)")
+    p.add_argument("--world", type=int, default=1, help="gloo ranks spawned here (not torchrun)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps per stepper per round")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-interval", type=int,
+                   help="the run's logging.log_interval (default: the config's default)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def measure(rank: int, world: int, args: argparse.Namespace) -> Dict:
+    from megatron_mvmoe.analysis import step_bench as sb
+
+    torch.set_num_threads(args.threads)
+    run = sb.run_config(sb.raw_run(args.shape, args.variant, ep=args.ep, world=world,
+                                   log_interval=args.log_interval))
+    _, pgs = sb.rank_setup(run)
+    bare = sb.BareStep(run, pgs)
+    batch = sb.one_batch(run, seed=rank)
+    trainer = sb.TrainerStep(run, pgs)
+    try:
+        trainer.clock.__init__()
+        times = sb.interleaved({"bare": lambda: bare(batch), "trainer": trainer},
+                               args.rounds, args.steps)
+    finally:
+        trainer.close()
+    steps = trainer.loop.state.step
+    return {"rank": rank, "world": world, "ep": args.ep, "shape": args.shape,
+            "variant": args.variant, "log_interval": run.logging.log_interval,
+            "seconds_per_step": times,
+            "trainer_over_bare": sb.ratio_summary(times["trainer"], times["bare"]),
+            "trainer_phase_seconds_per_step": {k: v / steps
+                                               for k, v in trainer.clock.seconds.items()}}
+
+
+def _rank_entry(rank: int, world: int, args) -> Dict:
+    return measure(rank, world, args)
+
+
+def results(args) -> List[Dict]:
+    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # under torchrun
+        import torch.distributed as dist
+
+        from megatron_mvmoe.platform import apply_cpu_patches
+
+        apply_cpu_patches()
+        dist.init_process_group("gloo")
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, measure(dist.get_rank(), dist.get_world_size(), args))
+        return out if dist.get_rank() == 0 else []
+    from megatron_mvmoe.launch.local_ranks import run_distributed
+
+    return run_distributed(_rank_entry, args.world, timeout_s=3600, args=(args,), daemon=False)
+
+
+def report(rows: List[Dict]) -> str:
+    first = rows[0]
+    r = first["trainer_over_bare"]
+    lines = [f"{first['variant']} at shape {first['shape']}, world {first['world']}, EP "
+             f"{first['ep']}, log_interval {first['log_interval']} (rank 0 shown)",
+             "bare s/step per round:    " + " ".join(f"{t:.3f}" for t in
+                                                   first["seconds_per_step"]["bare"]),
+             "trainer s/step per round: " + " ".join(f"{t:.3f}" for t in
+                                                   first["seconds_per_step"]["trainer"]),
+             f"trainer / bare per round: " + " ".join(f"{x:.3f}" for x in r["per_round"]) +
+             f"  median {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}] -> overhead "
+             f"{100 * (r['median'] - 1):+.1f} %",
+             "trainer step breakdown (s/step): " + ", ".join(
+                 f"{k} {v:.4f}" for k, v in first["trainer_phase_seconds_per_step"].items())]
+    return "\n".join(lines)
+
+
+def main(argv: List[str] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    rows = results(args)
+    if not rows:
+        return 0
+    print(json.dumps(rows, indent=1) if args.json else report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
