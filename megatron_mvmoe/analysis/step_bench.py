@@ -91,10 +91,10 @@ def one_batch(run, seed: int = 0) -> Dict[str, torch.Tensor]:
 class BareStep:
     """The hand-written loop around the same GPTModel: forward, loss, backward, clip, AdamW."""
 
-    def __init__(self, run, pgs, clip: float = 1.0):
+    def __init__(self, run, pgs, clip: float = 1.0, config=None):
         from megatron_mvmoe.models.build import build_model
 
-        self.model = build_model(run, pgs)[0]
+        self.model = build_model(run, pgs, config)[0]
         self.model.train()
         o = run.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -26,7 +26,8 @@ Design choices:
   on every platform (aux-loss bookkeeping, platform/upstream_router_fixes.py) and torch-Adam
   load repairs (platform/torch_adam_fixes.py), and the in-place expert-bias add of
   platform/expert_bias_fix.py (not fixed upstream yet); they apply with CUDA too. The group pool
-  (platform/group_pool.py) is a CPU patch kept in its own module for its size.
+  (platform/group_pool.py) and the one-rank collectives (platform/one_rank_collectives.py)
+  are CPU patches kept in their own modules.
 - MVMOE_CPU_PATCHES_SKIP="name,name" leaves patches out, to show what breaks without them.
 """
 
@@ -42,8 +43,8 @@ from typing import List
 import numpy as np
 import torch
 
-from megatron_mvmoe.platform import (expert_bias_fix, group_pool, torch_adam_fixes,
-                                     upstream_router_fixes)
+from megatron_mvmoe.platform import (expert_bias_fix, group_pool, one_rank_collectives,
+                                     torch_adam_fixes, upstream_router_fixes)
 from megatron_mvmoe.platform.cpu_embedding_copy import embedding_copy_breaks, embedding_copy_on_cpu
 from megatron_mvmoe.platform.cpu_rng_tracker import cpu_rng_tracker, rng_tracker_breaks
 from megatron_mvmoe.platform.cpu_uneven_gather import uneven_gather_breaks, uneven_gather_on_gloo
@@ -439,6 +440,7 @@ PATCHES: List[Patch] = [
           cpu_rng_tracker, rng_tracker_breaks),
     torch_adam_fixes.STATES_MISSING_FROM_CHECKPOINT,
     group_pool.POOLED_GROUPS,
+    one_rank_collectives.ONE_RANK_COLLECTIVES,
     Patch("fused_indices_to_multihot on CPU",
           "fusions.fused_indices_converter (imported by the flex dispatcher and by callers "
           "of the fusion) allocates on device='cuda' and launches a Triton kernel.",

@@ -1,0 +1,106 @@
+"""Op counts and times of steady bare training steps (issue 42 item 2: the dispatch glue).
+
+    OMP_NUM_THREADS=1 python tools/profile_step.py                    # smoe, issue shape
+    OMP_NUM_THREADS=1 python tools/profile_step.py --json --experts sequential
+
+Builds the model of analysis/step_bench.py (the trainer's build path, 1 gloo rank, 1 thread),
+runs --warmup steps, then profiles --steps bare steps (forward, loss, backward, clip, AdamW)
+with torch.profiler on CPU and prints, per op, the call count and self CPU time of the
+copy / concatenation / indexing ops (the dispatch glue), the matrix multiplies, and the
+total; --experts picks the expert implementation (built: what the fast-path rule builds;
+sequential / grouped: Megatron's SequentialMLP loop or layers/grouped_experts.py on the
+same weights). Not a test: a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, List
+
+import torch
+
+GLUE_OPS = ("aten::copy_", "aten::cat", "aten::index", "aten::index_select", "aten::gather",
+            "aten::scatter_add_", "aten::index_add_", "aten::index_put_", "aten::masked_select",
+            "aten::nonzero", "aten::argsort", "aten::sort", "aten::split", "aten::to",
+            "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::zeros", "aten::fill_",
+            "aten::stack", "aten::repeat_interleave", "aten::embedding_dense_backward")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
+              "aten::matmul", "aten::linear")
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["issue", "wide"], default="issue")
+    p.add_argument("--variant", default="smoe")
+    p.add_argument("--experts", choices=["built", "sequential", "grouped"], default="built")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def op_table(prof) -> Dict[str, Dict[str, float]]:
+    return {e.key: {"count": e.count, "self_s": e.self_cpu_time_total / 1e6}
+            for e in prof.key_averages()}
+
+
+def _pick(table, names):
+    return {n: table[n] for n in names if n in table}
+
+
+def measure(rank: int, world: int, args) -> Dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_mvmoe.analysis import step_bench as sb
+
+    torch.set_num_threads(1)
+    run = sb.run_config(sb.raw_run(args.shape, args.variant))
+    config, pgs = sb.rank_setup(run)
+    if args.experts != "built":
+        config.cpu_grouped_experts = args.experts == "grouped"
+    bare = sb.BareStep(run, pgs, config=config)
+    experts = sorted({type(m).__name__ for m in bare.model.modules()
+                      if type(m).__name__ in ("SequentialMLP", "GroupedMatmulExperts",
+                                              "TEGroupedMLP")})
+    batch = sb.one_batch(run)
+    for _ in range(args.warmup):
+        bare(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            bare(batch)
+    table = op_table(prof)
+    total = sum(v["self_s"] for v in table.values())
+    return {"shape": args.shape, "variant": args.variant, "experts": experts,
+            "steps": args.steps, "self_cpu_s_total": total,
+            "glue": _pick(table, GLUE_OPS), "matmul": _pick(table, MATMUL_OPS),
+            "top": dict(sorted(table.items(), key=lambda kv: -kv[1]["self_s"])[:25])}
+
+
+def _rank_entry(rank, world, args):
+    return measure(rank, world, args)
+
+
+def report(r: Dict) -> str:
+    lines = [f"{r['variant']} at shape {r['shape']}, experts {r['experts']}: {r['steps']} "
+             f"steps, self CPU total {r['self_cpu_s_total']:.3f} s"]
+    for group in ("glue", "matmul"):
+        lines.append(f"{group}:")
+        for name, v in sorted(r[group].items(), key=lambda kv: -kv[1]["self_s"]):
+            lines.append(f"  {name:32s} {v['count']:7d} calls {v['self_s']:8.3f} s")
+    return "\n".join(lines)
+
+
+def main(argv: List[str] = None) -> int:
+    from megatron_mvmoe.launch.local_ranks import run_distributed
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    result = run_distributed(_rank_entry, 1, timeout_s=3600, args=(args,), daemon=False)[0]
+    print(json.dumps(result, indent=1) if args.json else report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
