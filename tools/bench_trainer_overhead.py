@@ -36,6 +36,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="steps per stepper per round")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                   help="cpu: each rank's process CPU time (the cores are shared); wall")
     p.add_argument("--log-interval", type=int,
                    help="the run's logging.log_interval (default: the config's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -51,16 +53,19 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> Dict:
     _, pgs = sb.rank_setup(run)
     bare = sb.BareStep(run, pgs)
     batch = sb.one_batch(run, seed=rank)
-    trainer = sb.TrainerStep(run, pgs)
+    clock = sb.CLOCKS[args.clock]
+    trainer = sb.TrainerStep(run, pgs, clock)
     try:
-        trainer.clock.__init__()
         times = sb.interleaved({"bare": lambda: bare(batch), "trainer": trainer},
-                               args.rounds, args.steps)
+                               args.rounds, args.steps, clock=clock,
+                               after_warmup=trainer.reset_clock)
     finally:
         trainer.close()
-    steps = trainer.loop.state.step
+    steps = trainer.steps_timed()
     return {"rank": rank, "world": world, "ep": args.ep, "shape": args.shape,
             "variant": args.variant, "log_interval": run.logging.log_interval,
+            "clock": args.clock, "threads": args.threads, "rounds": args.rounds,
+            "steps_per_round": args.steps,
             "seconds_per_step": times,
             "trainer_over_bare": sb.ratio_summary(times["trainer"], times["bare"]),
             "trainer_phase_seconds_per_step": {k: v / steps
@@ -68,7 +73,10 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> Dict:
 
 
 def _rank_entry(rank: int, world: int, args) -> Dict:
-    return measure(rank, world, args)
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # the loop's progress lines: not the result
+        return measure(rank, world, args)
 
 
 def results(args) -> List[Dict]:
@@ -80,7 +88,7 @@ def results(args) -> List[Dict]:
         apply_cpu_patches()
         dist.init_process_group("gloo")
         out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, measure(dist.get_rank(), dist.get_world_size(), args))
+        dist.all_gather_object(out, _rank_entry(dist.get_rank(), dist.get_world_size(), args))
         return out if dist.get_rank() == 0 else []
     from megatron_mvmoe.launch.local_ranks import run_distributed
 
@@ -91,7 +99,8 @@ def report(rows: List[Dict]) -> str:
     first = rows[0]
     r = first["trainer_over_bare"]
     lines = [f"{first['variant']} at shape {first['shape']}, world {first['world']}, EP "
-             f"{first['ep']}, log_interval {first['log_interval']} (rank 0 shown)",
+             f"{first['ep']}, log_interval {first['log_interval']}, clock {first['clock']} "
+             "(rank 0 shown)",
              "bare s/step per round:    " + " ".join(f"{t:.3f}" for t in
                                                    first["seconds_per_step"]["bare"]),
              "trainer s/step per round: " + " ".join(f"{t:.3f}" for t in

@@ -62,7 +62,9 @@ def raw_run(shape: str = "issue", variant: str = "smoe", ep: int = 1, world: int
     if routing_metrics is not None:
         logging["routing_metrics"] = routing_metrics
     return dict(model=model, parallel=dict(ep=ep, distributed_timeout_seconds=600),
-                data=dict(mock=True, tokenizer_type="NullTokenizer"),
+                # NullTokenizer's vocabulary is null_vocab_size + 1 (EOD): exactly vocab_size
+                data=dict(mock=True, tokenizer_type="NullTokenizer",
+                          null_vocab_size=fields["vocab_size"] - 1),
                 optimizer=dict(lr=3e-4, min_lr=3e-5, warmup_iters=0, clip_grad=1.0),
                 training=dict(train_iters=100000, global_batch_size=micro * world,
                               micro_batch_size=micro, eval_interval=0, eval_iters=0,
@@ -119,31 +121,35 @@ class BareStep:
         return float(loss.detach())
 
 
+CLOCKS: Dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+"""cpu: this process's CPU time (one thread: the work, whatever else shares the cores)."""
+
 PHASES = ("data", "forward_backward", "grad_reduction", "optimizer", "logging", "other")
 
 
 class PhaseClock:
     """Seconds per phase of the trainer's step, summed over the steps timed."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.now = clock
         self.seconds = {name: 0.0 for name in PHASES}
-        self.mark = time.perf_counter()
+        self.mark = clock()
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
 
     def lap(self, phase: str) -> None:
-        now = time.perf_counter()
+        now = self.now()
         self.seconds[phase] += now - self.mark
         self.mark = now
 
     @contextmanager
     def timing(self, phase: str):
-        start = time.perf_counter()
+        start = self.now()
         try:
             yield
         finally:
-            self.add(phase, time.perf_counter() - start)
+            self.add(phase, self.now() - start)
 
 
 def _timed_iterator(it: Iterator, clock: PhaseClock) -> Iterator:
@@ -157,11 +163,11 @@ class TrainerStep:
     """The pretrain loop's iteration (`_Loop.one_step`, the progress report when due) with
     its phases timed through the loop's seams."""
 
-    def __init__(self, run, pgs):
+    def __init__(self, run, pgs, clock: Callable[[], float] = time.perf_counter):
         from megatron_mvmoe.training import pretrain
 
         self.loop = pretrain._Loop(run, pgs, None, None)
-        self.clock = PhaseClock()
+        self.clock = PhaseClock(clock)
         self.iterators = [_timed_iterator(it, self.clock) for it in self.loop.iterators()]
         trainer = self.loop.trainer
         finalize = trainer.config.finalize_model_grads_func
@@ -177,15 +183,22 @@ class TrainerStep:
 
     def _phase_end(self, phase: str) -> None:
         if phase == "backward":  # everything since the step began, less the timed seams
-            now = time.perf_counter()
+            now = self.clock.now()
             inner = self.clock.seconds["data"] + self.clock.seconds["grad_reduction"]
             self.clock.add("forward_backward", now - self.step_start - (inner - self.inner_at))
             self.clock.mark = now
         elif phase == "optimizer":
             self.clock.lap("optimizer")
 
+    def reset_clock(self) -> None:
+        self.clock = PhaseClock(self.clock.now)
+        self.steps_at_reset = self.loop.state.step
+
+    def steps_timed(self) -> int:
+        return self.loop.state.step - getattr(self, "steps_at_reset", 0)
+
     def __call__(self, batch=None) -> float:
-        self.step_start = time.perf_counter()
+        self.step_start = self.clock.now()
         self.inner_at = self.clock.seconds["data"] + self.clock.seconds["grad_reduction"]
         metrics = self.loop.one_step(self.iterators)
         self.clock.lap("other")  # scheduler, NaN verdict, gamma, bookkeeping
@@ -201,21 +214,23 @@ class TrainerStep:
 
 
 def interleaved(steppers: Dict[str, Callable[[], None]], rounds: int, steps: int,
-                warmup: int = 2) -> Dict[str, List[float]]:
+                warmup: int = 2, clock: Callable[[], float] = time.perf_counter,
+                after_warmup: Callable[[], None] = lambda: None) -> Dict[str, List[float]]:
     """Seconds per step of each stepper per round; each round runs every stepper `steps`
     times, the order rotated by one each round (a drift in machine load hits all alike)."""
     names = list(steppers)
     for name in names:
         for _ in range(warmup):
             steppers[name]()
+    after_warmup()
     times = {name: [] for name in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            start = time.perf_counter()
+            start = clock()
             for _ in range(steps):
                 steppers[name]()
-            times[name].append((time.perf_counter() - start) / steps)
+            times[name].append((clock() - start) / steps)
     return times
 
 
