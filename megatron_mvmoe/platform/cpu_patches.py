@@ -26,8 +26,8 @@ Design choices:
   on every platform (aux-loss bookkeeping, platform/upstream_router_fixes.py) and torch-Adam
   load repairs (platform/torch_adam_fixes.py), and the in-place expert-bias add of
   platform/expert_bias_fix.py (not fixed upstream yet); they apply with CUDA too. The group pool
-  (platform/group_pool.py) and the one-rank collectives (platform/one_rank_collectives.py)
-  are CPU patches kept in their own modules.
+  (platform/group_pool.py), the one-rank collectives (platform/one_rank_collectives.py) and
+  the copies that compute nothing (platform/cpu_copies.py) are CPU patches in own modules.
 - MVMOE_CPU_PATCHES_SKIP="name,name" leaves patches out, to show what breaks without them.
 """
 
@@ -43,8 +43,9 @@ from typing import List
 import numpy as np
 import torch
 
-from megatron_mvmoe.platform import (expert_bias_fix, group_pool, one_rank_collectives,
-                                     torch_adam_fixes, upstream_router_fixes)
+from megatron_mvmoe.platform import (cpu_copies, expert_bias_fix, group_pool,
+                                     one_rank_collectives, torch_adam_fixes,
+                                     upstream_router_fixes)
 from megatron_mvmoe.platform.cpu_embedding_copy import embedding_copy_breaks, embedding_copy_on_cpu
 from megatron_mvmoe.platform.cpu_rng_tracker import cpu_rng_tracker, rng_tracker_breaks
 from megatron_mvmoe.platform.cpu_uneven_gather import uneven_gather_breaks, uneven_gather_on_gloo
@@ -441,6 +442,7 @@ PATCHES: List[Patch] = [
     torch_adam_fixes.STATES_MISSING_FROM_CHECKPOINT,
     group_pool.POOLED_GROUPS,
     one_rank_collectives.ONE_RANK_COLLECTIVES,
+    *cpu_copies.CPU_COPIES,
     Patch("fused_indices_to_multihot on CPU",
           "fusions.fused_indices_converter (imported by the flex dispatcher and by callers "
           "of the fusion) allocates on device='cuda' and launches a Triton kernel.",
