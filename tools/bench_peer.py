@@ -6,7 +6,7 @@ baseline (issue 42 item 4). A benchmark, not a test (not in CI):
 
 Installs torchtitan 0.3.0 on first use into --titan-dir (default .peer/, git-ignored; pip
 --no-deps plus the few pure-Python packages its model imports, never another torch). At
-each shape (analysis/step_bench.py: "issue" = 4 layers, D 256, 4 heads with QK-norm, 8
+each shape (training/step_bench.py: "issue" = 4 layers, D 256, 4 heads with QK-norm, 8
 SwiGLU experts of width 512, top-2, vocab 4096, seq 256; "wide" = D 512, 8 heads, 16
 experts, top-4, seq 512; 1024 tokens a step, fp32, dropout off, one thread) it builds the
 project's smoe GPTModel (the trainer's build path) and torchtitan's Qwen3-MoE, asserts
@@ -69,7 +69,7 @@ def _counts(model, fields) -> Dict[str, int]:
 
 def peer_shape(shape: str, args, pgs_for) -> Dict:
     from megatron_mvmoe.analysis import peer_titan
-    from megatron_mvmoe.analysis import step_bench as sb
+    from megatron_mvmoe.training import step_bench as sb
 
     run = sb.run_config(sb.raw_run(shape, "smoe"))
     project = sb.BareStep(run, pgs_for(run))
@@ -88,7 +88,7 @@ def peer_shape(shape: str, args, pgs_for) -> Dict:
 
 
 def multi_view_shape(shape: str, args, pgs_for) -> Dict:
-    from megatron_mvmoe.analysis import step_bench as sb
+    from megatron_mvmoe.training import step_bench as sb
 
     steps = {}
     for variant in ("latent", "multi_view"):
@@ -103,7 +103,7 @@ def multi_view_shape(shape: str, args, pgs_for) -> Dict:
 
 def measure(rank: int, world: int, args) -> Dict:
     from megatron_mvmoe.analysis import peer_titan
-    from megatron_mvmoe.analysis import step_bench as sb
+    from megatron_mvmoe.training import step_bench as sb
 
     torch.set_num_threads(1)
     peer_titan.ensure_installed(args.titan_dir)

@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python tools/bench_trainer_overhead.py --world 2 --ep 2 --json
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/bench_trainer_overhead.py --ep 2
 
-Builds the smoe baseline at issue 42's shape (analysis/step_bench.py: 4 layers, D 256, 4
+Builds the smoe baseline at issue 42's shape (training/step_bench.py: 4 layers, D 256, 4
 heads with QK-norm, 8 SwiGLU experts of width 512, top-2, vocab 4096, seq 256, 1024 tokens
 per step per rank, fp32, dropout off) twice from the same seed: (a) the bare step (forward,
 token-mean loss, backward, clip 1.0, torch AdamW), (b) the pretrain loop's iteration with
@@ -45,7 +45,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 def measure(rank: int, world: int, args: argparse.Namespace) -> Dict:
-    from megatron_mvmoe.analysis import step_bench as sb
+    from megatron_mvmoe.training import step_bench as sb
 
     torch.set_num_threads(args.threads)
     run = sb.run_config(sb.raw_run(args.shape, args.variant, ep=args.ep, world=world,

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python tools/profile_step.py                    # smoe, issue shape
     OMP_NUM_THREADS=1 python tools/profile_step.py --json --experts sequential
 
-Builds the model of analysis/step_bench.py (the trainer's build path, 1 gloo rank, 1 thread),
+Builds the model of training/step_bench.py (the trainer's build path, 1 gloo rank, 1 thread),
 runs --warmup steps, then profiles --steps bare steps (forward, loss, backward, clip, AdamW)
 with torch.profiler on CPU and prints, per op, the call count and self CPU time of the
 copy / concatenation / indexing ops (the dispatch glue), the matrix multiplies, and the
@@ -54,7 +54,7 @@ def _pick(table, names):
 def measure(rank: int, world: int, args) -> Dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_mvmoe.analysis import step_bench as sb
+    from megatron_mvmoe.training import step_bench as sb
 
     torch.set_num_threads(1)
     run = sb.run_config(sb.raw_run(args.shape, args.variant))

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's Qwen3-MoE at the shapes of analysis/step_bench.py, for tools/bench_peer.py.
+"""torchtitan 0.3.0's Qwen3-MoE at the shapes of training/step_bench.py, for tools/bench_peer.py.
 
 Design choices:
 - Installed on demand into an ignored directory (`--no-deps --target`: torchtitan and the

@@ -1,6 +1,6 @@
 """Two copies Megatron-Core 0.19.2's CPU path makes every step that compute nothing
 (issue 42 item 2, measured with tools/profile_step.py at the smoe shape of
-analysis/step_bench.py):
+training/step_bench.py):
 
 - Grad clipping without apex / TransformerEngine: `utils.local_multi_tensor_scale` (the
   fallback for amp_C.multi_tensor_scale) scales each grad as `dst.copy_(src * scale)`, a

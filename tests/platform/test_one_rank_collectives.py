@@ -16,7 +16,7 @@ def _collectives_in_a_step(rank, world):
     """The c10d grad reduce-scatters and param all-gathers one training step of a 1-rank tiny smoe run calls."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_mvmoe.analysis import step_bench as sb
+    from megatron_mvmoe.training import step_bench as sb
 
     raw = sb.raw_run("issue", "smoe")
     raw["model"].update(num_layers=1, hidden_size=32, num_attention_heads=2, num_experts=4,
