@@ -22,6 +22,7 @@ def _collectives_in_a_step(rank, world):
     raw["model"].update(num_layers=1, hidden_size=32, num_attention_heads=2, num_experts=4,
                         moe_ffn_hidden_size=32, ffn_hidden_size=32, vocab_size=256,
                         seq_length=16)
+    raw["data"]["null_vocab_size"] = 255  # NullTokenizer: 255 + EOD = vocab_size
     raw["training"].update(micro_batch_size=2, global_batch_size=2)
     run = sb.run_config(raw)
     _, pgs = sb.rank_setup(run)
@@ -44,7 +45,7 @@ def test_one_rank_step_calls_no_grad_or_param_collective():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU patch")
 def test_losses_equal_megatrons_own_collectives(text_tokens, monkeypatch):
-    raw = tiny_run(text_tokens, preset="tiny_smoe", train_iters=2, eval_iters=0,
+    raw = tiny_run(text_tokens, preset="tiny_smoe", train_iters=3, eval_iters=0,
                    global_batch_size=4)
     patched = train(raw, 1)["losses"]
     monkeypatch.setenv(SKIP_ENV, PATCH)
