@@ -91,6 +91,28 @@ class KernelLaunch(NamedTuple):
     constexprs: Dict[str, Any]  # compile-time parameters, by name
 
 
+def _release(version: str) -> Tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def interpreter_loop_refusal(triton_version: Optional[str] = None,
+                             numpy_version: Optional[str] = None) -> Optional[str]:
+    """Why the Triton CPU interpreter cannot run a loop over a runtime size here, or None.
+    Triton < 3.7's interpreter turns such a bound into an int with int() of a 1-element
+    array, which numpy >= 2.5 refuses (TypeError deep in the interpreter); Triton 3.7
+    squeezes it first. Compiled (CUDA) kernels are unaffected. Versions default to the
+    installed ones."""
+    if triton_version is None:
+        import numpy
+        import triton
+        triton_version, numpy_version = triton.__version__, numpy.__version__
+    if _release(triton_version) >= (3, 7) or _release(numpy_version) < (2, 5):
+        return None
+    return (f"the Triton {triton_version} CPU interpreter cannot run this kernel's loop over "
+            f"a runtime size with numpy {numpy_version}. Fix: triton >= 3.7 or numpy < 2.5 "
+            "for interpreted kernels, or the reference backend (GPU runs are unaffected)")
+
+
 def launch(call: KernelLaunch, device: torch.device) -> None:
     """Run `call` on `device` (compiled on CUDA, interpreted on CPU)."""
     jit_for(call.kernel_fn, device)[call.grid](*call.args, **call.constexprs)

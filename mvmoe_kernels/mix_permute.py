@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .backend import KernelLaunch, launch, resolve_backend
+from .backend import KernelLaunch, interpreter_loop_refusal, launch, resolve_backend
 from .reference import reference_mix_and_permute
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -133,6 +133,9 @@ def mix_permute_backward(views_TRL, mix_TSR, row_of_TS, d_rows_NL,
     d_mix_TSR = torch.empty_like(mix_TSR)
     if num_tokens == 0 or latent == 0:
         return d_views_TRL.zero_(), d_mix_TSR.zero_()
+    refusal = None if views_TRL.device.type == "cuda" else interpreter_loop_refusal()
+    if refusal:  # the kernel walks the latent row in a loop bounded by L
+        raise ValueError(f"mix_permute backward: {refusal}")
     launch(backward_launch(views_TRL, mix_TSR, row_of_TS, d_rows_NL, d_views_TRL, d_mix_TSR,
                            block_t, block_l), views_TRL.device)
     return d_views_TRL, d_mix_TSR

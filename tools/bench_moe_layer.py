@@ -120,6 +120,18 @@ def impls_for(layers) -> List[str]:
     return list(lb.IMPLS) if built == {"GroupedMatmulExperts"} else ["built"]
 
 
+def planned_activation_bytes(args, shape: lb.LayerShape, variant: str, tokens: int,
+                             layer) -> float:
+    """What the planner (planning/memory.py moe_layer_elements) counts as saved for backward
+    by this layer, activations only: memory_bytes also counts the weights autograd saves
+    (CPU) or the allocator's whole peak, weights and gradients included (CUDA)."""
+    from megatron_mvmoe.planning.memory import moe_layer_elements
+
+    section = lb.variant_section(args.preset, shape, variant)
+    grouped = lb.experts_class(layer) == "GroupedMatmulExperts"
+    return moe_layer_elements(section, tokens, 1, grouped) * (2 if args.dtype == "bf16" else 4)
+
+
 def run_point(args, shape: lb.LayerShape, tokens: int, pgs, impls_wanted: str) -> Dict:
     """Build, time (interleaved) and summarize one layer shape."""
     from megatron_mvmoe import platform
@@ -147,6 +159,7 @@ def run_point(args, shape: lb.LayerShape, tokens: int, pgs, impls_wanted: str) -
                            time_ratio=row["time_ratio"]["median"],
                            achieved_tflops=row["gflops"]["median"] / 1e3,
                            memory_bytes=memory[v],
+                           planned_bytes=planned_activation_bytes(args, shape, v, tokens, layer),
                            flops_per_token=flops[v], experts=lb.experts_class(layer))
     base_mem = variants["latent"]["memory_bytes"]
     for row in variants.values():

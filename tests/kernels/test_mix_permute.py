@@ -7,6 +7,8 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first used (see backend.py)
 
+import importlib  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -16,6 +18,13 @@ from mvmoe_kernels import (  # noqa: E402
     reference_mix_and_permute,
     reference_multi_router,
 )
+from mvmoe_kernels.backend import interpreter_loop_refusal  # noqa: E402
+
+mix_permute_module = importlib.import_module("mvmoe_kernels.mix_permute")
+# Triton 3.6 (the site GPU image's, docs/gpu.md) with numpy >= 2.5 cannot interpret the
+# backward kernel's loop; the backward refuses in one line there (tested below)
+interpreted_backward = pytest.mark.skipif(interpreter_loop_refusal() is not None,
+                                          reason=str(interpreter_loop_refusal()))
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 NUM_TOKENS, NUM_EXPERTS, LATENT = 37, 12, 24  # odd T, L not a power of 2
@@ -49,6 +58,7 @@ def _assert_match(results):
         torch.testing.assert_close(grad_k, grad_r, **TOL)
 
 
+@interpreted_backward
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_kernel_matches_reference(num_heads, k):
@@ -94,6 +104,7 @@ def test_matches_project_mix_views_then_permute():
     torch.testing.assert_close(got_NL, expected_NL, **TOL)
 
 
+@interpreted_backward
 def test_dropped_pairs_and_padding_rows():
     views_TRL, mix_TSR, idx_TS = _case(2, 2, seed=9)
     rows = expert_major_rows(idx_TS, NUM_EXPERTS)
@@ -109,6 +120,7 @@ def test_dropped_pairs_and_padding_rows():
     assert torch.equal(d_mix_TSR[dropped], torch.zeros(int((~keep).sum()), 2))
 
 
+@interpreted_backward
 def test_blocks_smaller_than_the_problem():
     from mvmoe_kernels.mix_permute import inverse_rows, mix_permute_backward, mix_permute_forward
 
@@ -151,3 +163,21 @@ def test_clear_errors(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         mix_and_permute(**args, backend="triton")
+
+
+def test_interpreter_loop_refusal_names_the_versions_and_the_fix():
+    why = interpreter_loop_refusal("3.6.0", "2.5.5")
+    assert "Triton 3.6.0" in why and "numpy 2.5.5" in why and "Fix:" in why
+    assert interpreter_loop_refusal("3.7.1", "2.5.5") is None
+    assert interpreter_loop_refusal("3.6.0", "2.4.1") is None
+
+
+def test_backward_refuses_in_one_line_where_the_interpreter_cannot_loop(monkeypatch):
+    monkeypatch.setattr(mix_permute_module, "interpreter_loop_refusal", lambda: "WHY")
+    views_TRL, mix_TSR, idx_TS = _case(2, 2)
+    rows = expert_major_rows(idx_TS, NUM_EXPERTS)
+    views = views_TRL.requires_grad_()
+    rows_NL = mix_and_permute(views, mix_TSR, rows.row_token_N, rows.row_slot_N,
+                              backend="triton")
+    with pytest.raises(ValueError, match="^mix_permute backward: WHY$"):
+        rows_NL.sum().backward()
