@@ -1,8 +1,8 @@
 """tools/gpu_check.sh (what a maintainer runs when a GPU is lent) parses, and its --cpu-smoke
 mode runs every stage at tiny sizes on CPU: each stage exits 0 and summary.json carries the
-10B-A1B layer figures the GPU run reports (time ratio, TFLOP/s, memory per variant) and the
-attention stage's SDPA kernel and TFLOP/s, and the
-resume verdict (steps after the checkpoint bit-identical, loss falling). A stage that fails
+10B-A1B layer figures the GPU run reports (time ratio, TFLOP/s, memory per variant), the
+attention stage's SDPA kernel and TFLOP/s, and the resume verdict (steps after the
+checkpoint bit-identical, loss falling). A stage that fails
 says why in one line and the others still run; a spent time budget skips what is left."""
 
 import json
