@@ -10,7 +10,13 @@ inside the node; Multi-View sends blends or views + weights, whichever is smalle
 Checks are exact integer equalities: the alltoall / allgather checks of before, and per
 rank, phase, direction, payload and link (self / intra-node / inter-node, --gpus-per-node
 ranks per simulated node) counted == analytic (analysis.dispatch_semantics) for every
-semantic.
+semantic. The routing shape is a flag (--num-experts, --topk, --num-views, --latent-size),
+so every dedup mode is reachable: Multi-View sends a (token, destination) pair as its K
+views only where K views + n x K weights are strictly smaller than n blends, i.e. with
+n >= 3 experts of a token on one destination at the tiny L = 32 fp32, K = 2 (each result
+reports `views_pairs`). Every byte a dispatcher sends is counted and modelled: payload (rows,
+probs, mixing weights) and bookkeeping (int64 split counts, expert ids, (n, mode) pairs;
+Megatron's tokens-per-expert all-gather), reported side by side.
 
 Scale mode (--scale): the 10B-A1B preset on its 8 / 64 / 256-GPU layouts, routing drawn
 balanced (Megatron's force-load-balancing), skewed (Zipf, --load) or from a trained
@@ -20,6 +26,8 @@ intra / NVLink + inter / network bandwidth, share of step time against analytic 
 
 Examples:
   python tools/a2a_volume.py --ep 2 4 --semantics row rank node --json > a2a.json
+  python tools/a2a_volume.py --ep 2 4 --variants latent multi_view --dispatchers alltoall \
+      --semantics rank node --num-experts 16 --topk 6      # views mode at EP 2 and 4
   python tools/a2a_volume.py --scale --routing checkpoint balanced skewed \\
       --checkpoint runs/main_job/checkpoints --markdown examples/results/a2a_at_scale.md \\
       --plot examples/results/a2a_at_scale.png --json
@@ -50,6 +58,14 @@ def parse_args(argv=None):
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="EP ranks per node (counted default 2: simulated nodes; scale "
                         "default 8)")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="counted: experts E (default: the tiny presets' 4)")
+    p.add_argument("--topk", type=int, default=None, help="counted: top-k (default 2)")
+    p.add_argument("--num-views", type=int, default=None,
+                   help="counted: Multi-View's K views (default 2); with --latent-size and "
+                        "--topk it decides where views are cheaper than blends")
+    p.add_argument("--latent-size", type=int, default=None,
+                   help="counted: latent width L (default 32)")
     p.add_argument("--batch-size", type=int, default=2, help="counted: sequences per rank")
     p.add_argument("--seq-length", type=int, default=16, help="counted: tokens per sequence")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per spawned run")
@@ -126,15 +142,20 @@ def _summary(payload) -> str:
             lines.append(f"{head} refused: {e['error'][:100]}")
             continue
         bad = [c for c in e["checks"] if not c["ok"]]
+        views = f"  views pairs {e['views_pairs']}" if e.get("views_pairs") else ""
         lines.append(f"{head} analytic dispatch/rank {e['analytic_tokens_in']:>7d} B  "
-                     f"checks {e['checks_exact']}/{e['checks_total']} exact")
+                     f"checks {e['checks_exact']}/{e['checks_total']} exact{views}")
         for c in bad:
             lines.append(f"    MISMATCH {c['layer']} {c['what']}: counted {c['counted']} "
                          f"analytic {c['analytic']}")
     ratios = ", ".join(f"{k}={v:.3f}" for k, v in payload["ratios"].items())
-    lines.append("ratio to latent baseline (forward dispatch bytes): " + (ratios or (
+    lines.append("ratio to latent baseline (forward dispatch token rows): " + (ratios or (
         "none: a ratio needs the latent baseline measured with the alltoall dispatcher at the "
         "same EP and semantics (add latent to --variants and alltoall to --dispatchers)")))
+    if payload.get("ratios_with_bookkeeping"):
+        lines.append("ratio to latent baseline (everything the forward dispatch sends: rows, "
+                     "probs, weights and int64 bookkeeping): " + ", ".join(
+                         f"{k}={v:.3f}" for k, v in payload["ratios_with_bookkeeping"].items()))
     return "\n".join(lines)
 
 
@@ -144,7 +165,9 @@ def _counted_config(args):
     return CountedConfig(ep=tuple(args.ep), variants=tuple(args.variants),
                          dispatchers=tuple(args.dispatchers), semantics=tuple(args.semantics),
                          gpus_per_node=args.gpus_per_node, batch_size=args.batch_size,
-                         seq_length=args.seq_length, brief=args.brief)
+                         seq_length=args.seq_length, brief=args.brief,
+                         num_experts=args.num_experts, topk=args.topk,
+                         num_views=args.num_views, latent_size=args.latent_size)
 
 
 def main_counted(args) -> int:

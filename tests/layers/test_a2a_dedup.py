@@ -1,7 +1,9 @@
 """The dedup dispatcher (per destination rank, per destination node) gives the alltoall
 path's outputs and gradients within 1e-5, and the bytes counted at torch.distributed equal
 the analytic dispatch-semantics bytes exactly, per rank, phase, direction, payload and link,
-for Megatron's alltoall rows and both dedup semantics, at EP = 2 and 4 (2 ranks per node)."""
+for Megatron's alltoall rows and both dedup semantics, at EP = 2 and 4 (2 ranks per node):
+the int64 bookkeeping ("metadata": split counts, expert ids, (n, mode) pairs, Megatron's
+tokens-per-expert all-gather) included."""
 
 import pytest
 import torch
@@ -86,6 +88,7 @@ def test_counted_equals_analytic_for_every_semantic(ranks):
             bad = [c.as_dict() for c in found if not c.ok]
             assert found and not bad, (variant, semantics, bad[:4])
             assert {k for c in counted for k in c} == set(analytic), (variant, semantics)
+            assert any(payload == "metadata" for _, _, payload in analytic), semantics
             if variant == "multi_view" and semantics == "rank":
                 base = link_bytes(maps, placement, payload_for_variant(
                     "latent", config.hidden_size, config.latent_size, dtype_bytes=4), "rank")

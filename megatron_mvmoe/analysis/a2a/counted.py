@@ -11,6 +11,15 @@ Design choices:
   `ranks_per_node` ranks per simulated node) counted == `semantics.link_bytes`.
 - A refused pair (e.g. Multi-View with the allgather dispatcher) is a result with its
   error, plus what it would have cost (`analytic_if_allowed`).
+- The routing shape (experts, top-k, views, latent width) is a flag over the presets, so
+  every dedup mode is reachable: Multi-View sends a (token, destination) pair as its K views
+  only when views + weights are strictly smaller than the n blends (`views_are_cheaper`),
+  which at the tiny L = 32 fp32, K = 2 needs n >= 3 experts of one token on one destination
+  (e.g. --num-experts 16 --topk 6 at EP 4); `views_pairs` counts the pairs that took it.
+- Every figure states payload (float rows, probs, mixing weights) and bookkeeping (int64
+  split counts, expert ids, (n, mode) pairs; the row dispatcher's tokens-per-expert counts)
+  side by side: `link_bytes_mean` per link, `ratios` (token rows) and
+  `ratios_with_bookkeeping` (everything the dispatch side sends, forward).
 """
 
 from __future__ import annotations
@@ -45,6 +54,24 @@ class CountedConfig:
     seq_length: int = 16
     brief: bool = False
     """Keep only failing checks and no per-layer rows."""
+    num_experts: Optional[int] = None
+    """E over the presets' 4 (None: the preset's)."""
+    topk: Optional[int] = None
+    """Top-k over the presets' 2."""
+    num_views: Optional[int] = None
+    """Multi-View's K over the preset's 2."""
+    latent_size: Optional[int] = None
+    """L of the latent variants over the presets' 32."""
+
+    def model_overrides(self, variant: str) -> Dict:
+        """The routing-shape overrides that apply to `variant`'s preset."""
+        record = get_variant(variant)
+        out = {"model.num_experts": self.num_experts, "model.moe_router_topk": self.topk}
+        if record.latent:
+            out["model.latent_size"] = self.latent_size
+        if record.multi_view:
+            out["model.multi_view.num_views"] = self.num_views
+        return {k: v for k, v in out.items() if v is not None}
 
 
 def measure_counted(cfg: CountedConfig, timeout_s: float = 600.0) -> Dict:
@@ -57,6 +84,7 @@ def measure_counted(cfg: CountedConfig, timeout_s: float = 600.0) -> Dict:
         per_rank = run_distributed(_rank, ep, timeout_s=timeout_s, args=(cfg,))
         results += combine_ranks(ep, per_rank, cfg)
     return {"results": results, "ratios": ratios_to_latent(results),
+            "ratios_with_bookkeeping": ratios_to_latent(results, _dispatch_side_bytes),
             "all_exact": all(e.get("all_exact", True) for e in results)}
 
 
@@ -64,12 +92,18 @@ def counted_problem(cfg: CountedConfig) -> Optional[str]:
     """EP sizes the tiny models cannot use, or a selection that measures nothing."""
     from megatron_mvmoe.config.presets import PRESETS as MODEL_PRESETS
 
-    experts = {MODEL_PRESETS[VARIANT_PRESETS[v]]["num_experts"] for v in cfg.variants}
+    experts = {cfg.num_experts or MODEL_PRESETS[VARIANT_PRESETS[v]]["num_experts"]
+               for v in cfg.variants}
+    topk = cfg.topk or 2
+    if cfg.num_experts is not None and not 1 <= topk <= cfg.num_experts:
+        return (f"--topk {topk}: must be between 1 and --num-experts {cfg.num_experts}. Fix: "
+                "lower --topk or raise --num-experts")
     bad = sorted({ep for ep in cfg.ep for e in experts if ep < 1 or e % ep})
     if bad:
         fits = [d for d in range(1, min(experts) + 1) if all(e % d == 0 for e in experts)]
         return (f"--ep {' '.join(map(str, bad))}: the tiny models have {min(experts)} experts, "
-                f"which do not divide over {bad[0]} ranks. Fix: use --ep from {fits}")
+                f"which do not divide over {bad[0]} ranks. Fix: use --ep from {fits} "
+                "(or set --num-experts)")
     if not list(runs(cfg)):
         return (f"--semantics {' '.join(cfg.semantics)}: the dedup semantics (rank, node) run "
                 "only with the alltoall dispatcher. Fix: add alltoall to --dispatchers or row "
@@ -86,7 +120,8 @@ def _measure_one(variant, dispatcher, semantics, ep, cfg, pg):
     from megatron_mvmoe.toolkit import checkpoint, heldout
 
     overrides = {"model.seq_length": cfg.seq_length,
-                 "model.extra": {"moe_token_dispatcher_type": dispatcher}}
+                 "model.extra": {"moe_token_dispatcher_type": dispatcher},
+                 **cfg.model_overrides(variant)}
     if semantics != "row":  # the registry's dedup dispatcher, chosen by the config
         if get_variant(variant).multi_head:
             raise ValueError("semantics: no dedup model for MH-MoE sub-tokens")
@@ -156,8 +191,9 @@ def _rank(rank: int, world_size: int, cfg: CountedConfig) -> Dict:
 def _link_checks(variant, semantics, ep, cfg, first, per_rank, key):
     import torch
 
-    from megatron_mvmoe.analysis.a2a.semantics import (link_bytes, payload_for_variant,
-                                                            sent_by_link)
+    from megatron_mvmoe.analysis.a2a.semantics import (link_bytes, payload_and_bookkeeping,
+                                                            payload_for_variant, sent_by_link,
+                                                            views_pairs)
     from megatron_mvmoe.analysis.a2a.placement import EpPlacement
     from megatron_mvmoe.analysis.a2a.volume import semantic_checks
 
@@ -165,17 +201,19 @@ def _link_checks(variant, semantics, ep, cfg, first, per_rank, key):
     placement = EpPlacement(ep, ranks_per_node(cfg, ep), s["experts"])
     payload = payload_for_variant(variant, s["hidden"], s["latent"], first["views"],
                                   s["dtype_bytes"])
-    found, links = [], {}
+    found, links, views = [], {}, 0
     for layer in sorted(first["maps"]):
         maps = torch.stack([r[key]["maps"][layer] for r in per_rank])
         analytic = link_bytes(maps, placement, payload, semantics)
         found += semantic_checks(analytic, placement,
                                  [r[key]["peers"].get(layer, {}) for r in per_rank], layer)
-        fwd = analytic[("token_dispatch", "fwd", "tokens")] + analytic[
-            ("token_dispatch", "fwd", "probs")]
-        split = sent_by_link(fwd, placement)
-        links[layer] = {k: float(v.double().mean()) for k, v in split.items()}
-    return found, links
+        links[layer] = {}
+        for part, matrix in payload_and_bookkeeping(analytic).items():
+            suffix = "" if part == "payload" else "_bookkeeping"
+            links[layer].update({link + suffix: float(v.double().mean())
+                                 for link, v in sent_by_link(matrix, placement).items()})
+        views += views_pairs(maps, placement, payload, semantics)
+    return found, links, views
 
 
 def combine_ranks(ep, per_rank, cfg):
@@ -195,14 +233,16 @@ def combine_ranks(ep, per_rank, cfg):
         shape = CommShape(**first["shape"])
         counts = [r[key]["counts"] for r in per_rank]
         found = checks(variant, dispatcher, shape, counts) if semantics == "row" else []
-        links = {}
+        links, views = {}, 0
         if dispatcher == "alltoall" and not get_variant(variant).multi_head:
-            extra, links = _link_checks(variant, semantics, ep, cfg, first, per_rank, key)
+            extra, links, views = _link_checks(variant, semantics, ep, cfg, first, per_rank,
+                                               key)
             found += extra
         volume = dispatch_bytes(variant, dispatcher, shape)
         entry.update(shape=first["shape"], analytic_tokens_in=volume.tokens_in,
                      analytic_probs_in=volume.probs_in, rows=per_layer_rows(counts),
-                     link_bytes_mean=links, checks=[c.as_dict() for c in found],
+                     link_bytes_mean=links, views_pairs=views,
+                     checks=[c.as_dict() for c in found],
                      checks_total=len(found), checks_exact=sum(c.ok for c in found),
                      all_exact=bool(found) and all(c.ok for c in found))
         if cfg.brief:  # keep the failures only
@@ -222,13 +262,23 @@ def _refused_cost(rank0, ep):
     return {"tokens_in": volume.tokens_in, "note": volume.note}
 
 
-def ratios_to_latent(results):
-    """Counted forward-dispatch token bytes of each variant / the latent baseline."""
-    def fwd(entry):
-        return sum(r["bytes_per_rank"] for r in entry.get("rows", [])
-                   if r["phase"] == "token_dispatch" and r["direction"] == "fwd"
-                   and r["payload"] == "tokens")
+def _forward_dispatch_tokens(entry) -> float:
+    return sum(r["bytes_per_rank"] for r in entry.get("rows", [])
+               if r["phase"] == "token_dispatch" and r["direction"] == "fwd"
+               and r["payload"] == "tokens")
 
+
+def _dispatch_side_bytes(entry) -> float:
+    """Everything one rank hands to the dispatch side's collectives in forward: rows, probs,
+    mixing weights and the int64 bookkeeping (split counts, expert ids, (n, mode))."""
+    return sum(r["bytes_per_rank"] for r in entry.get("rows", [])
+               if r["direction"] == "fwd" and (r["phase"] == "token_dispatch"
+                                                or r["phase"].startswith("dispatch_preprocess")))
+
+
+def ratios_to_latent(results, measure=_forward_dispatch_tokens):
+    """Counted `measure` (default: forward-dispatch token rows) of each variant / the latent
+    baseline at the same EP, dispatcher and semantics."""
     out = {}
     for entry in results:
         if entry["dispatcher"] != "alltoall":
@@ -236,10 +286,10 @@ def ratios_to_latent(results):
         base = next((e for e in results if e["variant"] == "latent" and e["ep"] == entry["ep"]
                      and e["dispatcher"] == entry["dispatcher"] and "rows" in e
                      and e["semantics"] == entry["semantics"]), None)
-        if base and "rows" in entry and fwd(base):
+        if base and "rows" in entry and measure(base):
             sem = "" if entry["semantics"] == "row" else f"/{entry['semantics']}"
             out[f"ep{entry['ep']}/{entry['dispatcher']}{sem}/{entry['variant']}"] = round(
-                fwd(entry) / fwd(base), 6)
+                measure(entry) / measure(base), 6)
     return out
 
 
@@ -255,5 +305,6 @@ def counted_plot(results: List[Dict], path: str, cfg: CountedConfig) -> str:
             title = f"EP={e['ep']}, {ranks_per_node(cfg, e['ep'])} ranks per node"
             panels.setdefault(title, []).append(
                 {"label": f"{e['semantics']} {e['variant']}", **first})
-    return plot_link_bytes(panels, path, "tiny GPT, first MoE layer: forward dispatch bytes "
-                           "per rank (analytic = counted)")
+    return plot_link_bytes(panels, path, "tiny GPT, first MoE layer: forward dispatch payload "
+                           "bytes per rank (rows + probs + weights; the int64 bookkeeping is "
+                           "in the JSON; analytic = counted)")

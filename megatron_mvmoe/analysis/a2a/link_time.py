@@ -53,10 +53,11 @@ def rank_times_s(matrix_PP: torch.Tensor, placement: EpPlacement,
 
 def layer_a2a_time_s(matrices: Dict[Key, torch.Tensor], placement: EpPlacement,
                      links: LinkSpec) -> Dict[str, float]:
-    """Per (phase, direction) of one layer: max-rank seconds for all payloads together,
-    and "total" (dispatch + combine, forward + backward)."""
+    """Per (phase, direction) of one layer: max-rank seconds for all payloads together
+    (bookkeeping included), and "total" (dispatch + combine, forward + backward; Megatron's
+    tokens-per-expert all-gather as "dispatch_preprocess")."""
     out: Dict[str, float] = {}
-    for phase in ("token_dispatch", "token_combine"):
+    for phase in ("dispatch_preprocess", "token_dispatch", "token_combine"):
         for direction in ("fwd", "bwd"):
             parts = [m for (p, d, _), m in matrices.items() if p == phase and d == direction]
             out[f"{phase}/{direction}"] = float(rank_times_s(

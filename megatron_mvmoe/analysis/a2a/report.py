@@ -47,7 +47,8 @@ def plot(payload: dict, path: str) -> str:
                 "intra": r["intra_bytes_mean"], "inter": r["inter_bytes_mean"]})
     note = ", ".join(f"{g} GPUs {_mb(v)} MB" for g, v in sorted(off_scale.items()))
     return plot_link_bytes(panels, path, "10B-A1B, one MoE layer, forward dispatch: mean bytes "
-                           "a rank sends, intra- vs inter-node (tokens + probs + weights)\n"
+                           "a rank sends, intra- vs inter-node (rows + probs + weights + int64 "
+                           "bookkeeping)\n"
                            f"not drawn: allgather Multi-View expanded ({note})")
 
 
@@ -71,7 +72,8 @@ def _costlier(rows: List[dict]) -> List[str]:
             vs_row = "" if semantics == "row" else (
                 f"; vs the baseline on Megatron's rows: bytes x{_total(r) / _total(row_base):.3f}"
                 f", time x{r['layer_a2a_ms'] / row_base['layer_a2a_ms']:.3f}")
-            parts.append(f"{r['gpus']} GPUs: bytes x{r['bytes_ratio']:.3f}, a2a time "
+            parts.append(f"{r['gpus']} GPUs: bytes x{r['bytes_ratio']:.3f} (payload alone "
+                         f"x{r['payload_ratio']:.3f}), a2a time "
                          f"x{r['time_ratio']:.3f}, share {100 * base[r['gpus']]['a2a_share']:.1f}% "
                          f"-> {100 * r['a2a_share']:.1f}% ({points:+.1f} points){vs_row}")
         worst = max(r["bytes_ratio"] for r in mv)
@@ -82,17 +84,19 @@ def _costlier(rows: List[dict]) -> List[str]:
 
 
 def _table(rows: List[dict]) -> List[str]:
-    head = ("| GPUs (tp/pp/ep, nodes) | semantic | variant | intra MB | inter MB | max-rank "
-            "recv MB | layer a2a ms | step a2a ms | step compute ms | a2a share | bytes / "
-            "base | time / base |")
-    out = [head, "|" + "---|" * 12]
+    head = ("| GPUs (tp/pp/ep, nodes) | semantic | variant | intra MB | inter MB | of which "
+            "bookkeeping MB | max-rank recv MB | layer a2a ms | step a2a ms | step compute ms | "
+            "a2a share | bytes / base | payload / base | time / base |")
+    out = [head, "|" + "---|" * 14]
     for r in rows:
         out.append(f"| {r['gpus']} ({r['tp']}/{r['pp']}/{r['ep']}, {r['nodes']}) | "
                    f"{r['semantics']} | {_LABEL[r['variant']]} | {_mb(r['intra_bytes_mean'])} | "
-                   f"{_mb(r['inter_bytes_mean'])} | {_mb(r['max_rank_bytes'])} | "
+                   f"{_mb(r['inter_bytes_mean'])} | {r['bookkeeping_bytes_mean'] / 1e6:.3f} | "
+                   f"{_mb(r['max_rank_bytes'])} | "
                    f"{r['layer_a2a_ms']:.3f} | {r['step_a2a_ms']:.2f} | "
                    f"{r['step_compute_ms']:.2f} | {100 * r['a2a_share']:.1f}% | "
-                   f"{r['bytes_ratio']:.3f} | {r['time_ratio']:.3f} |")
+                   f"{r['bytes_ratio']:.3f} | {r['payload_ratio']:.3f} | "
+                   f"{r['time_ratio']:.3f} |")
     return out
 
 
@@ -141,7 +145,8 @@ def _tiny_lines(payload: dict) -> List[str]:
         return []
     out = ["", "## The trained tiny model's own routing", "",
            "Its real routing maps on held-out text split over EP ranks (2 ranks per node), "
-           "forward-dispatch bytes over links (self excluded, summed over ranks) of baseline vs "
+           "forward-dispatch bytes over links (float payload + int64 bookkeeping, self "
+           "excluded, summed over ranks) of baseline vs "
            "Multi-View for the same maps "
            "(tiny shapes: D, L, top-k of the checkpoint):", "",
            "| layer | EP | semantic | tokens/rank | baseline B (inter) | Multi-View B (inter) "
@@ -165,11 +170,14 @@ def _counted_lines(path: str) -> List[str]:
     total = sum(e.get("checks_total", 0) for e in counted["results"])
     exact = sum(e.get("checks_exact", 0) for e in counted["results"])
     ratios = ", ".join(f"{k} = {v:.3f}" for k, v in counted["ratios"].items())
+    whole = ", ".join(f"{k} = {v:.3f}" for k, v in counted.get(
+        "ratios_with_bookkeeping", {}).items())
     return ["", "## Counted at the collective (tiny GPT, gloo)", "",
             f"`{counted['command']}` ({counted['wall_s']} s): {exact} / {total} checks exact "
             "(counted bytes == analytic bytes per rank, phase, direction, payload and link, "
-            "for every semantic). Counted forward-dispatch token bytes over the latent "
-            f"baseline: {ratios}."]
+            "for every semantic, int64 bookkeeping included). Counted forward-dispatch token "
+            f"rows over the latent baseline: {ratios}. Everything the forward dispatch sends "
+            f"(rows, probs, weights, bookkeeping) over the baseline's: {whole}."]
 
 
 def write_page(payload: dict, path: str, counted_json: str = None) -> str:
@@ -182,7 +190,9 @@ def write_page(payload: dict, path: str, counted_json: str = None) -> str:
     for run in payload["runs"]:
         lines += [f"## Routing: {run['routing']}", "", _routing_text(run, payload), "",
                   "Where Multi-View costs more than the baseline (bytes = mean per rank, "
-                  "forward dispatch, all payloads; time = the layer's four collectives):", "",
+                  "forward dispatch side, float payload + int64 bookkeeping; payload alone "
+                  "in brackets; time = the layer's four collectives, bookkeeping included):",
+                  "",
                   *_costlier(run["rows"]), "",
                   "Max-rank load (assignments on the busiest rank / mean): " + ", ".join(
                       f"{r['gpus']} GPUs {r['rank_load_max_over_mean']:.2f}"

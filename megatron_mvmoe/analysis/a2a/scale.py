@@ -15,6 +15,9 @@ Design choices:
   seq x micro-batch / (TP x PP) at the stated achieved TFLOP/s; all-to-all per GPU and
   micro-batch: (layers / PP) x the layer's four collectives (dispatch and combine, forward
   and backward), each the max over ranks (analysis.link_time); no overlap.
+- Bytes count everything a dispatcher sends (`semantics.link_bytes`): intra / inter include
+  the int64 bookkeeping, stated beside them (`bookkeeping_bytes_mean`), and the ratios are
+  given with it (`bytes_ratio`) and for the float payload alone (`payload_ratio`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_mvmoe.analysis.a2a.semantics import (SEMANTICS, allgather_link_bytes,
-                                                        link_bytes, payload_for_variant,
-                                                        received_by_link, sent_by_link)
+                                                        link_bytes, payload_and_bookkeeping,
+                                                        payload_for_variant, received_by_link,
+                                                        sent_by_link)
 from megatron_mvmoe.analysis.a2a.link_time import LinkSpec, a2a_share, compute_time_s, \
     layer_a2a_time_s
 from megatron_mvmoe.analysis.a2a.placement import EpPlacement
@@ -68,9 +72,12 @@ def model_shape(variant: str) -> ModelSection:
 
 def _summary(matrices, placement: EpPlacement, links: LinkSpec, model: ModelSection,
              layout: Dict[str, int], micro_batch: int, tflops: float) -> dict:
-    """Bytes (forward dispatch, all float payloads), time per layer and share of step time."""
-    dispatch = sum(m for (p, d, _), m in matrices.items() if (p, d) == ("token_dispatch", "fwd"))
+    """Bytes (forward dispatch side: float payload + int64 bookkeeping, and the bookkeeping
+    alone), time per layer and share of step time."""
+    parts = payload_and_bookkeeping(matrices)
+    dispatch = parts["payload"] + parts["bookkeeping"]
     sent, got = sent_by_link(dispatch, placement), received_by_link(dispatch, placement)
+    kept = sent_by_link(parts["bookkeeping"], placement)
     times = layer_a2a_time_s(matrices, placement, links)
     layers = model.num_layers / layout["pp"]
     compute = compute_time_s(flops_per_token(model)["train"] * model.seq_length * micro_batch
@@ -78,6 +85,7 @@ def _summary(matrices, placement: EpPlacement, links: LinkSpec, model: ModelSect
     a2a = layers * times["total"]
     return {"intra_bytes_mean": float(sent["intra"].double().mean()),
             "inter_bytes_mean": float(sent["inter"].double().mean()),
+            "bookkeeping_bytes_mean": float((kept["intra"] + kept["inter"]).double().mean()),
             "max_rank_bytes": int((got["intra"] + got["inter"]).max()),
             "layer_a2a_ms": times["total"] * 1e3, "step_a2a_ms": a2a * 1e3,
             "step_compute_ms": compute * 1e3, "a2a_share": a2a_share(a2a, compute)}
@@ -128,8 +136,9 @@ def scale_rows(cfg: ScaleConfig, progress: Callable[[str], None] = lambda _: Non
 
 
 def _with_ratios(rows: List[dict]) -> List[dict]:
-    """bytes_ratio / time_ratio: a row over the baseline of its cluster size and semantic
-    (allgather rows over the alltoall row-semantic baseline)."""
+    """bytes_ratio (bookkeeping included) / payload_ratio (floats only) / time_ratio: a row
+    over the baseline of its cluster size and semantic (allgather rows over the alltoall
+    row-semantic baseline)."""
     def key(r):
         return r["gpus"], r["routing"], ("row" if r["semantics"] == "allgather"
                                          else r["semantics"])
@@ -140,6 +149,9 @@ def _with_ratios(rows: List[dict]) -> List[dict]:
         total = r["intra_bytes_mean"] + r["inter_bytes_mean"]
         ref_total = ref["intra_bytes_mean"] + ref["inter_bytes_mean"]
         r["bytes_ratio"] = total / ref_total if ref_total else None
+        payload = total - r["bookkeeping_bytes_mean"]
+        ref_payload = ref_total - ref["bookkeeping_bytes_mean"]
+        r["payload_ratio"] = payload / ref_payload if ref_payload else None
         r["time_ratio"] = r["layer_a2a_ms"] / ref["layer_a2a_ms"] if ref["layer_a2a_ms"] else None
     return rows
 
@@ -154,8 +166,8 @@ def tiny_real_routing_rows(maps_TE_by_layer: Dict[str, torch.Tensor], hidden: in
                            latent: int, views: int, eps=(2, 4), ranks_per_node: int = 2,
                            dtype_bytes: int = 2) -> List[dict]:
     """The trained tiny model's own routing maps split over EP ranks: bytes of baseline and
-    Multi-View per semantic (forward dispatch, all float payloads, over links: self bytes
-    excluded, summed over ranks)."""
+    Multi-View per semantic (forward dispatch side, float payload + int64 bookkeeping, over
+    links: self bytes excluded, summed over ranks)."""
     rows = []
     for layer, map_TE in maps_TE_by_layer.items():
         for ep in eps:
@@ -167,8 +179,7 @@ def tiny_real_routing_rows(maps_TE_by_layer: Dict[str, torch.Tensor], hidden: in
                 for variant in ("latent", "multi_view"):
                     shape = payload_for_variant(variant, hidden, latent, views, dtype_bytes)
                     m = link_bytes(maps, placement, shape, semantics)
-                    fwd = sum(v for (p, d, _), v in m.items() if (p, d) == ("token_dispatch",
-                                                                            "fwd"))
+                    fwd = sum(payload_and_bookkeeping(m).values())
                     split = sent_by_link(fwd, placement)
                     total[variant] = int((split["intra"] + split["inter"]).sum())
                     total[f"{variant}_inter"] = int(split["inter"].sum())

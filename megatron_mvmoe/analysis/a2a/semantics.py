@@ -25,9 +25,16 @@ Payload kinds (what one (token, destination) pair sends when it hosts n experts)
 - "naive_multi_view": the K views per pair (per (token, expert) row under "row") and the
   mixing weights, always (mixed after dispatch).
 
-Payloads on the wire: "tokens" (rows of W elements of `dtype_bytes`) and "probs" (one
-routing probability per (token, expert) and hop, plus the mixing weights, floats). The
-backward sends the gradients of the same tensors in reverse: its matrix is the transpose.
+Payloads on the wire: "tokens" (rows of W elements of `dtype_bytes`), "probs" (one
+routing probability per (token, expert) and hop, plus the mixing weights, floats) and
+"metadata" (the int64 bookkeeping, `INT_BYTES` each, forward only):
+- row: Megatron's alltoall dispatcher all-gathers each rank's E tokens-per-expert counts in
+  its preprocess (phase "dispatch_preprocess"; every rank gets E values from every rank).
+- rank / node (layers/dedup_dispatcher.py), per hop: 4 split counts to every rank (self
+  included), one expert id per (token, expert) selection and an (n, mode) pair per
+  (token, destination) pair sent.
+The backward sends the gradients of the float tensors in reverse: its matrix is the
+transpose; the ints have no gradient.
 """
 
 from __future__ import annotations
@@ -42,9 +49,15 @@ from megatron_mvmoe.config.variants import VARIANTS, get_variant
 from megatron_mvmoe.functional.mixing import views_are_cheaper
 
 SEMANTICS = ("row", "rank", "node")
+INT_BYTES = 8
+"""int64 bookkeeping (split counts, expert ids, (n, mode) pairs)."""
+SPLIT_COUNTS = 4
+"""Per hop the dedup dispatcher all-to-alls [P, 4] counts: rows, pairs, selections, views."""
+PAYLOADS = ("tokens", "probs", "metadata")
 KINDS = ("token", "multi_view", "naive_multi_view")
 Key = Tuple[str, str, str]
-"""(phase: token_dispatch | token_combine, direction: fwd | bwd, payload: tokens | probs)."""
+"""(phase: dispatch_preprocess | token_dispatch | token_combine, direction: fwd | bwd,
+payload: tokens | probs | metadata)."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +121,28 @@ class _Matrices:
             ("token_combine", "tokens"))}
 
     def add(self, phase: str, payload: str, source: int, dests, bytes_):
-        self.m[(phase, payload)][source, dests] += bytes_
+        matrix = self.m.setdefault((phase, payload), torch.zeros(self.ranks, self.ranks,
+                                                                 dtype=torch.long))
+        matrix[source, dests] += bytes_
 
     def with_backward(self) -> Dict[Key, torch.Tensor]:
         out = {}
         for (phase, payload), matrix in self.m.items():
             out[(phase, "fwd", payload)] = matrix
-            out[(phase, "bwd", payload)] = matrix.T.contiguous()
+            if payload != "metadata":  # ints carry no gradient
+                out[(phase, "bwd", payload)] = matrix.T.contiguous()
         return out
+
+    def add_hop_metadata(self, source: int, dests, selections, pairs) -> None:
+        """One dedup hop's int64 bookkeeping from `source` to `dests`: expert ids per
+        selection and (n, mode) per pair (the split counts: `add_split_counts`)."""
+        self.add("token_dispatch", "metadata", source, dests,
+                 (selections + 2 * pairs) * INT_BYTES)
+
+    def add_split_counts(self, hops: int) -> None:
+        """The [P, SPLIT_COUNTS] count exchange of each hop: to every rank, self included."""
+        self.add("token_dispatch", "metadata", slice(None), slice(None),
+                 hops * SPLIT_COUNTS * INT_BYTES)
 
 
 def _experts_per_dest(maps_PTE: torch.Tensor, placement: EpPlacement) -> torch.Tensor:
@@ -139,7 +166,13 @@ def link_bytes(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadSha
     acc = _Matrices(placement.ep)
     if semantics == "node":
         _node_hops(n_PTQ, placement, shape, acc)
+        acc.add_split_counts(hops=2)
         return acc.with_backward()
+    if semantics == "row":  # the all-gather of E tokens-per-expert counts, to every rank
+        acc.add("dispatch_preprocess", "metadata", slice(None), slice(None),
+                placement.num_experts * INT_BYTES)
+    else:
+        acc.add_split_counts(hops=1)
     for source in range(placement.ep):
         n_TQ = n_PTQ[source]
         rows, weights = (_row_cost(n_TQ, shape) if semantics == "row"
@@ -149,6 +182,8 @@ def link_bytes(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadSha
         acc.add("token_dispatch", "tokens", source, dests, rows.sum(0) * shape.row_bytes)
         acc.add("token_dispatch", "probs", source, dests, n_TQ.sum(0) * shape.probs_bytes
                 + weights.sum(0) * shape.weight_bytes)
+        if semantics == "rank":
+            acc.add_hop_metadata(source, dests, n_TQ.sum(0), (n_TQ > 0).sum(0))
         # the combine goes the other way: rank q sends to the source
         acc.m[("token_combine", "tokens")][dests, source] += (
             combine_rows.sum(0) * shape.row_bytes)
@@ -172,6 +207,7 @@ def _node_hops(n_PTQ: torch.Tensor, placement: EpPlacement, shape: PayloadShape,
                     + int(weights1.sum()) * shape.weight_bytes)
             acc.m[("token_combine", "tokens")][proxy, source] += (
                 int((n_T > 0).sum()) * shape.row_bytes)
+            acc.add_hop_metadata(source, proxy, int(n_T.sum()), int((n_T > 0).sum()))
             arrived_as_views = (weights1 > 0).unsqueeze(1) if shape.kind == "multi_view" else None
             rows2, weights2 = _pair_cost(n_TG, shape, arrived_as_views)
             acc.add("token_dispatch", "tokens", proxy, members, rows2.sum(0) * shape.row_bytes)
@@ -179,6 +215,20 @@ def _node_hops(n_PTQ: torch.Tensor, placement: EpPlacement, shape: PayloadShape,
                     + weights2.sum(0) * shape.weight_bytes)
             acc.m[("token_combine", "tokens")][members, proxy] += (
                 (n_TG > 0).sum(0) * shape.row_bytes)
+            acc.add_hop_metadata(proxy, members, n_TG.sum(0), (n_TG > 0).sum(0))
+
+
+def views_pairs(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadShape,
+                semantics: str) -> int:
+    """(token, destination) pairs that travel as the K views on the first hop (destination
+    rank for "rank", node for "node"; none under "row" or without Multi-View)."""
+    if shape.kind != "multi_view" or semantics == "row":
+        return 0
+    n_PTQ = _experts_per_dest(maps_PTE, placement)
+    if semantics == "node":
+        n_PTQ = n_PTQ.reshape(*n_PTQ.shape[:2], placement.nodes, -1).sum(-1)
+    _, weights = _pair_cost(n_PTQ, shape)
+    return int((weights > 0).sum())
 
 
 def sent_by_link(matrix_PP: torch.Tensor, placement: EpPlacement) -> Dict[str, torch.Tensor]:
@@ -214,12 +264,28 @@ def payload_for_variant(variant: str, hidden: int, latent, views: int = 1,
 def allgather_link_bytes(placement: EpPlacement, tokens: int, shape: PayloadShape,
                          rows_per_token: int = 1) -> Dict[Key, torch.Tensor]:
     """The allgather dispatcher as [P, P] matrices: every rank's rows (and dense [T, E]
-    fp32 probs) reach every rank, and the combine reduce-scatters the same amount back.
-    `rows_per_token` = k for Multi-View's expanded tokens (refused by the layer)."""
+    fp32 probs, and the bool [T, E] routing map: metadata, 1 byte each) reach every rank,
+    and the combine reduce-scatters the same amount back. `rows_per_token` = k for
+    Multi-View's expanded tokens (refused by the layer)."""
     ranks = placement.ep
     ones = torch.ones(ranks, ranks, dtype=torch.long)
-    rows = ones * tokens * rows_per_token * shape.row_bytes
-    probs = ones * tokens * rows_per_token * placement.num_experts * shape.probs_bytes
+    units = tokens * rows_per_token
+    rows = ones * units * shape.row_bytes
+    probs = ones * units * placement.num_experts * shape.probs_bytes
+    routing_map = ones * units * placement.num_experts
     return {("token_dispatch", "fwd", "tokens"): rows, ("token_dispatch", "fwd", "probs"): probs,
+            ("token_dispatch", "fwd", "metadata"): routing_map,
             ("token_dispatch", "bwd", "tokens"): rows, ("token_combine", "fwd", "tokens"): rows,
             ("token_combine", "bwd", "tokens"): rows}
+
+
+def payload_and_bookkeeping(matrices: Dict[Key, torch.Tensor],
+                            direction: str = "fwd") -> Dict[str, torch.Tensor]:
+    """The dispatch side of one direction as {"payload": floats [P, P], "bookkeeping":
+    int metadata [P, P]}: every phase before the experts (preprocess and token_dispatch)."""
+    zero = torch.zeros_like(next(iter(matrices.values())))
+    out = {"payload": zero.clone(), "bookkeeping": zero.clone()}
+    for (phase, d, payload), m in matrices.items():
+        if d == direction and phase != "token_combine":
+            out["bookkeeping" if payload == "metadata" else "payload"] += m
+    return out

@@ -126,15 +126,24 @@ PeerKey = Tuple[str, str, str]
 
 
 def peer_counts(records) -> Dict[str, Dict[PeerKey, List[int]]]:
-    """layer -> {(phase, direction, payload): bytes this rank sent to each group rank}."""
+    """layer -> {(phase, direction, payload): bytes this rank sent to each group rank}, for
+    every all-to-all and all-gather of the dispatchers (an all-gather hands its input to
+    every group rank, itself included); the payload includes the int "metadata"."""
     out: Dict[str, Dict[PeerKey, List[int]]] = defaultdict(dict)
     for r in records:
-        if r.layer is None or r.op != "all_to_all_single" or r.payload == "metadata":
+        if r.layer is None or r.op not in _A2A + _GATHER:
             continue
-        key = (r.phase, r.direction, r.payload)
-        current = out[r.layer].setdefault(key, [0] * len(r.peer_bytes))
-        out[r.layer][key] = [a + b for a, b in zip(current, r.peer_bytes)]
+        peers = r.peer_bytes if r.op in _A2A else (r.input_bytes,) * r.group_size
+        key = (_phase_kind(r.phase), r.direction, r.payload)
+        current = out[r.layer].setdefault(key, [0] * len(peers))
+        out[r.layer][key] = [a + b for a, b in zip(current, peers)]
     return dict(out)
+
+
+def _phase_kind(phase: str) -> str:
+    """The per-row dispatcher's `dispatch_preprocess_rows` / `_permuted` entry points run
+    Megatron's preprocess too: one phase for the analytic model."""
+    return "dispatch_preprocess" if phase.startswith("dispatch_preprocess") else phase
 
 
 def semantic_checks(matrices, placement, per_rank: Sequence[Dict[PeerKey, List[int]]],
