@@ -79,6 +79,10 @@ def parse_args(argv=None):
                    help="scale: Zipf exponent s of the skewed routing (p_e ~ 1/(r+1)^s)")
     p.add_argument("--checkpoint", default=None,
                    help="scale: trained checkpoint dir for --routing checkpoint")
+    p.add_argument("--profile-json", default=None,
+                   help="scale: --routing checkpoint from the load profile an earlier --json "
+                        "output recorded (its checkpoint entry), when the checkpoint is not "
+                        "here; the trained model's own maps are then not re-routed")
     p.add_argument("--heldout-batches", type=int, default=4,
                    help="scale: held-out batches per domain routed through the checkpoint")
     p.add_argument("--micro-batch-size", type=int, default=1, help="scale: sequences per rank")
@@ -101,7 +105,7 @@ def parse_args(argv=None):
 
 
 # Flags that only the scale mode reads (None = not given).
-_SCALE_ONLY = ("--routing", "--checkpoint", "--markdown", "--counted-json")
+_SCALE_ONLY = ("--routing", "--checkpoint", "--markdown", "--counted-json", "--profile-json")
 
 
 def _scale_flag_problem(args):
@@ -111,9 +115,12 @@ def _scale_flag_problem(args):
         return (f"{given[0]}: a --scale flag, unused in counted mode. Fix: add --scale or "
                 f"drop {given[0]}") if given else None
     routing = args.routing or ["skewed"]
-    if "checkpoint" in routing and not args.checkpoint:
+    if "checkpoint" in routing and not (args.checkpoint or args.profile_json):
         return ("--routing checkpoint needs --checkpoint DIR (e.g. runs/main_job/checkpoints "
-                "from `make run`)")
+                "from `make run`) or --profile-json FILE (an earlier --scale --json output)")
+    if args.checkpoint and args.profile_json:
+        return ("--profile-json: a second source of the load profile. Fix: pass --checkpoint "
+                "or --profile-json, not both")
     if args.checkpoint and "checkpoint" not in routing:
         return (f"--checkpoint {args.checkpoint}: read only with --routing checkpoint. Fix: "
                 "add checkpoint to --routing, or drop --checkpoint")
@@ -197,7 +204,8 @@ def main_scale(args) -> int:
     for routing in args.routing:
         shares = None
         if routing == "checkpoint":
-            shares, payload["checkpoint"] = _checkpoint_profile(args)
+            shares, payload["checkpoint"] = (_checkpoint_profile(args) if args.checkpoint
+                                             else _recorded_profile(args.profile_json))
         cfg = ScaleConfig(tuple(args.gpus), args.gpus_per_node or 8, args.micro_batch_size,
                           routing="profile" if routing == "checkpoint" else routing,
                           load=args.load, shares=shares, links=links,
@@ -226,6 +234,23 @@ def _checkpoint_profile(args):
     info["path"] = args.checkpoint
     info.update(tokens=int(next(iter(found["maps"].values())).shape[0]),
                 load_profile=shares, tiny_real_routing=tiny)
+    return shares, info
+
+
+def _recorded_profile(path: str):
+    """The load profile and checkpoint description an earlier --scale --json recorded."""
+    import json
+
+    try:
+        with open(path) as f:
+            recorded = json.load(f)["checkpoint"]
+        shares = recorded["load_profile"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--profile-json {path}: no recorded load profile ({err}). Fix: pass "
+                         "a --scale --json output of a --routing checkpoint run, e.g. "
+                         "examples/results/a2a_at_scale.json") from None
+    info = {k: v for k, v in recorded.items() if k != "tiny_real_routing"}
+    info["profile_json"] = path
     return shares, info
 
 

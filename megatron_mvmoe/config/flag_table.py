@@ -291,6 +291,8 @@ FLAGS: List[Flag] = [
     Flag("--run-dir", "logging", "run_dir", str),
     Flag("--tensorboard", "logging", "tensorboard", parse_bool),
     Flag("--routing-metrics", "logging", "routing_metrics", parse_bool),
+    Flag("--a2a-metrics", "logging", "a2a_metrics", parse_bool),
+    Flag("--a2a-ranks-per-node", "logging", "a2a_ranks_per_node", int),
     Flag("--tensorboard-dir", "logging", "tensorboard_dir", str, "turns TensorBoard on"),
     Flag("--wandb-project", "logging", "wandb_project", str),
     Flag("--wandb-exp-name", "logging", "wandb_exp_name", str),

@@ -233,6 +233,14 @@ class LoggingSection:
     """Write TensorBoard events (under tensorboard_dir)."""
     routing_metrics: bool = True
     """Per-layer tokens per expert, load max/mean and aux loss in the logs."""
+    a2a_metrics: bool = True
+    """Per MoE layer and log interval: all-to-all bytes each EP rank sends and receives
+    (dispatch and combine, forward and backward, bookkeeping included), max / mean over
+    ranks and experts, the inter-node share, and what the row / rank / node dispatch
+    semantics would send for the same routing (docs/a2a_model.md, "Live metrics")."""
+    a2a_ranks_per_node: Optional[int] = None
+    """Global ranks per node for the live all-to-all metrics' inter-node share (None = the
+    launcher's LOCAL_WORLD_SIZE)."""
     moe_routing_trace_path: Optional[str] = None
     """Megatron's router trace: one `router_trace_rank<N>.jsonl` per rank with every MoE
     layer's top-k per step (TopKRouter and MultiRouter), for Megatron-LM's tools/moe_routing."""

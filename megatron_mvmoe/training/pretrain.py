@@ -41,6 +41,8 @@ from megatron_mvmoe.models.build import validate_run
 from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
 from megatron_mvmoe.training import checkpoint as ckpt
 from megatron_mvmoe.training import error_once
+from megatron_mvmoe.training.a2a_metrics import A2AMonitor
+from megatron_mvmoe.training.a2a_metrics import summary_line as a2a_summary_line
 from megatron_mvmoe.training.build import Trainer, build_trainer
 from megatron_mvmoe.training.gamma_ramp import gamma_controls
 from megatron_mvmoe.training.memory_report import memory_hook
@@ -99,6 +101,7 @@ class _Loop:
         self.watch = NonFiniteWatch(self.trainer.unwrapped())
         self.routing = (RoutingMonitor(self.trainer.unwrapped(), model.num_experts, pg_collection)
                         if run.logging.routing_metrics and model.is_moe else None)
+        self.a2a = A2AMonitor.for_run(run, self.trainer, pg_collection, self.log.line)
         self.advance_gamma, self.gamma = gamma_controls(self.trainer)
         install_moe_metrics_tracker()  # before the first forward records into it
         self.tracer = self._start_router_trace()
@@ -254,6 +257,8 @@ class _Loop:
                                                             self.trainer.pg_collection),
                                                  self.routing.reduce_diversity())
         metrics.update(mtp_losses(microbatches, self.trainer.config, self.trainer.pg_collection))
+        if self.a2a is not None:
+            metrics["a2a"] = self.a2a.reduce(steps)
         self.log.record("train", self.state.step, metrics)
         gamma = "" if metrics.get("gamma") is None else f" | gamma {metrics['gamma']:.3f}"
         skipped = (f" | skipped iterations {self.state.skipped_iters}"
@@ -266,6 +271,8 @@ class _Loop:
                       f"| lr {metrics['lr']:.3e} | grad norm {metrics['grad_norm']:.3f} | "
                       f"{metrics['tokens_per_s']:.0f} tok/s{gamma}{skipped}{batch}{mtp}"
                       f"{self.efficiency.text(metrics)}")
+        if self.a2a is not None:
+            self.log.line(a2a_summary_line(metrics["a2a"]))
 
     def evaluate(self) -> Dict[str, float]:
         # eval_iters global batches: the same samples whatever the layout.
@@ -323,8 +330,9 @@ class _Loop:
             self.saver.close()
         close_writer_processes()
         self.watch.close()
-        if self.routing is not None:
-            self.routing.close()
+        for monitor in (self.routing, self.a2a):
+            if monitor is not None:
+                monitor.close()
         self.log.close()
 
 

@@ -92,6 +92,29 @@ def test_link_bytes_match_naive_loop(semantics, kind, ep, per_node, topk):
                        _dense(ref["d_tok"], ep).T)
 
 
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_histogram_gives_the_per_token_bytes(semantics, kind):
+    """The live metrics' histogram path (one rank's H[q, a, c]) equals link_bytes's
+    per-token path for that rank's tokens, bookkeeping included."""
+    from megatron_mvmoe.analysis.a2a.semantics import (LinkMatrices, add_source_bytes,
+                                                       add_source_histogram,
+                                                       destination_histogram, experts_per_dest)
+
+    pl, topk = EpPlacement(8, 4, 16), 6
+    maps = routing_maps("skewed", 8, 24, 16, topk, load=1.2, seed=5)
+    shape = PayloadShape(width=8, kind=kind, views=2, dtype_bytes=2)
+    for source in (0, 5):
+        n_TQ = experts_per_dest(maps[source], pl)
+        per_token, histogram = LinkMatrices(8), LinkMatrices(8)
+        add_source_bytes(per_token, n_TQ, source, pl, shape, semantics)
+        add_source_histogram(histogram, destination_histogram(n_TQ, 4, topk), source, pl,
+                             shape, semantics)
+        assert per_token.m.keys() == histogram.m.keys()
+        for key, matrix in per_token.m.items():
+            assert torch.equal(histogram.m[key], matrix), (source, key)
+
+
 def test_dedup_never_costs_more_than_rows_and_multi_view_chooses():
     pl = EpPlacement(8, 4, 32)
     maps = routing_maps("balanced", 8, 64, 32, 8, seed=3)

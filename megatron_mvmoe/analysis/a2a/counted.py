@@ -83,9 +83,12 @@ def measure_counted(cfg: CountedConfig, timeout_s: float = 600.0) -> Dict:
     for ep in cfg.ep:
         per_rank = run_distributed(_rank, ep, timeout_s=timeout_s, args=(cfg,))
         results += combine_ranks(ep, per_rank, cfg)
-    return {"results": results, "ratios": ratios_to_latent(results),
-            "ratios_with_bookkeeping": ratios_to_latent(results, _dispatch_side_bytes),
-            "all_exact": all(e.get("all_exact", True) for e in results)}
+    out = {"results": results, "ratios": ratios_to_latent(results),
+           "ratios_with_bookkeeping": ratios_to_latent(results, _dispatch_side_bytes),
+           "all_exact": all(e.get("all_exact", True) for e in results)}
+    if cfg.brief:
+        _brief(results)
+    return out
 
 
 def counted_problem(cfg: CountedConfig) -> Optional[str]:
@@ -245,11 +248,16 @@ def combine_ranks(ep, per_rank, cfg):
                      checks=[c.as_dict() for c in found],
                      checks_total=len(found), checks_exact=sum(c.ok for c in found),
                      all_exact=bool(found) and all(c.ok for c in found))
-        if cfg.brief:  # keep the failures only
-            entry["checks"] = [c for c in entry["checks"] if not c["ok"]]
-            entry.pop("rows")
         results.append(entry)
     return results
+
+
+def _brief(results: List[Dict]) -> None:
+    """Keep only the failing checks and no per-layer rows (after the ratios used them)."""
+    for entry in results:
+        if "checks" in entry:
+            entry["checks"] = [c for c in entry["checks"] if not c["ok"]]
+        entry.pop("rows", None)
 
 
 def _refused_cost(rank0, ep):

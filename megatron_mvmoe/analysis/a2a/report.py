@@ -143,6 +143,11 @@ def _tiny_lines(payload: dict) -> List[str]:
     ck = payload.get("checkpoint")
     if not ck:
         return []
+    if "tiny_real_routing" not in ck:  # the load profile came from --profile-json
+        return ["", "## The trained tiny model's own routing", "",
+                f"Not recomputed: the load profile was read from `{ck.get('profile_json')}`, "
+                "not routed through the checkpoint. Run the page's command with --checkpoint "
+                "(after `make run`) for this section."]
     out = ["", "## The trained tiny model's own routing", "",
            "Its real routing maps on held-out text split over EP ranks (2 ranks per node), "
            "forward-dispatch bytes over links (float payload + int64 bookkeeping, self "

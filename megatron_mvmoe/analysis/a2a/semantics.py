@@ -111,7 +111,7 @@ def _row_cost(n: torch.Tensor, shape: PayloadShape):
     return n, torch.zeros_like(n)
 
 
-class _Matrices:
+class LinkMatrices:
     """Accumulates [P, P] byte matrices (source sends to destination) per forward key."""
 
     def __init__(self, ranks: int) -> None:
@@ -145,10 +145,10 @@ class _Matrices:
                  hops * SPLIT_COUNTS * INT_BYTES)
 
 
-def _experts_per_dest(maps_PTE: torch.Tensor, placement: EpPlacement) -> torch.Tensor:
-    """n[s, t, q]: experts of token t of rank s hosted on rank q."""
-    ranks, tokens, _ = maps_PTE.shape
-    return maps_PTE.reshape(ranks, tokens, ranks, placement.experts_per_rank).sum(-1)
+def experts_per_dest(maps_PTE: torch.Tensor, placement: EpPlacement) -> torch.Tensor:
+    """n[s, t, q]: experts of token t of rank s hosted on rank q (also [T, E] -> [T, P])."""
+    *lead, _ = maps_PTE.shape
+    return maps_PTE.reshape(*lead, placement.ep, placement.experts_per_rank).sum(-1)
 
 
 def link_bytes(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadShape,
@@ -156,66 +156,141 @@ def link_bytes(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadSha
     """Bytes rank s hands to the collective for rank q: {(phase, direction, payload): [P, P]}.
 
     maps_PTE: the bool routing map of every EP rank (P, T tokens each, E experts)."""
-    if semantics not in SEMANTICS:
-        raise ValueError(f"semantics: unknown {semantics!r}. Fix: use one of {SEMANTICS}")
     if maps_PTE.dim() != 3 or maps_PTE.shape[0] != placement.ep or \
             maps_PTE.shape[2] != placement.num_experts:
         raise ValueError(f"maps_PTE: expected [{placement.ep}, T, {placement.num_experts}], "
                          f"got {tuple(maps_PTE.shape)}. Fix: stack one routing map per EP rank")
-    n_PTQ = _experts_per_dest(maps_PTE, placement)
-    acc = _Matrices(placement.ep)
-    if semantics == "node":
-        _node_hops(n_PTQ, placement, shape, acc)
-        acc.add_split_counts(hops=2)
-        return acc.with_backward()
-    if semantics == "row":  # the all-gather of E tokens-per-expert counts, to every rank
-        acc.add("dispatch_preprocess", "metadata", slice(None), slice(None),
-                placement.num_experts * INT_BYTES)
-    else:
-        acc.add_split_counts(hops=1)
+    acc = LinkMatrices(placement.ep)
+    n_PTQ = experts_per_dest(maps_PTE, placement)
     for source in range(placement.ep):
-        n_TQ = n_PTQ[source]
-        rows, weights = (_row_cost(n_TQ, shape) if semantics == "row"
-                         else _pair_cost(n_TQ, shape))
-        combine_rows = n_TQ if semantics == "row" else (n_TQ > 0).long()
-        dests = torch.arange(placement.ep)
-        acc.add("token_dispatch", "tokens", source, dests, rows.sum(0) * shape.row_bytes)
-        acc.add("token_dispatch", "probs", source, dests, n_TQ.sum(0) * shape.probs_bytes
-                + weights.sum(0) * shape.weight_bytes)
-        if semantics == "rank":
-            acc.add_hop_metadata(source, dests, n_TQ.sum(0), (n_TQ > 0).sum(0))
-        # the combine goes the other way: rank q sends to the source
-        acc.m[("token_combine", "tokens")][dests, source] += (
-            combine_rows.sum(0) * shape.row_bytes)
+        add_source_bytes(acc, n_PTQ[source], source, placement, shape, semantics)
+    add_per_call_bytes(acc, placement, semantics, calls=1)
     return acc.with_backward()
 
 
-def _node_hops(n_PTQ: torch.Tensor, placement: EpPlacement, shape: PayloadShape,
-               acc: _Matrices) -> None:
-    ranks, tokens, _ = n_PTQ.shape
+def add_per_call_bytes(acc: "LinkMatrices", placement: EpPlacement, semantics: str,
+                       calls: int) -> None:
+    """The bookkeeping every rank sends whatever its tokens, `calls` dispatches: Megatron's
+    all-gather of E tokens-per-expert counts (row), the [P, 4] split counts per hop (rank:
+    one hop, node: two)."""
+    if semantics == "row":  # to every rank, self included
+        acc.add("dispatch_preprocess", "metadata", slice(None), slice(None),
+                calls * placement.num_experts * INT_BYTES)
+    else:
+        acc.add_split_counts(hops=calls * (2 if semantics == "node" else 1))
+
+
+def add_source_bytes(acc: "LinkMatrices", n_TQ: torch.Tensor, source: int,
+                     placement: EpPlacement, shape: PayloadShape, semantics: str) -> None:
+    """Everything the tokens of EP rank `source` cost (n_TQ: experts of each of its tokens
+    on each EP rank), over every hop (the node semantic's NVLink forward is sent by the
+    proxy on their behalf); linear in the tokens, so a rank can add its own part alone."""
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics: unknown {semantics!r}. Fix: use one of {SEMANTICS}")
+    if semantics == "node":
+        _node_hops(n_TQ, source, placement, shape, acc)
+        return
+    rows, weights = (_row_cost(n_TQ, shape) if semantics == "row"
+                     else _pair_cost(n_TQ, shape))
+    combine_rows = n_TQ if semantics == "row" else (n_TQ > 0).long()
+    dests = torch.arange(placement.ep)
+    acc.add("token_dispatch", "tokens", source, dests, rows.sum(0) * shape.row_bytes)
+    acc.add("token_dispatch", "probs", source, dests, n_TQ.sum(0) * shape.probs_bytes
+            + weights.sum(0) * shape.weight_bytes)
+    if semantics == "rank":
+        acc.add_hop_metadata(source, dests, n_TQ.sum(0), (n_TQ > 0).sum(0))
+    # the combine goes the other way: rank q sends to the source
+    acc.m[("token_combine", "tokens")][dests, source] += combine_rows.sum(0) * shape.row_bytes
+
+
+def _node_hops(n_TQ: torch.Tensor, source: int, placement: EpPlacement, shape: PayloadShape,
+               acc: "LinkMatrices") -> None:
     per_node = placement.ranks_per_node
-    n_PTBG = n_PTQ.reshape(ranks, tokens, placement.nodes, per_node)
-    for source in range(ranks):
-        for node in range(placement.nodes):
-            proxy = placement.proxy(source, node)
-            members = torch.arange(node * per_node, (node + 1) * per_node)
-            n_TG = n_PTBG[source, :, node]
-            n_T = n_TG.sum(-1)
-            rows1, weights1 = _pair_cost(n_T, shape)
-            acc.add("token_dispatch", "tokens", source, proxy, int(rows1.sum()) * shape.row_bytes)
-            acc.add("token_dispatch", "probs", source, proxy, int(n_T.sum()) * shape.probs_bytes
-                    + int(weights1.sum()) * shape.weight_bytes)
-            acc.m[("token_combine", "tokens")][proxy, source] += (
-                int((n_T > 0).sum()) * shape.row_bytes)
-            acc.add_hop_metadata(source, proxy, int(n_T.sum()), int((n_T > 0).sum()))
-            arrived_as_views = (weights1 > 0).unsqueeze(1) if shape.kind == "multi_view" else None
-            rows2, weights2 = _pair_cost(n_TG, shape, arrived_as_views)
-            acc.add("token_dispatch", "tokens", proxy, members, rows2.sum(0) * shape.row_bytes)
-            acc.add("token_dispatch", "probs", proxy, members, n_TG.sum(0) * shape.probs_bytes
-                    + weights2.sum(0) * shape.weight_bytes)
-            acc.m[("token_combine", "tokens")][members, proxy] += (
-                (n_TG > 0).sum(0) * shape.row_bytes)
-            acc.add_hop_metadata(proxy, members, n_TG.sum(0), (n_TG > 0).sum(0))
+    n_TBG = n_TQ.reshape(n_TQ.shape[0], placement.nodes, per_node)
+    for node in range(placement.nodes):
+        proxy = placement.proxy(source, node)
+        members = torch.arange(node * per_node, (node + 1) * per_node)
+        n_TG = n_TBG[:, node]
+        n_T = n_TG.sum(-1)
+        rows1, weights1 = _pair_cost(n_T, shape)
+        acc.add("token_dispatch", "tokens", source, proxy, int(rows1.sum()) * shape.row_bytes)
+        acc.add("token_dispatch", "probs", source, proxy, int(n_T.sum()) * shape.probs_bytes
+                + int(weights1.sum()) * shape.weight_bytes)
+        acc.m[("token_combine", "tokens")][proxy, source] += (
+            int((n_T > 0).sum()) * shape.row_bytes)
+        acc.add_hop_metadata(source, proxy, int(n_T.sum()), int((n_T > 0).sum()))
+        arrived_as_views = (weights1 > 0).unsqueeze(1) if shape.kind == "multi_view" else None
+        rows2, weights2 = _pair_cost(n_TG, shape, arrived_as_views)
+        acc.add("token_dispatch", "tokens", proxy, members, rows2.sum(0) * shape.row_bytes)
+        acc.add("token_dispatch", "probs", proxy, members, n_TG.sum(0) * shape.probs_bytes
+                + weights2.sum(0) * shape.weight_bytes)
+        acc.m[("token_combine", "tokens")][members, proxy] += (
+            (n_TG > 0).sum(0) * shape.row_bytes)
+        acc.add_hop_metadata(proxy, members, n_TG.sum(0), (n_TG > 0).sum(0))
+
+
+def destination_histogram(n_TQ: torch.Tensor, ranks_per_node: int, topk: int) -> torch.Tensor:
+    """H[q, a, c]: tokens with a of their experts on rank q and c on q's node (groups of
+    `ranks_per_node` ranks): all that `add_source_histogram` needs, built without a host
+    sync (scatter_add into a fixed size), so it can run on the device every micro-batch."""
+    tokens, ranks = n_TQ.shape
+    bins = topk + 1
+    n_TB = n_TQ.reshape(tokens, ranks // ranks_per_node, ranks_per_node).sum(-1)
+    c_TQ = n_TB.repeat_interleave(ranks_per_node, dim=1)
+    index = (torch.arange(ranks, device=n_TQ.device) * bins + n_TQ) * bins + c_TQ
+    hist = torch.zeros(ranks * bins * bins, dtype=torch.long, device=n_TQ.device)
+    hist.scatter_add_(0, index.flatten(), torch.ones_like(index.flatten()))
+    return hist.view(ranks, bins, bins)
+
+
+def add_source_histogram(acc: LinkMatrices, H_QAC: torch.Tensor, source: int,
+                         placement: EpPlacement, shape: PayloadShape, semantics: str) -> None:
+    """`add_source_bytes` from `destination_histogram` (built with
+    placement.ranks_per_node): every cost is a function of a token's experts on one rank and
+    on its node, so weighting the cost of each value by its count gives the same bytes."""
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics: unknown {semantics!r}. Fix: use one of {SEMANTICS}")
+    n = torch.arange(H_QAC.shape[1])
+    present = (n > 0).long()
+    if semantics == "node":
+        _node_hops_histogram(acc, H_QAC, n, source, placement, shape)
+        return
+    W_QA = H_QAC.sum(2)
+    rows, weights = _row_cost(n, shape) if semantics == "row" else _pair_cost(n, shape)
+    combine = n if semantics == "row" else present
+    dests = torch.arange(placement.ep)
+    acc.add("token_dispatch", "tokens", source, dests, (W_QA * rows).sum(1) * shape.row_bytes)
+    acc.add("token_dispatch", "probs", source, dests, (W_QA * n).sum(1) * shape.probs_bytes
+            + (W_QA * weights).sum(1) * shape.weight_bytes)
+    if semantics == "rank":
+        acc.add_hop_metadata(source, dests, (W_QA * n).sum(1), (W_QA * present).sum(1))
+    acc.m[("token_combine", "tokens")][dests, source] += (W_QA * combine).sum(1) * shape.row_bytes
+
+
+def _node_hops_histogram(acc, H_QAC, n, source, placement, shape) -> None:
+    per_node, present = placement.ranks_per_node, (n > 0).long()
+    rows1, weights1 = _pair_cost(n, shape)  # per count c of experts on the node
+    arrived_as_views = (weights1 > 0).unsqueeze(0) if shape.kind == "multi_view" else None
+    rows2, weights2 = _pair_cost(n.unsqueeze(1).expand(len(n), len(n)), shape, arrived_as_views)
+    for node in range(placement.nodes):
+        proxy = placement.proxy(source, node)
+        members = torch.arange(node * per_node, (node + 1) * per_node)
+        W_C = H_QAC[node * per_node].sum(0)  # every token once, by its count on the node
+        acc.add("token_dispatch", "tokens", source, proxy, int((W_C * rows1).sum()) * shape.row_bytes)
+        acc.add("token_dispatch", "probs", source, proxy, int((W_C * n).sum()) * shape.probs_bytes
+                + int((W_C * weights1).sum()) * shape.weight_bytes)
+        acc.m[("token_combine", "tokens")][proxy, source] += (
+            int((W_C * present).sum()) * shape.row_bytes)
+        acc.add_hop_metadata(source, proxy, int((W_C * n).sum()), int((W_C * present).sum()))
+        W_GAC = H_QAC[members]
+        acc.add("token_dispatch", "tokens", proxy, members,
+                (W_GAC * rows2).sum((1, 2)) * shape.row_bytes)
+        acc.add("token_dispatch", "probs", proxy, members,
+                (W_GAC * n.unsqueeze(1)).sum((1, 2)) * shape.probs_bytes
+                + (W_GAC * weights2).sum((1, 2)) * shape.weight_bytes)
+        pairs = (W_GAC * present.unsqueeze(1)).sum((1, 2))
+        acc.m[("token_combine", "tokens")][members, proxy] += pairs * shape.row_bytes
+        acc.add_hop_metadata(proxy, members, (W_GAC * n.unsqueeze(1)).sum((1, 2)), pairs)
 
 
 def views_pairs(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadShape,
@@ -224,7 +299,7 @@ def views_pairs(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadSh
     rank for "rank", node for "node"; none under "row" or without Multi-View)."""
     if shape.kind != "multi_view" or semantics == "row":
         return 0
-    n_PTQ = _experts_per_dest(maps_PTE, placement)
+    n_PTQ = experts_per_dest(maps_PTE, placement)
     if semantics == "node":
         n_PTQ = n_PTQ.reshape(*n_PTQ.shape[:2], placement.nodes, -1).sum(-1)
     _, weights = _pair_cost(n_PTQ, shape)

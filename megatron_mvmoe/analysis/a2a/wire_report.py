@@ -2,11 +2,13 @@
 case, pass (fwd / bwd), node and link direction (tx / rx), and shaped-link times against
 `link_time.WireLink`, fitted on some rates and checked on held-out ones.
 
-Prediction of a case's payload on a node link = the analytic token and probs bytes
-(`dispatch_semantics.link_bytes` from the routing maps the run used) + the dispatcher's
-metadata collectives (split counts, expert ids: int tensors whose sizes the counter read at
-torch.distributed), both put on the wire with `wire.rank_matrix` (gloo's algorithms). The
-analytic token/probs matrices must equal the counted ones exactly (`analytic_equals_counted`).
+Prediction of a case's payload on a node link = the analytic bytes of every all-to-all
+(`semantics.link_bytes` from the routing maps the run used: rows, probs, mixing weights and
+the dedup dispatchers' int64 bookkeeping: split counts, expert ids, (n, mode) pairs) + the
+all-gathers (Megatron's tokens-per-expert counts), put on the wire with `wire.rank_matrix`
+(gloo's ring; its input sizes as counted, which `link_bytes` states too). The analytic
+all-to-all matrices, bookkeeping included, must equal the counted ones exactly
+(`analytic_equals_counted`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def _records(result: dict) -> List[List[WireRecord]]:
 
 
 def _analytic(result: dict, variant: str, semantics: str, ranks_per_node: int):
-    """{pass: [P, P]} analytic token + probs bytes summed over the MoE layers."""
+    """{pass: [P, P]} analytic all-to-all bytes (token, probs and int64 bookkeeping) summed
+    over the MoE layers; the all-gathered counts (phase dispatch_preprocess) are left to
+    the ring model."""
     shape, ranks = result["ranks"][0]["shape"], result["ranks"]
     placement = EpPlacement(len(ranks), ranks_per_node, shape["experts"])
     payload = payload_for_variant(variant, shape["hidden"], shape["latent"], shape["views"],
@@ -46,8 +50,10 @@ def _analytic(result: dict, variant: str, semantics: str, ranks_per_node: int):
     out = {p: torch.zeros(len(ranks), len(ranks), dtype=torch.long) for p in PASSES}
     for layer in sorted(ranks[0]["maps"]):
         maps_PTE = torch.tensor([r["maps"][layer] for r in ranks], dtype=torch.bool)
-        for (_, direction, _), m in link_bytes(maps_PTE, placement, payload, semantics).items():
-            out[direction] += m
+        for (phase, direction, _), m in link_bytes(maps_PTE, placement, payload,
+                                                   semantics).items():
+            if phase != "dispatch_preprocess":
+                out[direction] += m
     return out
 
 
@@ -60,10 +66,12 @@ def case_bytes(result: dict, hosts: Sequence[str], ranks_per_node: int,
     rows, exact = [], True
     for p in PASSES:
         mine = [[r for r in recs if r.direction == p] for recs in records]
-        data = rank_matrix([[r for r in rs if r.payload != "metadata"] for rs in mine], world)
+        a2a = rank_matrix([[r for r in rs if r.op == "all_to_all_single"] for rs in mine], world)
+        gathers = rank_matrix([[r for r in rs if r.op != "all_to_all_single"] for rs in mine],
+                              world)
         meta = rank_matrix([[r for r in rs if r.payload == "metadata"] for rs in mine], world)
-        exact &= torch.equal(data, analytic[p])
-        predicted = node_link_bytes(analytic[p] + meta, node_of)
+        exact &= torch.equal(a2a, analytic[p])
+        predicted = node_link_bytes(analytic[p] + gathers, node_of)
         meta_nodes = node_link_bytes(meta, node_of)
         replay_pred = node_link_bytes(rank_matrix([minimal_replay_sizes(rs) for rs in mine],
                                                   world), node_of)
