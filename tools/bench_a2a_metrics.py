@@ -7,7 +7,11 @@ Each pair trains the same run twice on gloo ranks (EP = world), metrics off and 
 order that alternates every pair (so drift hits both); the per-pair ratio is on / off of
 the training loop's wall time. Printed: every pair, then the median ratio and the spread
 (min..max) of the per-pair ratios. The machine is noisy; the spread is the honest figure.
-The target is a median overhead <= 1 % (docs/a2a_model.md, "Live metrics").
+The "on" runs also time the metrics' own code on rank 0 as a share of their loop: the
+per-micro-batch histogram hook, and the log-time reduction (whose all-reduces also wait
+for the slower rank, time the next collective would have waited anyway): figures that
+shared-machine noise slows in both their parts alike. The target is an overhead <= 1 % (docs/a2a_model.md,
+"Live metrics").
 
 Design choices:
 - The wall time is the training loop's only (first step to return, via the on_step hook),
@@ -28,6 +32,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -65,10 +70,29 @@ def _raw(args, tokens: str) -> Dict:
                              routing_metrics=False, a2a_ranks_per_node=1))
 
 
+def _timed_run(rank, world_size, raw):
+    """Train; (loop wall time from the first step, seconds inside the metrics' code)."""
+    from bench_ckpt_save import _timed_run as loop_seconds  # first step to return, rank 0
+    from megatron_mvmoe.training import a2a_metrics
+
+    spent = {"hook": 0.0, "reduce": 0.0}
+
+    def timed(method, part):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return wrapper
+
+    a2a_metrics._Layer.add = timed(a2a_metrics._Layer.add, "hook")
+    a2a_metrics.A2AMonitor.reduce = timed(a2a_metrics.A2AMonitor.reduce, "reduce")
+    return loop_seconds(rank, world_size, raw), spent
+
+
 def measure(args) -> Dict:
     from megatron_mvmoe.launch.local_ranks import run_distributed
-
-    from bench_ckpt_save import _timed_run  # the training loop's wall time on rank 0
 
     sys.path.insert(0, str(REPO / "tests" / "training"))
     from textdata import build_token_dir
@@ -82,17 +106,27 @@ def measure(args) -> Dict:
             for on in ((False, True) if i % 2 == 0 else (True, False)):
                 variant = copy.deepcopy(raw)
                 variant["logging"]["a2a_metrics"] = on
-                seconds["on" if on else "off"] = run_distributed(
-                    _timed_run, args.world, timeout_s=900, daemon=False, args=(variant,))[0]
+                wall, spent = run_distributed(_timed_run, args.world, timeout_s=900,
+                                              daemon=False, args=(variant,))[0]
+                seconds["on" if on else "off"] = wall
+                if on:
+                    seconds.update({f"{part}_share": t / wall for part, t in spent.items()})
+                    seconds["metrics_share"] = sum(spent.values()) / wall
             pairs.append({**seconds, "ratio": seconds["on"] / seconds["off"]})
             print(f"pair {i + 1}/{args.pairs}: off {seconds['off']:.2f} s, on "
-                  f"{seconds['on']:.2f} s, on/off {pairs[-1]['ratio']:.4f}", file=sys.stderr,
-                  flush=True)
+                  f"{seconds['on']:.2f} s, on/off {pairs[-1]['ratio']:.4f}, metrics' own "
+                  f"share {seconds['metrics_share']:.4%} (hook {seconds['hook_share']:.4%}, "
+                  f"log-time reduce {seconds['reduce_share']:.4%})", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratios = [p["ratio"] for p in pairs]
+    shares = [p["metrics_share"] for p in pairs]
     return {"pairs": pairs, "median_ratio": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios), "config": vars(args),
+            "ratio_max": max(ratios), "median_metrics_share": statistics.median(shares),
+            "metrics_share_min": min(shares), "metrics_share_max": max(shares),
+            "median_hook_share": statistics.median(p["hook_share"] for p in pairs),
+            "median_reduce_share": statistics.median(p["reduce_share"] for p in pairs),
+            "config": vars(args),
             "command": " ".join(["python", "tools/bench_a2a_metrics.py", *sys.argv[1:]])}
 
 
@@ -103,9 +137,14 @@ def main(argv: List[str]) -> int:
         print(json.dumps(result))
         return 0
     for i, p in enumerate(result["pairs"], 1):
-        print(f"pair {i}: off {p['off']:.2f} s, on {p['on']:.2f} s, on/off {p['ratio']:.4f}")
+        print(f"pair {i}: off {p['off']:.2f} s, on {p['on']:.2f} s, on/off {p['ratio']:.4f}, "
+              f"metrics' own share {p['metrics_share']:.4%} (hook {p['hook_share']:.4%})")
+    print(f"metrics' own share, median: hook {result['median_hook_share']:.4%}, log-time "
+          f"reduce {result['median_reduce_share']:.4%}")
     print(f"on/off: median {result['median_ratio']:.4f} (per-pair spread "
-          f"{result['ratio_min']:.4f}..{result['ratio_max']:.4f})")
+          f"{result['ratio_min']:.4f}..{result['ratio_max']:.4f}); metrics' own share of the "
+          f"loop: median {result['median_metrics_share']:.4%} (spread "
+          f"{result['metrics_share_min']:.4%}..{result['metrics_share_max']:.4%})")
     return 0
 
 

@@ -86,6 +86,16 @@ class _Layer:
         self.per_expert = counts if self.per_expert is None else self.per_expert + counts
         self.calls += 1
 
+    @property
+    def num_experts(self) -> int:
+        return self.placements[self.own].num_experts
+
+    def expert_counts(self) -> torch.Tensor:
+        """Tokens per expert routed by this rank since the last reset (int64, CPU)."""
+        if self.per_expert is None:
+            return torch.zeros(self.num_experts, dtype=torch.long)
+        return self.per_expert.cpu().long()
+
     def source_matrices(self, semantics: str) -> LinkMatrices:
         """This rank's tokens' forward byte matrices since the last reset."""
         acc = LinkMatrices(self.ep)
@@ -125,7 +135,9 @@ class A2AMonitor:
         self.ranks_per_node = ranks_per_node(configured_ranks_per_node)
         nodes = [g // self.ranks_per_node for g in dist.get_process_group_ranks(
             pg_collection.ep)]
-        self.nodes = torch.tensor(nodes)
+        node = torch.tensor(nodes)
+        self._cross = node.unsqueeze(1) != node.unsqueeze(0)  # [P, P]: crosses a node
+        self._between = ~torch.eye(len(nodes), dtype=torch.bool)  # [P, P]: not to itself
         skipped = {}
         for chunk in chunks:
             for module in chunk.modules():
@@ -160,93 +172,133 @@ class A2AMonitor:
         self.handles.append(layer.experts.register_forward_pre_hook(observe))
 
     def reduce(self, steps: int) -> Dict[str, dict]:
-        """{"layer_<n>": metrics per step} since the last call, merged over the pipeline."""
+        """{"layer_<n>": metrics per step} since the last call, merged over the pipeline.
+        Collective: one all-reduce over the EP group (every layer's matrices and expert
+        counts at once), one SUM and one MAX over the expert-data-parallel group."""
         from megatron_mvmoe.training.metrics import _merge_over_pipeline
 
-        mine = {}
-        for number, state in sorted(self.layers.items()):
-            mine[f"layer_{number}"] = self._layer_metrics(state, max(steps, 1))
+        layers = sorted(self.layers.items())
+        full, experts = self._ep_sums(layers)
+        stats = _Stats()
+        for number, state in layers:
+            self._layer_stats(stats, number, state, full, experts[number])
+        stats.reduce(self.pgs.expt_dp)
+        mine = {f"layer_{number}": self._layer_metrics(stats, number, state, full, steps)
+                for number, state in layers}
+        for _, state in layers:
             state.reset()
         return _merge_over_pipeline(mine, self.pgs.pp)
 
-    def _full_matrices(self, state: _Layer, semantics: str):
-        """{(phase, direction, payload): [P, P]} of the EP group since the last reset."""
-        acc = state.source_matrices(semantics)
-        keys = sorted(acc.m)
-        stacked = torch.stack([acc.m[k] for k in keys]) if keys else torch.zeros(0)
-        calls = torch.tensor([state.calls], dtype=torch.long)
-        dist.all_reduce(stacked, group=self.pgs.ep)
-        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=self.pgs.ep)
-        total = LinkMatrices(state.ep)
-        total.m = {k: m for k, m in zip(keys, stacked)}
-        add_per_call_bytes(total, state.placements[semantics], semantics, int(calls))
-        return total.with_backward()
+    def _ep_sums(self, layers):
+        """{(layer, semantics): {(phase, direction, payload): [P, P]}} of each EP group since
+        the last reset (bookkeeping per call included), and {layer: tokens per expert}."""
+        pieces, flat = [], []
+        for number, state in layers:
+            for semantics in SEMANTICS:
+                acc = state.source_matrices(semantics)
+                pieces.append((number, semantics, sorted(acc.m)))
+                flat += [acc.m[k].flatten() for k in pieces[-1][2]]
+            flat.append(state.expert_counts())
+        buffer = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
+        dist.all_reduce(buffer, group=self.pgs.ep)
+        full, experts, at = {}, {}, 0
+        by_layer = dict(layers)
+        for number, state in layers:
+            ranks = state.ep
+            for semantics in SEMANTICS:
+                keys = next(k for n, s, k in pieces if (n, s) == (number, semantics))
+                total = LinkMatrices(ranks)
+                total.m = {}
+                for key in keys:
+                    total.m[key] = buffer[at:at + ranks * ranks].view(ranks, ranks)
+                    at += ranks * ranks
+                add_per_call_bytes(total, state.placements[semantics], semantics, state.calls)
+                full[(number, semantics)] = total.with_backward()
+            size = by_layer[number].num_experts
+            experts[number] = buffer[at:at + size].double()
+            at += size
+        return full, experts
 
-    def _layer_metrics(self, state: _Layer, steps: int) -> dict:
-        matrices = self._full_matrices(state, state.own)
-        out = {"semantics": state.own, "per_rank": {}}
-        for name, phases in _PHASES.items():
-            for direction in ("fwd", "bwd"):
-                m = sum((v for (p, d, _), v in matrices.items()
-                         if p in phases and d == direction), torch.zeros(state.ep, state.ep,
-                                                                         dtype=torch.long))
-                key = f"{name}_{direction}"
-                out["per_rank"][key] = {"sent": m.sum(1).tolist(), "received": m.sum(0).tolist()}
-                out.update(self._spread(key, m, steps))
-        dispatch = _dispatch_fwd(matrices, state.ep)
+    def _layer_stats(self, stats, number: int, state: _Layer, full, experts) -> None:
+        """This EP group's figures of one layer, to sum or max over the stage."""
+        matrices = full[(number, state.own)]
+        for key, m in _phase_matrices(matrices, state.ep).items():
+            for side, per_rank in (("sent", m.sum(1)), ("received", m.sum(0))):
+                stats.add((number, f"{key}_{side}_mean"), per_rank.double().mean())
+                stats.top((number, f"{key}_{side}_max"), per_rank.double().max())
         bookkeeping = sum((v for (p, d, pl), v in matrices.items() if d == "fwd"
-                           and pl == "metadata"), torch.zeros_like(dispatch))
-        out["dispatch_fwd_bookkeeping_mean"] = self._mean(bookkeeping.sum(1), steps)
-        out["inter_node_share"] = self._inter_share(dispatch)
-        out["expert_max_over_mean"] = self._expert_spread(state)
+                           and pl == "metadata"), torch.zeros(state.ep, state.ep, dtype=torch.long))
+        stats.add((number, "bookkeeping"), bookkeeping.sum(1).double().mean())
+        for semantics in SEMANTICS:
+            m = _dispatch_fwd(full[(number, semantics)], state.ep)
+            stats.add((number, semantics), m.sum(1).double().mean())
+            stats.add((number, semantics, "cross"), (m * self._cross).sum().double())
+            stats.add((number, semantics, "between"), (m * self._between).sum().double())
+        stats.add((number, "experts"), experts)
+
+    def _layer_metrics(self, stats, number: int, state: _Layer, full, steps: int) -> dict:
+        groups = self.pgs.expt_dp.size()
+        out = {"semantics": state.own, "per_rank": {}}
+        for key, m in _phase_matrices(full[(number, state.own)], state.ep).items():
+            out["per_rank"][key] = {"sent": m.sum(1).tolist(), "received": m.sum(0).tolist()}
+            for side in ("sent", "received"):
+                mean = float(stats.sums[(number, f"{key}_{side}_mean")]) / groups
+                top = float(stats.maxes[(number, f"{key}_{side}_max")])
+                out[f"{key}_{side}_mean"] = mean / steps
+                out[f"{key}_{side}_max"] = top / steps
+                out[f"{key}_{side}_max_over_mean"] = top / mean if mean else 0.0
+        out["dispatch_fwd_bookkeeping_mean"] = float(stats.sums[(number, "bookkeeping")]) / (
+            groups * steps)
         out["would_send"] = {}
         for semantics in SEMANTICS:
-            m = dispatch if semantics == state.own else _dispatch_fwd(
-                self._full_matrices(state, semantics), state.ep)
-            out["would_send"][semantics] = self._mean(m.sum(1), steps)
-            out["would_send"][f"{semantics}_inter_node_share"] = self._inter_share(m)
-        return out
-
-    def _spread(self, key: str, m: torch.Tensor, steps: int) -> dict:
-        """Mean and max over the stage's EP ranks of bytes sent / received per step."""
-        out = {}
-        for side, per_rank in (("sent", m.sum(1)), ("received", m.sum(0))):
-            values = torch.tensor([per_rank.double().max(), per_rank.double().mean()])
-            top, total = values[:1].clone(), values[1:].clone()
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.pgs.expt_dp)
-            dist.all_reduce(total, group=self.pgs.expt_dp)
-            mean = float(total) / self.pgs.expt_dp.size()
-            out[f"{key}_{side}_mean"] = mean / steps
-            out[f"{key}_{side}_max"] = float(top) / steps
-            out[f"{key}_{side}_max_over_mean"] = float(top) / mean if mean else 0.0
-        return out
-
-    def _mean(self, per_rank: torch.Tensor, steps: int) -> float:
-        total = per_rank.double().mean().reshape(1)
-        dist.all_reduce(total, group=self.pgs.expt_dp)
-        return float(total) / self.pgs.expt_dp.size() / steps
-
-    def _inter_share(self, m: torch.Tensor) -> float:
-        """Share of the bytes between ranks (self excluded) that cross a node boundary."""
-        cross = self.nodes.unsqueeze(1) != self.nodes.unsqueeze(0)
-        other = ~torch.eye(len(self.nodes), dtype=torch.bool)
-        parts = torch.tensor([float((m * cross).sum()), float((m * other).sum())],
-                             dtype=torch.float64)
-        dist.all_reduce(parts, group=self.pgs.expt_dp)
-        return float(parts[0] / parts[1]) if parts[1] else 0.0
-
-    def _expert_spread(self, state: _Layer) -> float:
-        counts = torch.zeros(state.placements[state.own].num_experts, dtype=torch.float64)
-        if state.per_expert is not None:
-            counts += state.per_expert.cpu()
-        dist.all_reduce(counts, group=self.pgs.ep)
-        dist.all_reduce(counts, group=self.pgs.expt_dp)
+            between = float(stats.sums[(number, semantics, "between")])
+            share = float(stats.sums[(number, semantics, "cross")]) / between if between else 0.0
+            out["would_send"][semantics] = float(stats.sums[(number, semantics)]) / (
+                groups * steps)
+            out["would_send"][f"{semantics}_inter_node_share"] = share
+        out["inter_node_share"] = out["would_send"][f"{state.own}_inter_node_share"]
+        counts = stats.sums[(number, "experts")]
         mean = float(counts.mean())
-        return float(counts.max()) / mean if mean else 0.0
+        out["expert_max_over_mean"] = float(counts.max()) / mean if mean else 0.0
+        return out
 
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+class _Stats:
+    """Named figures to sum or to max over a group, reduced in one all-reduce each."""
+
+    def __init__(self) -> None:
+        self.sums: Dict = {}
+        self.maxes: Dict = {}
+
+    def add(self, name, value: torch.Tensor) -> None:
+        self.sums[name] = value.double().reshape(-1)
+
+    def top(self, name, value: torch.Tensor) -> None:
+        self.maxes[name] = value.double().reshape(-1)
+
+    def reduce(self, group) -> None:
+        for values, op in ((self.sums, dist.ReduceOp.SUM), (self.maxes, dist.ReduceOp.MAX)):
+            names = list(values)
+            sizes = [values[n].numel() for n in names]
+            packed = torch.cat([values[n] for n in names]) if names else torch.zeros(0)
+            dist.all_reduce(packed, op=op, group=group)
+            for name, part in zip(names, packed.split(sizes)):
+                values[name] = part if part.numel() > 1 else part[0]
+
+
+def _phase_matrices(matrices, ranks: int) -> Dict[str, torch.Tensor]:
+    """{dispatch_fwd, dispatch_bwd, combine_fwd, combine_bwd: [P, P]} over all payloads."""
+    out = {}
+    for name, phases in _PHASES.items():
+        for direction in ("fwd", "bwd"):
+            out[f"{name}_{direction}"] = sum(
+                (v for (p, d, _), v in matrices.items() if p in phases and d == direction),
+                torch.zeros(ranks, ranks, dtype=torch.long))
+    return out
 
 
 def _dispatch_fwd(matrices, ranks: int) -> torch.Tensor:

@@ -9,7 +9,9 @@ import torch
 
 from megatron_mvmoe.analysis.a2a.link_time import WireLink, collective_wire_time_s, fit_wire_link
 from megatron_mvmoe.analysis.a2a.wire import (HEADER_BYTES, WireRecord, measured_payload,
-                                          minimal_replay_sizes, node_link_bytes, rank_matrix)
+                                          minimal_replay_sizes, node_link_bytes, rank_matrix,
+                                          received_split)
+from megatron_mvmoe.analysis.a2a.wire_report import receive_bandwidth
 from megatron_mvmoe.dev_cluster import Cluster
 from megatron_mvmoe.dev_cluster.netns import Layout, parse_proc_net_dev
 
@@ -43,6 +45,22 @@ def test_node_link_bytes_equal_a_naive_loop(world, per_node):
     node_of = [r // per_node for r in range(world)]
     assert node_link_bytes(rank_matrix(records, world), node_of) == _naive_link_bytes(
         records, node_of)
+
+
+def test_receive_side_split_and_bandwidth_as_hybridep_reports_it():
+    """Each rank's received bytes from other ranks, intra / inter-node (own bytes excluded),
+    and the busiest receiver's GB/s over the measured time."""
+    m = torch.arange(16).reshape(4, 4) * 1000  # rank s sends m[s, q] to rank q
+    split = received_split(m, [0, 0, 1, 1])
+    for q in range(4):
+        same = [s for s in range(4) if s // 2 == q // 2 and s != q]
+        assert split["intra"][q] == sum(int(m[s, q]) for s in same)
+        assert split["inter"][q] == sum(int(m[s, q]) for s in range(4) if s // 2 != q // 2)
+    samples = [{"received": split, "seconds": 1e-3}, {"received": split, "seconds": 2e-3}]
+    got = receive_bandwidth(samples)
+    assert got["recv_inter_GBps_median"] == pytest.approx(  # median of 1/1 ms and 1/2 ms
+        max(split["inter"]) * (1e3 + 0.5e3) / 2 / 1e9)
+    assert receive_bandwidth([{"seconds": 1.0}]) == {}
 
 
 def test_payload_subtracts_66_bytes_per_frame_and_the_replayed_control():

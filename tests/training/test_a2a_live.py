@@ -2,7 +2,7 @@
 counted at torch.distributed for the same steps, per rank and MoE layer, bookkeeping
 included: EP = 2 with the dedup_node dispatcher (two hops, one rank per node), and the
 TP x EP and PP x EP layouts with Megatron's alltoall rows. Also in metrics.jsonl,
-TensorBoard and the console summary."""
+TensorBoard, the console summary and tools/plot_a2a_metrics.py."""
 
 import copy
 import glob
@@ -104,6 +104,14 @@ def test_live_metrics_equal_counted_bytes_ep2_dedup_node(tmp_path, text_tokens):
     (events,) = glob.glob(os.path.join(tmp_path, "tensorboard", "*tfevents*"))
     with open(events, "rb") as f:
         assert b"train/a2a/layer_1/dispatch_fwd_sent_mean" in f.read()
+    import plot_a2a_metrics  # the docs' plot, from this run's metrics.jsonl
+
+    png = tmp_path / "a2a.png"
+    assert plot_a2a_metrics.main([str(tmp_path / "metrics.jsonl"), "--out", str(png)]) == 0
+    assert png.stat().st_size > 0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"kind": "train", "step": 1}\n')
+    assert plot_a2a_metrics.main([str(empty), "--out", str(png)]) == 2
 
 
 @pytest.mark.parametrize("parallel", [{"tp": 2, "ep": 2, "etp": 1}, {"pp": 2, "ep": 2}],

@@ -23,6 +23,10 @@ sends T rows of width W (D, L or D/H with T*H rows); Multi-View there would need
 "expanded tokens" (T*k pseudo-tokens), k times more, so the layer refuses it: the figure
 is reported (note="refused") to state that cost.
 Probs travel with the tokens in the alltoall dispatcher: one fp32 value per row.
+Bookkeeping (`metadata_in`): the alltoall dispatcher all-gathers E int64 tokens-per-expert
+counts per rank (not when padded to capacity), the allgather dispatcher the bool [T, E]
+routing map; the dedup dispatchers' per-destination bookkeeping is in
+analysis.dispatch_semantics.
 Expert capacity (`capacity_factor`, Megatron's moe_expert_capacity_factor; C =
 ceil(units*k / E * factor), Megatron's get_capacity, per rank): padded to capacity
 (`pad_to_capacity`), every rank sends exactly C*E rows (padding rows included) and receives
@@ -50,6 +54,7 @@ from megatron_mvmoe.config.variants import ROUTED_VARIANT_NAMES, get_variant
 from megatron_mvmoe.functional.mixing import views_are_cheaper
 
 VARIANTS = ROUTED_VARIANT_NAMES
+INT64_BYTES = 8
 DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -104,6 +109,10 @@ class CommVolume:
     row_width: int
     """Elements per row."""
     note: str = ""
+    metadata_in: int = 0
+    """Bytes of int bookkeeping one rank hands to the dispatch's all-gather: Megatron's
+    alltoall dispatcher its E int64 tokens-per-expert counts (none when padded to
+    capacity: the splits are fixed), the allgather dispatcher its bool [T, E] routing map."""
 
 
 def row_shape(variant: str, shape: CommShape):
@@ -181,8 +190,10 @@ def dispatch_bytes(variant: str, dispatcher: str, shape: CommShape) -> CommVolum
     if dispatcher == "alltoall":
         rows, received, note = alltoall_rows(units, shape)
         out = None if received is None else received * width * shape.dtype_bytes
+        counts = 0 if shape.capacity_factor is not None and shape.pad_to_capacity else (
+            shape.experts * INT64_BYTES)
         return CommVolume(rows * width * shape.dtype_bytes, out,
-                          rows * shape.probs_bytes, rows, width, note)
+                          rows * shape.probs_bytes, rows, width, note, counts)
     if dispatcher == "allgather":
         group = shape.tp * shape.ep
         per_row = get_variant(variant).multi_view  # per-(token, expert) rows
@@ -191,7 +202,8 @@ def dispatch_bytes(variant: str, dispatcher: str, shape: CommShape) -> CommVolum
                 f"{shape.topk}x the baseline") if per_row else ""
         token_bytes = rows * width * shape.dtype_bytes
         probs = rows * shape.experts * shape.probs_bytes
-        return CommVolume(token_bytes, token_bytes * group, probs, rows, width, note)
+        return CommVolume(token_bytes, token_bytes * group, probs, rows, width, note,
+                          rows * shape.experts)
     raise ValueError(f"dispatcher: unknown {dispatcher!r}. Fix: use one of {DISPATCHERS}")
 
 

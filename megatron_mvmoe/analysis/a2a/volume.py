@@ -87,6 +87,9 @@ def _alltoall_checks(layer, ranks, volume, group_total) -> List[Check]:
                          _get(counts, "token_combine", "bwd", "tokens", _A2A), volume.tokens_in))
         out.append(Check(layer, f"rank{rank} dispatch fwd probs",
                          _get(counts, "token_dispatch", "fwd", "probs", _A2A), volume.probs_in))
+        out.append(Check(layer, f"rank{rank} dispatch fwd metadata (all-gather in)",
+                         sum(b for (p, d, pl, op), b in counts.items() if d == "fwd"
+                             and pl == "metadata" and op in _GATHER), volume.metadata_in))
     for phase, direction in (("token_combine", "fwd"), ("token_dispatch", "bwd")):
         summed = sum(_get(c, phase, direction, "tokens", _A2A) for c in ranks)
         out.append(Check(layer, f"group {phase.split('_')[1]} {direction} tokens", summed,
@@ -102,6 +105,9 @@ def _allgather_checks(layer, ranks, volume) -> List[Check]:
                          _get(counts, "token_dispatch", "fwd", "tokens", _GATHER)
                          + _get(counts, "token_dispatch", "fwd", "probs", _GATHER),
                          volume.tokens_in + volume.probs_in))
+        out.append(Check(layer, f"rank{rank} dispatch fwd routing map (all-gather in)",
+                         _get(counts, "token_dispatch", "fwd", "metadata", _GATHER),
+                         volume.metadata_in))
         out.append(Check(layer, f"rank{rank} combine fwd tokens (reduce-scatter in)",
                          _get(counts, "token_combine", "fwd", "tokens", _SCATTER),
                          volume.tokens_out))

@@ -72,6 +72,17 @@ def rank_matrix(records_by_rank: Sequence[Sequence[WireRecord]], world: int) -> 
     return m_PP
 
 
+def received_split(m_PP: torch.Tensor, node_of_rank: Sequence[int]) -> Dict[str, List[int]]:
+    """Bytes each rank receives from the other ranks of its node ("intra") and from other
+    nodes ("inter"), its own kept bytes excluded: the receive side that HybridEP and NCCL EP
+    divide by the time to report a bandwidth."""
+    node = torch.tensor(list(node_of_rank))
+    same = node.unsqueeze(1) == node.unsqueeze(0)
+    other = ~torch.eye(len(node), dtype=torch.bool)
+    return {"intra": (m_PP * (same & other)).sum(0).tolist(),
+            "inter": (m_PP * ~same).sum(0).tolist()}
+
+
 def node_link_bytes(m_PP: torch.Tensor, node_of_rank: Sequence[int]) -> Dict[int, Dict[str, int]]:
     """{node: {tx, rx}} inter-node bytes on each node's link for a [P, P] matrix."""
     node = torch.tensor(list(node_of_rank))

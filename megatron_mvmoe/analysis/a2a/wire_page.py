@@ -35,11 +35,14 @@ def bytes_table(payload: dict) -> List[str]:
 def timing_table(timing: dict) -> List[str]:
     m = timing["model"]
     lines = ["| rate Mbit/s | role | samples | measured median ms (layer-direction medians) | "
+             "receive-side GB/s, busiest rank: inter / intra-node (HybridEP / NCCL EP style) | "
              "plain model error (eff 1, no per-message) | fitted model error mean / max |",
-             "|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|"]
     for rate, r in m["per_rate"].items():
+        recv = (f"{r['recv_inter_GBps_median']:.4f} / {r['recv_intra_GBps_median']:.4f}"
+                if "recv_inter_GBps_median" in r else "not recorded (run before the split)")
         lines.append(f"| {rate} | {'held out' if r['held_out'] else 'fit'} | {r['samples']} | "
-                     f"{r['measured_median_s'] * 1e3:.2f} | "
+                     f"{r['measured_median_s'] * 1e3:.2f} | {recv} | "
                      f"{r['plain_model_error_mean_abs']:.1%} | {r['fitted_error_mean_abs']:.1%}"
                      f" / {r['fitted_error_max_abs']:.1%} |")
     return lines

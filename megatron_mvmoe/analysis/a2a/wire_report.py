@@ -23,7 +23,8 @@ from megatron_mvmoe.analysis.a2a.link_time import WireLink, collective_wire_time
 from megatron_mvmoe.analysis.a2a.placement import EpPlacement
 from megatron_mvmoe.analysis.a2a.wire import (DIRECTIONS, HEADER_BYTES, WireRecord, counter_delta,
                                           measured_payload, minimal_replay_sizes,
-                                          node_link_bytes, rank_matrix, relative_error)
+                                          node_link_bytes, rank_matrix, received_split,
+                                          relative_error)
 
 PASSES = ("fwd", "bwd")
 
@@ -155,7 +156,8 @@ def case_summary(entry: dict) -> Dict[str, dict]:
 # ---- time on shaped links --------------------------------------------------------------------
 def timing_samples(result: dict, hosts: Sequence[str]) -> List[dict]:
     """One sample per (rate, layer/direction): measured seconds (max over ranks per repeat;
-    median and spread over repeats) and the busiest node link's bytes per collective."""
+    median and spread over repeats), the busiest node link's bytes per collective, and
+    each rank's received bytes over the sample's collectives, intra / inter-node."""
     ranks, node_of = result["ranks"], _nodes(hosts)
     if not ranks[0].get("timing"):
         return []
@@ -174,16 +176,28 @@ def timing_samples(result: dict, hosts: Sequence[str]) -> List[dict]:
                                         node_of)
                 busiest = max(max(v["tx"], v["rx"]) for v in nodes.values())
                 collectives.append((busiest, len(records[0][i].group_ranks) - 1))
+            received = received_split(rank_matrix([[recs[i] for i in picked]
+                                                   for recs in records], world), node_of)
             samples.append({"case": result["case"], "rate_bps": float(rate) * 1e6,
                             "key": key, "seconds": median(reps), "min_s": min(reps),
                             "max_s": max(reps), "repeats": len(reps),
-                            "collectives": collectives})
+                            "collectives": collectives, "received": received})
     return samples
 
 
 def predict(sample: dict, link: WireLink) -> float:
     return sum(collective_wire_time_s({0: {"tx": b, "rx": b}}, m, link)
                for b, m in sample["collectives"])
+
+
+def receive_bandwidth(samples: List[dict]) -> dict:
+    """Receive-side bandwidth as HybridEP / NCCL EP report it: bytes the busiest receiving
+    rank got from other ranks over the measured time, intra- and inter-node (GB/s, median
+    over the samples); {} for samples recorded before it was kept."""
+    if not samples or any("received" not in s for s in samples):
+        return {}
+    return {f"recv_{link}_GBps_median": median(max(s["received"][link]) / s["seconds"] / 1e9
+                                               for s in samples) for link in ("intra", "inter")}
 
 
 def time_model_report(samples: List[dict], fit_rates_mbit: Sequence[float]) -> dict:
@@ -200,6 +214,7 @@ def time_model_report(samples: List[dict], fit_rates_mbit: Sequence[float]) -> d
                   for s in mine]
         per_rate[f"{rate / 1e6:g}"] = {
             "held_out": rate / 1e6 not in set(fit_rates_mbit), "samples": len(mine),
+            **receive_bandwidth(mine),
             "measured_median_s": median(s["seconds"] for s in mine),
             "plain_model_error_mean_abs": sum(map(abs, plain)) / len(plain),
             "fitted_error_mean_abs": sum(map(abs, fitted)) / len(fitted),
