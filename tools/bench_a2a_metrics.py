@@ -8,9 +8,9 @@ order that alternates every pair (so drift hits both); the per-pair ratio is on 
 the training loop's wall time. Printed: every pair, then the median ratio and the spread
 (min..max) of the per-pair ratios. The machine is noisy; the spread is the honest figure.
 The "on" runs also time the metrics' own code on rank 0 as a share of their loop: the
-per-micro-batch histogram hook, and the log-time reduction (whose all-reduces also wait
-for the slower rank, time the next collective would have waited anyway): figures that
-shared-machine noise slows in both their parts alike. The target is an overhead <= 1 % (docs/a2a_model.md,
+per-micro-batch histogram hook, and the log-time reduction after a barrier (without it its
+first all-reduce would wait for the slower rank, time the next step's first collective
+waits anyway): figures that shared-machine noise slows in both their parts alike. The target is an overhead <= 1 % (docs/a2a_model.md,
 "Live metrics").
 
 Design choices:
@@ -72,6 +72,8 @@ def _raw(args, tokens: str) -> Dict:
 
 def _timed_run(rank, world_size, raw):
     """Train; (loop wall time from the first step, seconds inside the metrics' code)."""
+    import torch
+
     from bench_ckpt_save import _timed_run as loop_seconds  # first step to return, rank 0
     from megatron_mvmoe.training import a2a_metrics
 
@@ -79,6 +81,8 @@ def _timed_run(rank, world_size, raw):
 
     def timed(method, part):
         def wrapper(*args, **kwargs):
+            if part == "reduce":  # the ranks' skew is not the metrics' cost: align them first
+                torch.distributed.barrier()
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
