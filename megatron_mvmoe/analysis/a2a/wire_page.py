@@ -77,11 +77,12 @@ def write_page(payload: dict, path: str) -> str:
         "14 + IPv4 20 + TCP with timestamps 32); gloo control = a replay of the window's own "
         "collectives at minimal size (all-to-all with zero splits, all-gather of one element) "
         "minus that replay's predicted payload, which also holds the two barrier halves.",
-        "- Prediction: analytic token + probs bytes (`analysis/dispatch_semantics.link_bytes` "
-        "on the routing maps of the run; equal to the counted collective bytes in every case) "
-        "+ the dispatchers' int metadata (split counts, expert ids) at the sizes counted at "
-        "torch.distributed; put on the wire as gloo does it (all-to-all direct, all-gather "
-        "as a ring: `analysis/a2a/wire.py`).",
+        "- Prediction: the analytic bytes of every all-to-all (`analysis/a2a/semantics.py` "
+        "`link_bytes` on the routing maps of the run: rows, probs, mixing weights and the "
+        "dedup dispatchers' int64 bookkeeping, split counts, expert ids and (n, mode) pairs; "
+        "equal to the counted collective bytes in every case) + Megatron's tokens-per-expert "
+        "all-gather; put on the wire as gloo does it (all-to-all direct, all-gather as a "
+        "ring: `analysis/a2a/wire.py`).",
         f"- netem: {payload['netem']['answer']} ({payload['netem']['probe']}): "
         f"{payload['netem']['consequence'] or 'available'}.", "",
         "## Bytes: payload on the wire vs prediction", "",
@@ -109,6 +110,11 @@ def write_page(payload: dict, path: str) -> str:
             f"per-message cost **{m['per_message_s'] * 1e6:.0f} us** (latency 0: netem "
             "absent, so the veth's microsecond latency is inside the per-message term).", "",
             *timing_table(t), "",
+            "Receive-side GB/s is the bandwidth as HybridEP and NCCL EP report it: the bytes "
+            "the busiest receiving rank got from other ranks (intra-node: its node's ranks; "
+            "inter-node: the others) over the measured time, median over the rate's "
+            "layer-direction samples; this layout has one rank per node, so everything is "
+            "inter-node.", "",
             "Why the time model misses by more than the bytes model: gloo keeps one TCP "
             "connection per rank pair and an all-to-all sends both ways at once, so each "
             "direction's acknowledgements queue behind the other direction's data in the same "
