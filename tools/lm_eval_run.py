@@ -5,13 +5,25 @@ Builds the local multiple-choice task `mvmoe_continuation` from held-out text (a
 a "text" field, or a text file): for each paragraph, pick its true next words among
 --num-choices continuations (megatron_mvmoe/evaluation/lm_eval_task.py), then evaluates the
 checkpoint with our lm-eval model class (megatron_mvmoe/evaluation/lm_eval_model.py) through
-`lm_eval.simple_evaluate`. Other lm-eval tasks work too (--tasks) when their data is local.
+`lm_eval.simple_evaluate`.
+
+--tasks standard (or any of arc_easy arc_challenge hellaswag piqa winogrande boolq openbookqa
+social_iqa lambada_openai mmlu, or an mmlu_<subject>) runs lm-eval's own task definitions on the
+local files tools/fetch_benchmarks.py wrote (scripts/setup_env.sh runs it): lm-eval's prompts,
+metrics and normalisation, only the data source changed (evaluation/benchmark_tasks.py). It
+prints a table (task, split, items, metric, score, standard error, chance level) and the macro
+mean of the tasks' scores (acc_norm for ARC, HellaSwag, PIQA, OpenBookQA; acc elsewhere;
+mmlu is one task, its 57 subjects weighted by size as lm-eval does). A task whose files are
+missing is refused in one line naming it and the fix. Other lm-eval task names pass through
+to lm-eval unchanged (they need their data reachable: unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE).
+Checked by tests/training/test_downstream.py.
 
 Examples:
     python tools/lm_eval_run.py --load runs/main_job/checkpoints \\
         --task-source data/corpus/books.valid.jsonl --num-docs 100 --json
     torchrun --nproc-per-node 2 tools/lm_eval_run.py --load ck --expert-model-parallel-size 2 \\
         --task-source held_out.jsonl
+    python tools/lm_eval_run.py --load runs/main_job/checkpoints --tasks standard --limit 50
 """
 
 from __future__ import annotations
@@ -46,8 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context-words", type=int, default=16, help="words of context")
     p.add_argument("--choice-words", type=int, default=6, help="words per choice")
     p.add_argument("--tasks", nargs="+", default=None,
-                   help="lm-eval task names (default: mvmoe_continuation)")
-    p.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval)")
+                   help="lm-eval task names, or 'standard' for the ten local benchmarks "
+                        "(default: mvmoe_continuation)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="documents per task (lm-eval's first N; for mmlu: per subject)")
+    p.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples (default 0)")
+    p.add_argument("--benchmark-dir", default=None,
+                   help="the local benchmark files (default: $MVMOE_BENCHMARK_DIR or "
+                        "data/benchmarks, as tools/fetch_benchmarks.py writes them)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = p.parse_args(argv)
     if args.tasks is None and args.task_source is None:
@@ -60,16 +78,18 @@ def main(argv=None) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         import lm_eval
-        from lm_eval.tasks import TaskManager
     except ImportError:
         say("error: lm-eval is not installed. Fix: pip install -e .[eval]")
         return 2
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
+    from megatron_mvmoe.evaluation import benchmark_tasks
     from megatron_mvmoe.evaluation.lm_eval_model import MVMoELM
     from megatron_mvmoe.evaluation.lm_eval_task import TASK_NAME, make_docs, read_texts, write_task
-    from megatron_mvmoe.checkpointing.errors import CheckpointError
 
     start = time.time()
+    tasks = benchmark_tasks.expand(args.tasks or [TASK_NAME])
     try:
+        benchmark_tasks.check_local(tasks, args.benchmark_dir or default_root())
         task_dir = args.task_dir or tempfile.mkdtemp(prefix="mvmoe_lm_eval_")
         if args.task_source:
             docs = make_docs(read_texts(args.task_source), args.num_docs, args.num_choices,
@@ -77,12 +97,12 @@ def main(argv=None) -> int:
             write_task(docs, task_dir)
             say(f"task {TASK_NAME}: {len(docs)} documents, {args.num_choices} choices -> "
                 f"{task_dir}")
+        manager = benchmark_tasks.task_manager(task_dir, tasks, args.benchmark_dir)
         model = MVMoELM(load=args.load, tp=args.tp, ep=args.ep)
         try:
             results = lm_eval.simple_evaluate(
-                model=model, tasks=args.tasks or [TASK_NAME], num_fewshot=0,
-                task_manager=TaskManager(include_path=task_dir), limit=args.limit,
-                log_samples=False)
+                model=model, tasks=tasks, num_fewshot=args.num_fewshot,
+                task_manager=manager, limit=args.limit, log_samples=False)
         finally:
             model.close()
     except (ValueError, CheckpointError) as err:
@@ -90,17 +110,58 @@ def main(argv=None) -> int:
         return 2
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    summary = {task: {k.split(",")[0]: v for k, v in metrics.items()
-                      if isinstance(v, (int, float)) and not k.startswith("alias")}
-               for task, metrics in results["results"].items()}
-    out = {"checkpoint": args.load, "seconds": round(time.time() - start, 1),
-           "results": summary, "n_samples": results.get("n-samples")}
+    out = summarise(results, tasks, args)
+    out["seconds"] = round(time.time() - start, 1)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        for task, metrics in summary.items():
-            print(task, " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        print(table(out))
     return 0
+
+
+def default_root() -> str:
+    from megatron_mvmoe.evaluation.benchmark_data import default_root as root
+
+    return root()
+
+
+def summarise(results: dict, tasks, args) -> dict:
+    """Per requested task: every metric lm-eval reports (and its stderr), the primary score,
+    its stderr, the evaluated split, items and chance level; the macro mean of the scores."""
+    from megatron_mvmoe.evaluation import benchmark_tasks
+
+    summary, rows = {}, {}
+    for task, metrics in results["results"].items():
+        summary[task] = {k.split(",")[0]: v for k, v in metrics.items()
+                         if isinstance(v, (int, float)) and not k.startswith("alias")}
+    for task in tasks:
+        metrics = summary.get(task, {})
+        metric = benchmark_tasks.primary_metric(task, metrics)
+        n = results.get("n-samples", {}).get(task, {}).get("effective")
+        if n is None and benchmark_tasks.leaves(task):  # a group: its subjects' items
+            n = sum(results.get("n-samples", {}).get(leaf, {}).get("effective", 0)
+                    for leaf in benchmark_tasks.leaves(task))
+        rows[task] = {"metric": metric, "score": metrics.get(metric),
+                      "stderr": metrics.get(f"{metric}_stderr"), "items": n,
+                      "split": benchmark_tasks.eval_split(task),
+                      "chance": benchmark_tasks.chance(task, args.benchmark_dir)
+                      if benchmark_tasks.is_local(task) else None}
+    scores = [r["score"] for r in rows.values() if r["score"] is not None]
+    return {"checkpoint": args.load, "tasks": rows, "results": summary,
+            "mean": sum(scores) / len(scores) if scores else None,
+            "num_fewshot": args.num_fewshot, "limit": args.limit,
+            "n_samples": results.get("n-samples")}
+
+
+def table(out: dict) -> str:
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    lines = ["| task | split | items | metric | score | stderr | chance |",
+             "|---|---|---|---|---|---|---|"]
+    for task, r in out["tasks"].items():
+        lines.append(f"| {task} | {r['split'] or '-'} | {r['items']} | {r['metric']} | "
+                     f"{fmt(r['score'])} | {fmt(r['stderr'])} | {fmt(r['chance'])} |")
+    lines.append(f"| macro mean | | | | {fmt(out['mean'])} | | |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

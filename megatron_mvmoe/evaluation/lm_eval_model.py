@@ -15,11 +15,16 @@ Design choices:
   with context length 1.
 - generate_until: greedy, cut at the first stop string.
 - Padded vocabulary rows are excluded from the softmax.
+- Progress: a line on stderr (global rank 0) every 30 s of a long request list, with the
+  count done and the rate, so a --tasks standard run is never silent for minutes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import time
 from typing import List, Tuple
 
 import torch
@@ -77,7 +82,7 @@ class MVMoELM(LM):
 
     def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
         out = []
-        for request in requests:
+        for request in _progress(requests, "loglikelihood"):
             context, continuation = request.args
             out.append(self.score(self.tokenizer.tokenize(context),
                                   self.tokenizer.tokenize(continuation)))
@@ -85,7 +90,7 @@ class MVMoELM(LM):
 
     def loglikelihood_rolling(self, requests) -> List[float]:
         out = []
-        for request in requests:
+        for request in _progress(requests, "loglikelihood_rolling"):
             ids = self.tokenizer.tokenize(request.args[0])
             total, previous = 0.0, [self.tokenizer.eod]
             for start in range(0, len(ids), self.seq_length):
@@ -109,6 +114,22 @@ class MVMoELM(LM):
             text = self.tokenizer.detokenize(ids)
             out.append(_cut(text, until))
         return out
+
+
+def _progress(requests, kind: str, every_s: float = 30.0):
+    """Yield `requests`, printing `kind: done/total (rate)` every `every_s` seconds."""
+    loud = int(os.environ.get("RANK", "0")) == 0
+    start = last = time.time()
+    for i, request in enumerate(requests):
+        now = time.time()
+        if loud and now - last >= every_s:
+            print(f"[lm_eval] {kind}: {i}/{len(requests)} requests, "
+                  f"{i / (now - start):.1f}/s", file=sys.stderr, flush=True)
+            last = now
+        yield request
+    if loud and requests:
+        print(f"[lm_eval] {kind}: {len(requests)} requests in {time.time() - start:.0f} s",
+              file=sys.stderr, flush=True)
 
 
 def _cut(text: str, until: List[str]) -> str:

