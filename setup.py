@@ -44,7 +44,7 @@ setup(
         # DALI runs its CPU pipelines here, so the test suite exercises the real loader.
         "dev": ["pytest", "pytest-timeout", "triton", "mpi4py", "nvidia-dali-cuda120",
                 "lm-eval==0.4.13", "sentencepiece==0.2.3", "wandb==0.31.0",
-                "transformers==5.23.0", "safetensors==0.8.0"],
+                "transformers==5.23.0", "safetensors==0.8.0", "accelerate==1.16.0"],
     },
     entry_points={
         "console_scripts": [

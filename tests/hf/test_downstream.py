@@ -15,7 +15,7 @@ import zipfile
 
 import pytest
 
-from hf_helpers import prefixes, train_checkpoint
+from hf_helpers import prefixes
 from megatron_mvmoe.evaluation import benchmark_data as data
 from megatron_mvmoe.evaluation import benchmark_tasks
 
@@ -127,15 +127,32 @@ def test_a_task_without_data_fails_in_one_line(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """A tiny Multi-View MoE (3 steps) and its export. Its vocabulary is the tokenizer's 512
+    ids, no padded rows: lm-eval's hf backend normalises over every output row, our model
+    class over the tokenizer's ids only (docs/long_runs.md, "Downstream benchmarks")."""
+    from harness import train
+
+    from megatron_mvmoe.config.flags import config_from_args
+
+    data = prefixes(str(tmp_path_factory.mktemp("data")))
     root = str(tmp_path_factory.mktemp("ck"))
-    train_checkpoint(root, prefixes(str(tmp_path_factory.mktemp("data"))), "tiny_multi_view")
-    out = str(tmp_path_factory.mktemp("hf"))
+    run = config_from_args([
+        "--model-preset", "tiny_multi_view", "--seq-length", str(SEQ_LENGTH),
+        "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "2",
+        "--eval-iters", "0", "--eval-interval", "0", "--lr", "1e-2", "--min-lr", "1e-3",
+        "--lr-warmup-iters", "1", "--tensorboard", "false", "--save", root,
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", data["tokenizer"],
+        "--data-path", data["tech"], "--split", "90,10,0"])
+    run.model.vocab_size = 512
+    train(run.to_dict(), 1)
+    out = str(tmp_path_factory.mktemp("hf") / "export")  # export_hf makes it
     subprocess.run([sys.executable, "tools/export_hf.py", "--load", root, "--out", out],
                    check=True, capture_output=True, timeout=300)
     return {"root": root, "hf": out}
 
 
 EQUALITY_TASKS = ["arc_easy", "piqa", "lambada_openai", "mmlu_anatomy"]
+SEQ_LENGTH = 128  # the hf backend refuses a continuation longer than its window
 
 
 def test_loglikelihoods_equal_lm_evals_hf_backend(manifest, exported, tmp_path):
@@ -146,24 +163,27 @@ def test_loglikelihoods_equal_lm_evals_hf_backend(manifest, exported, tmp_path):
     theirs = _hf_loglikelihoods(exported["hf"], str(tmp_path / "theirs"))
     assert set(ours) == set(theirs) == set(EQUALITY_TASKS)
     for task in EQUALITY_TASKS:
-        assert len(ours[task]) == len(theirs[task]) >= 6, task  # 3 items, >= 2 choices
+        assert len(ours[task]) == len(theirs[task]) >= 3, task  # 3 items (x choices)
         for a, b in zip(ours[task], theirs[task]):
             assert abs(a - b) < 1e-4, (task, ours[task], theirs[task])
 
 
-def test_standard_run_prints_scores_chance_and_mean_without_network(manifest, exported):
+def test_tool_prints_scores_chance_and_mean_without_network(manifest, exported):
     """The command a researcher runs, hub variables unset, with every non-local connection
-    made to fail: per-task scores, standard errors, chance levels and the mean."""
+    made to fail: per-task scores, standard errors, chance levels and the mean. Four of the
+    ten standard tasks (mmlu as its group) keep it cheap; all ten load in the test above."""
+    assert benchmark_tasks.expand(["standard", "piqa"]) == benchmark_tasks.STANDARD
+    tasks = ["arc_easy", "winogrande", "lambada_openai", "mmlu"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     code = GUARD + "import runpy, sys; sys.argv = sys.argv[1:]; " \
         "runpy.run_path('tools/lm_eval_run.py', run_name='__main__')"
     proc = subprocess.run([sys.executable, "-c", code, "tools/lm_eval_run.py", "--load",
-                           exported["root"], "--tasks", "standard", "--limit", "2", "--json"],
+                           exported["root"], "--tasks", *tasks, "--limit", "2", "--json"],
                           env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout[proc.stdout.index("{"):])
-    assert list(out["tasks"]) == benchmark_tasks.STANDARD
+    assert list(out["tasks"]) == tasks
     for task, row in out["tasks"].items():
         assert 0.0 <= row["score"] <= 1.0 and row["stderr"] is not None, (task, row)
         assert row["items"] == (2 * 57 if task == "mmlu" else 2), (task, row)
@@ -198,7 +218,7 @@ def _evaluate(model, task_dir):
     manager = benchmark_tasks.task_manager(task_dir, EQUALITY_TASKS)
     return _per_item(lm_eval.simple_evaluate(model=model, tasks=EQUALITY_TASKS, limit=3,
                                              num_fewshot=0, task_manager=manager,
-                                             log_samples=True))
+                                             log_samples=True, bootstrap_iters=0))
 
 
 def _our_loglikelihoods(rank, world_size, root, task_dir):
@@ -214,7 +234,7 @@ def _our_loglikelihoods(rank, world_size, root, task_dir):
 def _hf_loglikelihoods(hf_dir, task_dir):
     from lm_eval.models.huggingface import HFLM
 
-    # max_length: our window (train_checkpoint's --seq-length), truncated from the left alike
+    # max_length: our window, both truncated from the left alike
     model = HFLM(pretrained=hf_dir, trust_remote_code=True, dtype="float32", device="cpu",
-                 batch_size=1, max_length=32)
+                 batch_size=1, max_length=SEQ_LENGTH)
     return _evaluate(model, task_dir)
