@@ -78,6 +78,13 @@ def parse_args(argv=None):
     p.add_argument("--save-interval", type=int, default=0,
                    help="with --save-dir: checkpoint every N steps, and resume a killed run "
                         "from its last checkpoint (0 = only the final one)")
+    p.add_argument("--downstream", nargs="+", default=None, metavar="TASK",
+                   help="also score each run's final checkpoint (needs --save-dir) on these "
+                        "lm-eval tasks ('standard' = the ten local benchmarks, "
+                        "tools/lm_eval_run.py): a table of per-task scores and the macro mean "
+                        "with paired differences (analysis/compare/downstream.py)")
+    p.add_argument("--downstream-limit", type=int, default=50,
+                   help="items per downstream task (per MMLU subject); default 50")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--smooth", type=int, default=25, help="loss-curve moving-average window")
     p.add_argument("--from-store", action="store_true",
@@ -162,7 +169,8 @@ def _write(out_dir, suite, payload, results, variants, smooth=25):
     plot = plot_curves(loss_curves(results), base + "_loss.png",
                        f"suite {suite}: training loss (mean, min-max over seeds)", smooth=smooth)
     table = markdown_table(results, {v.name: v.reference for v in variants},
-                           {v.name: v.note for v in variants})
+                           {v.name: v.note for v in variants}) + _downstream_section(
+                               results, {v.name: v.reference for v in variants})
     walls = [run["wall_s"] for run in payload["runs"].values()]
     with open(base + ".md", "w") as fh:
         fh.write(f"# Comparison suite {suite}\n\nCommand: `{payload['command']}`\n\n"
@@ -181,6 +189,20 @@ def _write(out_dir, suite, payload, results, variants, smooth=25):
                  f"{orderings_table(payload['orderings'])}\nLoss curves: "
                  f"`{os.path.basename(plot)}`\n")
     return base
+
+
+def _downstream_section(results, references) -> str:
+    from megatron_mvmoe.analysis.compare.downstream import downstream_table
+
+    if not any(run.get("downstream") for runs in results.values() for run in runs):
+        return ""
+    spec = next(run["downstream"]["spec"] for runs in results.values() for run in runs
+                if run.get("downstream"))
+    return (f"\n### Downstream (lm-eval, {', '.join(spec['tasks'])}; first {spec['limit']} "
+            "items per task, zero-shot), points, mean ± std over seeds; paired per-seed Δ of "
+            "the macro mean, 95 % t interval (positive = better than the reference). Near "
+            "chance at this scale: the last row is each task's chance level.\n\n"
+            + downstream_table(results, references))
 
 
 def _missing_line(payload) -> str:
@@ -258,6 +280,10 @@ def main(argv=None) -> int:
     from megatron_mvmoe.analysis.compare.suites import variants as build_variants
 
     try:
+        if args.downstream and not args.save_dir:
+            raise ValueError("--downstream scores each run's checkpoint. Fix: add --save-dir "
+                             "DIR (runs already stored without one are trained again there "
+                             "only with --fresh)")
         chosen = build_variants(args.suite, args.variants, args.seq_length)
         if args.render_only:
             return _render_only(args, chosen)
@@ -315,8 +341,30 @@ def run_one(variant, seed, args, store, key, results, payload) -> None:
             payload["errors"][name] = f"{type(err).__name__}: {str(err)[-500:]}"
             print(f"[compare] {name} FAILED: {payload['errors'][name]}", file=sys.stderr)
             return
+    if args.downstream:
+        score_downstream(run, variant, seed, args, store, key, payload)
     results[variant.name].append(run)
     payload["runs"][name] = run
+
+
+def score_downstream(run, variant, seed, args, store, key, payload) -> None:
+    """The run's final checkpoint on --downstream tasks, unless stored with the same spec."""
+    from megatron_mvmoe.analysis.compare.downstream import evaluate_checkpoint, spec
+    from megatron_mvmoe.evaluation.benchmark_tasks import expand
+
+    tasks = expand(args.downstream)
+    if (run.get("downstream") or {}).get("spec") == spec(tasks, args.downstream_limit):
+        return
+    name = f"{variant.name}/seed{seed}"
+    try:
+        run["downstream"] = evaluate_checkpoint(
+            os.path.join(args.save_dir, f"{variant.name}_seed{seed}"), tasks,
+            args.downstream_limit)
+        store.save(key, run)
+        print(f"[compare] {name}: downstream mean {run['downstream']['mean']:.4f} "
+              f"({run['downstream']['seconds']} s)", file=sys.stderr, flush=True)
+    except Exception as err:  # reported with the run, the suite goes on
+        payload["errors"][name + " downstream"] = f"{type(err).__name__}: {str(err)[-500:]}"
 
 
 if __name__ == "__main__":
