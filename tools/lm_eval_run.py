@@ -29,6 +29,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -99,10 +100,11 @@ def main(argv=None) -> int:
                 f"{task_dir}")
         manager = benchmark_tasks.task_manager(task_dir, tasks, args.benchmark_dir)
         model = MVMoELM(load=args.load, tp=args.tp, ep=args.ep)
-        try:
-            results = lm_eval.simple_evaluate(
-                model=model, tasks=tasks, num_fewshot=args.num_fewshot,
-                task_manager=manager, limit=args.limit, log_samples=False)
+        try:  # lm-eval prints to stdout ("bootstrapping for stddev"): stdout stays the result
+            with contextlib.redirect_stdout(sys.stderr):
+                results = lm_eval.simple_evaluate(
+                    model=model, tasks=tasks, num_fewshot=args.num_fewshot,
+                    task_manager=manager, limit=args.limit, log_samples=False)
         finally:
             model.close()
     except (ValueError, CheckpointError) as err:

@@ -183,7 +183,7 @@ def test_tool_prints_scores_chance_and_mean_without_network(manifest, exported):
                           env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    out = json.loads(proc.stdout)  # stdout is the JSON alone (lambada's bootstrap line too)
     assert list(out["tasks"]) == tasks
     for task, row in out["tasks"].items():
         assert 0.0 <= row["score"] <= 1.0 and row["stderr"] is not None, (task, row)
