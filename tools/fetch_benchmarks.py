@@ -5,7 +5,7 @@ lm-eval's arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookq
 lambada_openai and mmlu evaluate into JSONL under data/benchmarks/ (or $MVMOE_BENCHMARK_DIR)
 and writes manifest.json (per file: SHA-256, item count, chance level, source). A second run
 checks the hashes and does nothing (megatron_mvmoe/evaluation/benchmark_data.py;
-tests/training/test_downstream.py). scripts/setup_env.sh runs it.
+tests/hf/test_downstream.py). scripts/setup_env.sh runs it.
 
 Example:
     python tools/fetch_benchmarks.py            # then: tools/lm_eval_run.py --tasks standard

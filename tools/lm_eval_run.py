@@ -16,7 +16,7 @@ mean of the tasks' scores (acc_norm for ARC, HellaSwag, PIQA, OpenBookQA; acc el
 mmlu is one task, its 57 subjects weighted by size as lm-eval does). A task whose files are
 missing is refused in one line naming it and the fix. Other lm-eval task names pass through
 to lm-eval unchanged (they need their data reachable: unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE).
-Checked by tests/training/test_downstream.py.
+Checked by tests/hf/test_downstream.py.
 
 Examples:
     python tools/lm_eval_run.py --load runs/main_job/checkpoints \\
