@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -41,12 +41,17 @@ class ParallelLayout:
     ep: int = 1
     """Expert-parallel size: experts are split over this many ranks (all-to-all group)."""
     etp: int = 1
-    """Expert tensor-parallel size (1 keeps each expert whole; gloo needs 1 with TP > 1)."""
+    """Expert tensor-parallel size (1 keeps each expert whole; Megatron-LM's default is the
+    TP size)."""
     vpp: Optional[int] = None
     """Virtual pipeline chunks per rank (interleaved 1F1B), or None."""
     cp: int = 1
     """Context-parallel size: each sequence is split over this many ranks (load-balanced
     chunks, layers/cp_attention.py); the sequence length must divide by 2*cp."""
+    rank_order: Literal["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"] = "tp-cp-ep-dp-pp"
+    """How global ranks map onto the groups, innermost first (Megatron-Core's `order`):
+    pipeline stages outermost, or with Megatron-LM's --use-tp-pp-dp-mapping data-parallel
+    replicas outermost. Where each rank sits, not what it computes."""
 
     def layout(self) -> "ParallelLayout":
         """The sizes alone, as a plain ParallelLayout (a run config's section carries more)."""
@@ -133,6 +138,7 @@ def initialize_layout(layout: ParallelLayout, num_layers: Optional[int] = None,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         distributed_timeout_minutes=timeout_s / 60.0,
+        order=layout.rank_order,
     )
     return ProcessGroupCollection.use_mpu_process_groups()
 

@@ -165,8 +165,7 @@ REASONS = (
     ("checkpoint integrity / async strategy / fault tolerance", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
         "--check-weight-hash", "--suspend-")),
-    ("non-default rank layouts (--use-tp-pp-dp-mapping, optimizer instances)", (
-        "--use-tp-pp-dp-mapping", "--num-distributed-optimizer-instances")),
+    ("several distributed-optimizer instances", ("--num-distributed-optimizer-instances",)),
     ("per-token loss", ("--calculate-per-token-loss",)),
     ("bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)", (
         "--recompute-modules",)),

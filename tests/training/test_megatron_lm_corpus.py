@@ -13,7 +13,10 @@ import megatron_lm_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-RESOLVING = {  # docs/megatron_lm.md: the 20 lines that resolve as written
+RESOLVING = {  # docs/megatron_lm.md: the 23 lines that resolve as written
+    "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic_dp_last",
+    "gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel_dp_last",
+    "gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel_dp_last",
     "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic",
     "gpt3_mcore_te_tp1_pp2_resume_torch_dist_reshard_2x1x4_te_8experts2parallel_dist_optimizer_1node",
     "gpt3_mcore_te_tp2_pp1_frozen_resume_torch_dist_te_8experts2parallel_dist_optimizer",
@@ -44,7 +47,7 @@ REASON_COUNTS = {
     "checkpoint integrity / async strategy / fault tolerance": 8,
     "FP8 / TransformerEngine": 7,
     "Muon optimizer": 6,
-    "non-default rank layouts (--use-tp-pp-dp-mapping, optimizer instances)": 5,
+    "several distributed-optimizer instances": 2,
     "bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)": 5,
     "Megatron-FSDP": 4,
     "per-token loss": 2,
