@@ -28,6 +28,17 @@ class Accepted(NamedTuple):
 
 
 ACCEPTED: Dict[str, Accepted] = {
+    "--verify-integrity": Accepted(
+        "every checkpoint here carries a SHA-256 manifest of all its files, checked on every "
+        "load (checkpointing/integrity.py; tests/training/test_fault_tolerance.py::"
+        "test_damaged_checkpoint_is_one_line_naming_file_and_fix)"),
+    "--async-strategy": Accepted(
+        "async saves use Megatron-Core's own writer, 'mcore' ('nvrx' needs "
+        "nvidia-resiliency-ext, not installed)", ("mcore",)),
+    "--async-ckpt-use-cpu-shm": Accepted(
+        "a staging option of Megatron-LM's default async writer 'nvrx'; async saves here use "
+        "Megatron-Core's 'mcore' writer, which stages in its own process: the files are the "
+        "same"),
     "--use-mcore-models": Accepted("models are always Megatron-Core GPTModel"),
     "--group-query-attention": Accepted("GQA follows --num-query-groups"),
     "--no-masked-softmax-fusion": Accepted("fusions are chosen per platform "

@@ -13,7 +13,12 @@ import megatron_lm_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-RESOLVING = {  # docs/megatron_lm.md: the 23 lines that resolve as written
+RESOLVING = {  # docs/megatron_lm.md: the 28 lines that resolve as written
+    "gpt3_mcore_te_tp1_pp2_resume_torch_dist_reshard_2x1x4_te_8experts2parallel_dist_optimizer",
+    "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer",
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer",
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer_1node",
+    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
     "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic_dp_last",
     "gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel_dp_last",
     "gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel_dp_last",
@@ -44,7 +49,7 @@ REASON_COUNTS = {
     "GPT-3 architecture (item 2: GeLU / LayerNorm / learned positions / tied)": 1,
     "inference / RL test, not pretraining": 13,
     "CUDA graphs / GPU streams / offloading": 9,
-    "checkpoint integrity / async strategy / fault tolerance": 8,
+    "checkpoint integrity / async strategy / fault tolerance": 3,
     "FP8 / TransformerEngine": 7,
     "Muon optimizer": 6,
     "several distributed-optimizer instances": 2,

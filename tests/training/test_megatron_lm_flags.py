@@ -252,3 +252,19 @@ def test_mtp_with_pipeline_parallelism_resolves():
                                   "--mtp-num-layers", "1", "--pipeline-model-parallel-size",
                                   "2"])
     assert run.model.extra["mtp_num_layers"] == 1 and run.parallel.pp == 2
+
+
+def test_checkpoint_integrity_and_async_strategy_flags_say_what_runs(capsys):
+    """--verify-integrity is what every load here does (SHA-256 manifest); --async-strategy
+    mcore is the writer used; nvrx (nvidia-resiliency-ext) is refused naming the fix."""
+    run = flags.config_from_args(["--model-preset", "tiny_smoe", "--verify-integrity",
+                                  "--async-strategy", "mcore", "--async-ckpt-use-cpu-shm"])
+    assert run.model.preset == "tiny_smoe"
+    with pytest.raises(ValueError, match=r"--async-strategy nvrx: not supported: .*"
+                                         r"nvidia-resiliency-ext.*Use instead: "
+                                         r"--async-strategy mcore"):
+        flags.config_from_args(["--model-preset", "tiny_smoe", "--async-strategy", "nvrx"])
+    notes = flags.compat_notes(flags.build_parser().parse_args(
+        ["--verify-integrity", "--async-ckpt-use-cpu-shm"]))
+    assert any("SHA-256 manifest" in n for n in notes) and \
+        any("'mcore' writer" in n for n in notes), notes
