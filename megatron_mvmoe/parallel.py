@@ -52,6 +52,10 @@ class ParallelLayout:
     """How global ranks map onto the groups, innermost first (Megatron-Core's `order`):
     pipeline stages outermost, or with Megatron-LM's --use-tp-pp-dp-mapping data-parallel
     replicas outermost. Where each rank sits, not what it computes."""
+    distributed_optimizer_instances: int = 1
+    """Copies of the distributed optimizer across the data-parallel ranks (Megatron-LM's
+    --num-distributed-optimizer-instances): each shards its state over DP / this many ranks
+    and the copies all-reduce their gradients; needs the distributed optimizer."""
 
     def layout(self) -> "ParallelLayout":
         """The sizes alone, as a plain ParallelLayout (a run config's section carries more)."""
@@ -101,6 +105,12 @@ class ParallelLayout:
                 "over the data-parallel group only, so the tensor-parallel ranks that feed "
                 "the same whole experts different tokens would never sum their expert "
                 f"gradients. Fix: use etp={self.tp}, or ep > 1 (e.g. ep=2 with etp=1).")
+        instances = self.distributed_optimizer_instances
+        if instances < 1 or self.data_parallel_size(world_size) % instances != 0:
+            raise ValueError(
+                f"layout.distributed_optimizer_instances: {instances} does not divide the "
+                f"data-parallel size {self.data_parallel_size(world_size)}. Fix: choose it among "
+                f"{_divisors(self.data_parallel_size(world_size))}.")
         if num_layers is not None and num_layers % (self.pp * (self.vpp or 1)) != 0:
             raise ValueError(
                 f"layout: num_layers {num_layers} is not divisible by pp*vpp = "
@@ -139,6 +149,7 @@ def initialize_layout(layout: ParallelLayout, num_layers: Optional[int] = None,
         expert_tensor_parallel_size=layout.etp,
         distributed_timeout_minutes=timeout_s / 60.0,
         order=layout.rank_order,
+        num_distributed_optimizer_instances=layout.distributed_optimizer_instances,
     )
     return ProcessGroupCollection.use_mpu_process_groups()
 

@@ -165,7 +165,6 @@ REASONS = (
     ("checkpoint integrity / async strategy / fault tolerance", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
         "--check-weight-hash", "--suspend-")),
-    ("several distributed-optimizer instances", ("--num-distributed-optimizer-instances",)),
     ("per-token loss", ("--calculate-per-token-loss",)),
     ("bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)", (
         "--recompute-modules",)),
@@ -203,11 +202,13 @@ def resolve(line: List[str], parser=None) -> Tuple[Optional[object], List[str]]:
 
 def ranks_needed(run) -> int:
     """The fewest ranks the run's layout runs on: TP x PP x CP x DP, DP the smallest that
-    lets EP x ETP divide TP x CP x DP (Megatron's expert-parallel groups)."""
+    lets EP x ETP divide TP x CP x DP (Megatron's expert-parallel groups) and that the
+    distributed-optimizer instances divide."""
     p = run.parallel
     tp, pp, cp = p.tp or 1, p.pp or 1, p.cp or 1
     expert = (p.ep or 1) * (p.etp or 1)
-    dp = next(d for d in range(1, 65) if (tp * cp * d) % expert == 0)
+    dp = next(d for d in range(1, 65) if (tp * cp * d) % expert == 0
+              and d % p.distributed_optimizer_instances == 0)
     return tp * pp * cp * dp
 
 

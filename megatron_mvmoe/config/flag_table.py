@@ -69,6 +69,8 @@ FLAGS: List[Flag] = [
     Flag("--pipeline-model-parallel-size", "parallel", "pp", int),
     Flag("--expert-model-parallel-size", "parallel", "ep", int),
     Flag("--expert-tensor-parallel-size", "parallel", "etp", int),
+    Flag("--num-distributed-optimizer-instances", "parallel", "distributed_optimizer_instances",
+         int),
     Flag("--use-tp-pp-dp-mapping", "parallel", "rank_order", None,
          "Megatron-LM's switch for data-parallel replicas outermost", const="tp-cp-ep-pp-dp"),
     Flag("--virtual-pipeline-model-parallel-size", "parallel", "vpp", int),

@@ -309,6 +309,11 @@ class RunConfig:
         _require(t.ckpt_step is None or t.load is not None, "training.ckpt_step",
                  "set without training.load", "pass --load DIR with --ckpt-step")
         check_rampup(t.rampup_batch_size, t.global_batch_size)
+        _require(self.parallel.distributed_optimizer_instances == 1 or
+                 o.use_distributed_optimizer, "parallel.distributed_optimizer_instances",
+                 f"{self.parallel.distributed_optimizer_instances} copies of the distributed "
+                 "optimizer without the distributed optimizer",
+                 "add --use-distributed-optimizer")
         _require(self.parallel.distributed_timeout_seconds > 0,
                  "parallel.distributed_timeout_seconds", "must be > 0", "use e.g. 120")
         if world_size is not None:

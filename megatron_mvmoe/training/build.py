@@ -76,6 +76,7 @@ def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=run.optimizer.grad_reduce_in_fp32,
         use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
+        num_distributed_optimizer_instances=run.parallel.distributed_optimizer_instances,
         check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run)))
 
 

@@ -13,7 +13,10 @@ import megatron_lm_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-RESOLVING = {  # docs/megatron_lm.md: the 28 lines that resolve as written
+RESOLVING = {  # docs/megatron_lm.md: the 30 lines that resolve as written
+    "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances",
+    "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances"
+    "_1node",
     "gpt3_mcore_te_tp1_pp2_resume_torch_dist_reshard_2x1x4_te_8experts2parallel_dist_optimizer",
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer",
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer",
@@ -52,7 +55,6 @@ REASON_COUNTS = {
     "checkpoint integrity / async strategy / fault tolerance": 3,
     "FP8 / TransformerEngine": 7,
     "Muon optimizer": 6,
-    "several distributed-optimizer instances": 2,
     "bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)": 5,
     "Megatron-FSDP": 4,
     "per-token loss": 2,
