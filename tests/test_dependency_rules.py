@@ -12,9 +12,10 @@ included), so the layering cannot erode silently:
   lives below it) nor toolkit; analysis never imports training;
 - toolkit (the tools' one front door: open a run or checkpoint, tool flags, generation)
   imports neither training nor analysis (analysis and the tools build on it);
-- models, layers, checkpointing (reading a checkpoint without a trainer), data and planning
-  (the planner: training's start-up fit check and tools/plan.py both use it) never import
-  analysis, toolkit or training;
+- models, layers, checkpointing (reading a checkpoint without a trainer), data, planning
+  (the planner: training's start-up fit check and tools/plan.py both use it) and a2a_model
+  (the all-to-all byte model: the trainer's live metrics and the analysis tools use it) never
+  import analysis, toolkit or training;
 - only tests (and testing itself) import megatron_mvmoe.testing (tools launch local ranks
   through megatron_mvmoe.launch.local_ranks);
 - dev_cluster (the root-only Slurm test cluster) imports no other part of megatron_mvmoe,
@@ -88,7 +89,7 @@ RULES = [
     ("megatron_mvmoe.toolkit", "megatron_mvmoe.analysis", ()),
     *[(below, above, ()) for below in ("megatron_mvmoe.models", "megatron_mvmoe.layers",
                                        "megatron_mvmoe.checkpointing", "megatron_mvmoe.data",
-                                       "megatron_mvmoe.planning")
+                                       "megatron_mvmoe.planning", "megatron_mvmoe.a2a_model")
       for above in ("megatron_mvmoe.analysis", "megatron_mvmoe.toolkit",
                     "megatron_mvmoe.training")],
     ("", "megatron_mvmoe.testing", ()),  # testing itself is exempt (see violations)

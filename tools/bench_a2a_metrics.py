@@ -74,7 +74,7 @@ def _timed_run(rank, world_size, raw):
     """Train; (loop wall time from the first step, seconds inside the metrics' code)."""
     import torch
 
-    from bench_ckpt_save import _timed_run as loop_seconds  # first step to return, rank 0
+    from megatron_mvmoe.training.loop_timing import loop_seconds  # first step to return
     from megatron_mvmoe.training import a2a_metrics
 
     spent = {"hook": 0.0, "reduce": 0.0}

@@ -27,7 +27,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -62,23 +61,6 @@ def _raw(args, tokens: str) -> Dict:
                 logging=dict(log_interval=args.steps, tensorboard=False, routing_metrics=False))
 
 
-def _timed_run(rank, world_size, raw):
-    """Train; returns the loop's wall time (first step start to return) on rank 0."""
-    from megatron_mvmoe.config.run_config import config_from_dict
-    from megatron_mvmoe.parallel import initialize_layout
-    from megatron_mvmoe.training.pretrain import pretrain
-
-    run = config_from_dict(copy.deepcopy(raw))
-    pgs = initialize_layout(run.parallel.layout(),
-                            timeout_s=run.parallel.distributed_timeout_seconds)
-    marks = {}
-
-    def on_step(step, trainer):
-        marks.setdefault("start", time.perf_counter())
-    pretrain(run, pgs, on_step=on_step)
-    return time.perf_counter() - marks["start"]
-
-
 def _variant(raw: Dict, variant: str, root: str, interval: int) -> Dict:
     raw = copy.deepcopy(raw)
     if variant != "none":
@@ -99,6 +81,7 @@ def measure(args) -> Dict:
 
 def _measure_in(args, work: str) -> Dict:
     from megatron_mvmoe.launch.local_ranks import run_distributed
+    from megatron_mvmoe.training.loop_timing import loop_seconds
 
     from textdata import build_token_dir
 
@@ -111,7 +94,7 @@ def _measure_in(args, work: str) -> Dict:
         for variant in order:
             root = os.path.join(work, f"ck_{r}_{variant}")
             seconds[variant] = run_distributed(
-                _timed_run, args.world, timeout_s=900, daemon=False,
+                loop_seconds, args.world, timeout_s=900, daemon=False,
                 args=(_variant(raw, variant, root, args.save_interval),))[0]
             print(f"round {r + 1}/{args.rounds} {variant}: {seconds[variant]:.2f} s",
                   file=sys.stderr, flush=True)

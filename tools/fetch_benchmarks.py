@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import sys
 
 from megatron_mvmoe.toolkit.flags import tool_parser
@@ -22,14 +23,20 @@ def main(argv=None) -> int:
     p = tool_parser(__doc__)
     p.add_argument("--out", default=None,
                    help="where the files go (default: $MVMOE_BENCHMARK_DIR or data/benchmarks)")
+    p.add_argument("--json", action="store_true",
+                   help="print the manifest (files, sha256, item counts) as JSON; progress "
+                   "lines go to stderr")
     args = p.parse_args(argv)
     from megatron_mvmoe.evaluation.benchmark_data import prepare
 
+    progress = sys.stderr if args.json else sys.stdout
     try:
-        prepare(args.out, say=lambda m: print(m, flush=True))
+        manifest = prepare(args.out, say=lambda m: print(m, file=progress, flush=True))
     except RuntimeError as err:
         print(f"[benchmarks] error: {err}", file=sys.stderr)
         return 2
+    if args.json:
+        print(json.dumps(manifest, indent=1))
     return 0
 
 

@@ -92,6 +92,7 @@ def summary(out: pathlib.Path) -> dict:
 
 
 def main(argv: list) -> int:
+    argv = [a for a in argv if a != "--json"]  # its output is JSON already (--json accepted)
     if len(argv) == 3 and argv[0] == "resume":
         try:
             verdict = resume_verdict(pathlib.Path(argv[1]), int(argv[2]))
@@ -108,7 +109,8 @@ def main(argv: list) -> int:
         (out / "summary.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result, indent=1))
         return 0 if all(s["exit"] == 0 for s in result["stages"].values()) else 1
-    print("usage: gpu_check_summary.py resume OUT STEP | summary OUT", file=sys.stderr)
+    print("usage: gpu_check_summary.py resume OUT STEP | summary OUT [--json] (JSON out)",
+          file=sys.stderr)
     return 2
 
 

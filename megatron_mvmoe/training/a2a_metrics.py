@@ -5,7 +5,7 @@ already has (`A2AMonitor`).
 Legend: P EP ranks, T tokens of one micro-batch on a rank, E experts.
 
 Design choices:
-- Exact, not sampled: the analytic model (analysis/a2a/semantics.py) equals the bytes
+- Exact, not sampled: the analytic model (a2a_model/semantics.py) equals the bytes
   counted at torch.distributed for every dispatcher, bookkeeping included
   (tests/layers/test_a2a_dedup.py), and it is linear in the tokens, each token's cost a
   function of its experts on one rank and on that rank's node. So per training micro-batch
@@ -36,8 +36,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mvmoe.analysis.a2a.placement import EpPlacement
-from megatron_mvmoe.analysis.a2a.semantics import (SEMANTICS, LinkMatrices, add_per_call_bytes,
+from megatron_mvmoe.a2a_model.placement import EpPlacement
+from megatron_mvmoe.a2a_model.semantics import (SEMANTICS, LinkMatrices, add_per_call_bytes,
                                                    add_source_histogram,
                                                    destination_histogram, experts_per_dest,
                                                    payload_for_variant)

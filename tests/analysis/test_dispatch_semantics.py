@@ -6,10 +6,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from megatron_mvmoe.analysis.a2a.semantics import (KINDS, SEMANTICS, PayloadShape,
+from megatron_mvmoe.a2a_model.semantics import (KINDS, SEMANTICS, PayloadShape,
                                                         link_bytes, sent_by_link)
 from megatron_mvmoe.analysis.a2a.link_time import LinkSpec, layer_a2a_time_s, rank_times_s
-from megatron_mvmoe.analysis.a2a.placement import EpPlacement
+from megatron_mvmoe.a2a_model.placement import EpPlacement
 from megatron_mvmoe.analysis.routing.rank_load import rank_loads, routing_maps
 
 
@@ -97,7 +97,7 @@ def test_link_bytes_match_naive_loop(semantics, kind, ep, per_node, topk):
 def test_histogram_gives_the_per_token_bytes(semantics, kind):
     """The live metrics' histogram path (one rank's H[q, a, c]) equals link_bytes's
     per-token path for that rank's tokens, bookkeeping included."""
-    from megatron_mvmoe.analysis.a2a.semantics import (LinkMatrices, add_source_bytes,
+    from megatron_mvmoe.a2a_model.semantics import (LinkMatrices, add_source_bytes,
                                                        add_source_histogram,
                                                        destination_histogram, experts_per_dest)
 

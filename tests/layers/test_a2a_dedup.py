@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_mvmoe.analysis.a2a.counter import count_collectives
-from megatron_mvmoe.analysis.a2a.semantics import link_bytes, payload_for_variant
-from megatron_mvmoe.analysis.a2a.placement import EpPlacement
+from megatron_mvmoe.a2a_model.semantics import link_bytes, payload_for_variant
+from megatron_mvmoe.a2a_model.placement import EpPlacement
 from megatron_mvmoe.analysis.a2a.volume import peer_counts, semantic_checks
 from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
 from megatron_mvmoe.testing.spawn import run_distributed

@@ -194,10 +194,10 @@ def _rank(rank: int, world_size: int, cfg: CountedConfig) -> Dict:
 def _link_checks(variant, semantics, ep, cfg, first, per_rank, key):
     import torch
 
-    from megatron_mvmoe.analysis.a2a.semantics import (link_bytes, payload_and_bookkeeping,
+    from megatron_mvmoe.a2a_model.semantics import (link_bytes, payload_and_bookkeeping,
                                                             payload_for_variant, sent_by_link,
                                                             views_pairs)
-    from megatron_mvmoe.analysis.a2a.placement import EpPlacement
+    from megatron_mvmoe.a2a_model.placement import EpPlacement
     from megatron_mvmoe.analysis.a2a.volume import semantic_checks
 
     s = first["shape"]

@@ -21,8 +21,8 @@ from typing import Dict
 
 import torch
 
-from megatron_mvmoe.analysis.a2a.semantics import Key, received_by_link, sent_by_link
-from megatron_mvmoe.analysis.a2a.placement import EpPlacement
+from megatron_mvmoe.a2a_model.semantics import Key, received_by_link, sent_by_link
+from megatron_mvmoe.a2a_model.placement import EpPlacement
 
 GB = 1e9
 

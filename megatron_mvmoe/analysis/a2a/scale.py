@@ -28,13 +28,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_mvmoe.analysis.a2a.semantics import (SEMANTICS, allgather_link_bytes,
+from megatron_mvmoe.a2a_model.semantics import (SEMANTICS, allgather_link_bytes,
                                                         link_bytes, payload_and_bookkeeping,
                                                         payload_for_variant, received_by_link,
                                                         sent_by_link)
 from megatron_mvmoe.analysis.a2a.link_time import LinkSpec, a2a_share, compute_time_s, \
     layer_a2a_time_s
-from megatron_mvmoe.analysis.a2a.placement import EpPlacement
+from megatron_mvmoe.a2a_model.placement import EpPlacement
 from megatron_mvmoe.config.model_costs import flops_per_token
 from megatron_mvmoe.analysis.routing.rank_load import max_over_mean, rank_loads, routing_maps
 from megatron_mvmoe.config.model_section import ModelSection, model_from_preset

@@ -157,7 +157,7 @@ def semantic_checks(matrices, placement, per_rank: Sequence[Dict[PeerKey, List[i
     """counted == analytic, per rank, (phase, direction, payload) and link (self / intra /
     inter); `matrices` from dispatch_semantics.link_bytes, `per_rank` one layer's
     peer_counts of every EP rank (EP rank = position in the group)."""
-    from megatron_mvmoe.analysis.a2a.semantics import sent_by_link
+    from megatron_mvmoe.a2a_model.semantics import sent_by_link
 
     out: List[Check] = []
     for key in sorted(matrices):

@@ -77,7 +77,7 @@ def write_page(payload: dict, path: str) -> str:
         "14 + IPv4 20 + TCP with timestamps 32); gloo control = a replay of the window's own "
         "collectives at minimal size (all-to-all with zero splits, all-gather of one element) "
         "minus that replay's predicted payload, which also holds the two barrier halves.",
-        "- Prediction: the analytic bytes of every all-to-all (`analysis/a2a/semantics.py` "
+        "- Prediction: the analytic bytes of every all-to-all (`a2a_model/semantics.py` "
         "`link_bytes` on the routing maps of the run: rows, probs, mixing weights and the "
         "dedup dispatchers' int64 bookkeeping, split counts, expert ids and (n, mode) pairs; "
         "equal to the counted collective bytes in every case) + Megatron's tokens-per-expert "

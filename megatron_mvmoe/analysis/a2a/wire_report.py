@@ -18,9 +18,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from megatron_mvmoe.analysis.a2a.semantics import link_bytes, payload_for_variant
+from megatron_mvmoe.a2a_model.semantics import link_bytes, payload_for_variant
 from megatron_mvmoe.analysis.a2a.link_time import WireLink, collective_wire_time_s, fit_wire_link
-from megatron_mvmoe.analysis.a2a.placement import EpPlacement
+from megatron_mvmoe.a2a_model.placement import EpPlacement
 from megatron_mvmoe.analysis.a2a.wire import (DIRECTIONS, HEADER_BYTES, WireRecord, counter_delta,
                                           measured_payload, minimal_replay_sizes,
                                           node_link_bytes, rank_matrix, received_split,

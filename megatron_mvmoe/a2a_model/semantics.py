@@ -44,7 +44,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron_mvmoe.analysis.a2a.placement import LINKS, EpPlacement
+from megatron_mvmoe.a2a_model.placement import LINKS, EpPlacement
 from megatron_mvmoe.config.variants import VARIANTS, get_variant
 from megatron_mvmoe.functional.mixing import views_are_cheaper
 
