@@ -12,7 +12,8 @@
 # DIR is $REHEARSAL_DIR or runs/rehearsal (git-ignored). PyPI's torch 2.11.0 for Python 3.12 is
 # the CUDA build: it does not import without its nvidia-* wheels, so the environment has them
 # (~2.6 GB, cached in $DIR/image-wheels; pip download runs only when the cache lacks a pin).
-# Timings (docs/tools.md "GPU check"): cold ~10 min on 2 loaded cores, warm ~N min.
+# Timings (docs/gpu.md): cold ~10 min on 2 loaded cores; warm 5 min at load ~20, 12 min at
+# load 30-90 (measured with REHEARSAL_DIR=/work/rehearsal).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
