@@ -14,7 +14,12 @@ Design choices:
   on the window's own preceding tokens (the first on EOD), as lm-eval's rolling windows do
   with context length 1.
 - generate_until: greedy, cut at the first stop string.
-- Padded vocabulary rows are excluded from the softmax.
+- Log-probabilities are normalised over the whole padded vocabulary (V rows, Megatron-LM's
+  --make-vocab-size-divisible-by rule), as Megatron's training loss
+  (vocab_parallel_cross_entropy) and Megatron-Core's inference log-probs are, and as
+  lm-eval's hf backend does on the tools/export_hf.py export, which keeps every row: one
+  log-likelihood for both backends and for tools/evaluate.py's perplexity. Only
+  generate_until keeps padded ids out (they are not tokens), as tools/generate.py does.
 - Progress: a line on stderr (global rank 0) every 30 s of a long request list, with the
   count done and the rate, so a --tasks standard run is never silent for minutes.
 """
@@ -65,9 +70,7 @@ class MVMoELM(LM):
 
     # ------------------------------------------------------------------ scoring
     def _logprobs_SV(self, tokens: List[int]) -> torch.Tensor:
-        logits_SV = sequence_logits(self.model, tokens)
-        logits_SV[:, self.tokenizer.vocab_size:] = float("-inf")
-        return torch.log_softmax(logits_SV, dim=-1)
+        return torch.log_softmax(sequence_logits(self.model, tokens), dim=-1)
 
     def score(self, context_ids: List[int], target_ids: List[int]) -> Tuple[float, bool]:
         """(sum of log p(target | context), whether greedy decoding gives the target)."""

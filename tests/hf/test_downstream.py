@@ -127,9 +127,9 @@ def test_a_task_without_data_fails_in_one_line(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """A tiny Multi-View MoE (3 steps) and its export. Its vocabulary is the tokenizer's 512
-    ids, no padded rows: lm-eval's hf backend normalises over every output row, our model
-    class over the tokenizer's ids only (docs/long_runs.md, "Downstream benchmarks")."""
+    """A tiny Multi-View MoE (3 steps) and its export. Its vocabulary is padded: 4096 rows
+    (the preset's) for the tokenizer's 512 ids, so the equality test below checks that both
+    backends normalise over the same rows (docs/tools.md, "Downstream benchmarks")."""
     from harness import train
 
     from megatron_mvmoe.config.flags import config_from_args
@@ -143,7 +143,7 @@ def exported(tmp_path_factory):
         "--lr-warmup-iters", "1", "--tensorboard", "false", "--save", root,
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", data["tokenizer"],
         "--data-path", data["tech"], "--split", "90,10,0"])
-    run.model.vocab_size = 512
+    run.model.vocab_size = PADDED_VOCAB
     train(run.to_dict(), 1)
     out = str(tmp_path_factory.mktemp("hf") / "export")  # export_hf makes it
     subprocess.run([sys.executable, "tools/export_hf.py", "--load", root, "--out", out],
@@ -153,6 +153,7 @@ def exported(tmp_path_factory):
 
 EQUALITY_TASKS = ["arc_easy", "piqa", "lambada_openai", "mmlu_anatomy"]
 SEQ_LENGTH = 128  # the hf backend refuses a continuation longer than its window
+PADDED_VOCAB = 4096  # 3584 rows past the 512-token tokenizer
 
 
 def test_loglikelihoods_equal_lm_evals_hf_backend(manifest, exported, tmp_path):
@@ -161,6 +162,10 @@ def test_loglikelihoods_equal_lm_evals_hf_backend(manifest, exported, tmp_path):
     ours = run_distributed(_our_loglikelihoods, 1, timeout_s=300,
                            args=(exported["root"], str(tmp_path / "ours")))[0]
     theirs = _hf_loglikelihoods(exported["hf"], str(tmp_path / "theirs"))
+    config = json.load(open(os.path.join(exported["hf"], "config.json")))
+    generation = json.load(open(os.path.join(exported["hf"], "generation_config.json")))
+    assert config["vocab_size"] == PADDED_VOCAB  # padded rows exported, in both softmaxes
+    assert generation["suppress_tokens"] == list(range(512, PADDED_VOCAB))  # never generated
     assert set(ours) == set(theirs) == set(EQUALITY_TASKS)
     for task in EQUALITY_TASKS:
         assert len(ours[task]) == len(theirs[task]) >= 3, task  # 3 items (x choices)

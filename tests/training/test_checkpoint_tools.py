@@ -138,13 +138,16 @@ def test_lm_eval_runs_the_local_task_offline(trained, tmp_path):
     assert result["n_samples"]["mvmoe_continuation"]["effective"] == 20
 
 
-def test_lm_eval_scores_equal_a_direct_forward(trained, tmp_path):
-    """MVMoELM.score against log-softmax of one forward done here by hand."""
+def test_lm_eval_scores_equal_megatrons_own_loss(trained, tmp_path):
+    """MVMoELM.score is minus Megatron's own per-token training loss (vocab-parallel cross
+    entropy over the padded vocabulary) summed over the target, from one forward with labels
+    done here by hand: padded rows count in the softmax, as they do in training."""
     pytest.importorskip("lm_eval")
     from megatron_mvmoe.testing.spawn import run_distributed
 
     out = run_distributed(_score_both_ways, 1, timeout_s=200, args=(trained["root"],))[0]
-    assert abs(out["mine"] - out["naive"]) < 1e-4, out
+    assert out["padded_rows"] > 0, out  # the checkpoint has padded rows to count
+    assert abs(out["mine"] - out["megatron"]) < 1e-4, out
 
 
 def _score_both_ways(rank, world_size, root):
@@ -156,9 +159,11 @@ def _score_both_ways(rank, world_size, root):
     mine, _ = lm.score(context, target)
     import torch
 
-    full = context + target
+    full = torch.tensor([context + target])
+    positions = torch.arange(full.shape[1] - 1)[None]
     with torch.no_grad():
-        logits = lm.model(torch.tensor([full[:-1]]), torch.arange(len(full) - 1)[None], None)
-    logp = torch.log_softmax(logits[0].float()[:, :lm.tokenizer.vocab_size], -1)
-    naive = sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
-    return {"mine": mine, "naive": naive}
+        logits = lm.model(full[:, :-1], positions, None)
+        loss = lm.model(full[:, :-1], positions, None, labels=full[:, 1:])  # [1, S] per token
+    megatron = -float(loss[0, len(context) - 1:].sum())
+    return {"mine": mine, "megatron": megatron,
+            "padded_rows": logits.shape[-1] - lm.tokenizer.vocab_size}
