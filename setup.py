@@ -29,6 +29,7 @@ setup(
         "tensorboard",
         "matplotlib",
         "einops",
+        "emerging-optimizers==0.3.0",  # Megatron-Core's Muon (--optimizer muon)
     ],
     extras_require={
         "kernels": ["triton"],

@@ -221,6 +221,10 @@ FLAGS: List[Flag] = [
     Flag("--adam-eps", "optimizer", "adam_eps", float),
     Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", parse_bool),
     Flag("--lr-decay-style", "optimizer", "lr_decay_style", str),
+    Flag("--optimizer", "optimizer", "optimizer", str),
+    Flag("--muon-momentum", "optimizer", "muon_momentum", float),
+    Flag("--muon-scale-mode", "optimizer", "muon_scale_mode", str),
+    Flag("--muon-extra-scale-factor", "optimizer", "muon_extra_scale_factor", float),
     Flag("--accumulate-allreduce-grads-in-fp32", "optimizer", "grad_reduce_in_fp32", None,
          "Megatron-LM's switch for optimizer.grad_reduce_in_fp32 true", const=True),
     # --- data

@@ -85,6 +85,30 @@ class OptimizerSection:
     them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off by default there)."""
     lr_decay_style: LrDecayStyle = "cosine"
     """Shape of the decay after warmup (Megatron's OptimizerParamScheduler)."""
+    optimizer: Literal["adam", "muon", "dist_muon"] = "adam"
+    """adam, or muon: Megatron-Core's Muon (emerging-optimizers) on the 2-D weight matrices,
+    Adam on embeddings, biases and norms (Megatron-LM's --optimizer). dist_muon (Megatron-LM's
+    deprecated layer-wise spelling) is refused naming the fix."""
+    muon_momentum: float = 0.9
+    """Muon's momentum (Megatron-LM's --muon-momentum and its default)."""
+    muon_scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
+    """How Muon scales the orthogonalised update (Megatron-LM's --muon-scale-mode)."""
+    muon_extra_scale_factor: float = 1.0
+    """Extra factor on Muon's update (Megatron-LM's --muon-extra-scale-factor)."""
+
+
+def _check_muon(o: OptimizerSection) -> None:
+    """Megatron-LM turns Muon with a distributed optimizer (--use-distributed-optimizer, or the
+    deprecated --optimizer dist_muon) into Megatron-Core's LayerWiseDistributedOptimizer, whose
+    parameter layout the DDP wrapper must be built with; that wiring is not here."""
+    _require(o.optimizer != "dist_muon" and not (o.optimizer == "muon" and
+                                                 o.use_distributed_optimizer),
+             "optimizer.use_distributed_optimizer",
+             f"--optimizer {o.optimizer} with a distributed optimizer is Megatron-Core's "
+             "LayerWiseDistributedOptimizer, which this trainer does not wire",
+             "--optimizer muon without --use-distributed-optimizer (YAML: "
+             "optimizer.use_distributed_optimizer false): Muon's state is then replicated on "
+             "each data-parallel rank, as in Megatron-LM without the flag")
 
 
 @dataclass
@@ -273,6 +297,7 @@ class RunConfig:
     def validate(self, world_size: Optional[int] = None,
                  num_layers: Optional[int] = None, num_experts: Optional[int] = None) -> None:
         """Field checks; with world_size also the layout and batch divisibility."""
+        _check_muon(self.optimizer)
         for section in dataclasses.fields(self):  # enum-like fields set in code after loading
             check_literals(getattr(self, section.name), section.name)
         t, o = self.training, self.optimizer

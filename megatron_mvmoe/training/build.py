@@ -89,10 +89,12 @@ def _wrap_ddp(config, chunks, run: RunConfig) -> List[DistributedDataParallel]:
 
 
 def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
-    """Megatron's optimizer config of the run (Adam; precision from the model config)."""
+    """Megatron's optimizer config of the run (Adam or Muon; precision from the model
+    config). Muon's fields reach OptimizerConfig as Megatron-LM's arguments.py passes them."""
     o = run.optimizer
     return OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        optimizer=o.optimizer, muon_momentum=o.muon_momentum, muon_scale_mode=o.muon_scale_mode,
+        muon_extra_scale_factor=o.muon_extra_scale_factor, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         clip_grad=o.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
         use_distributed_optimizer=o.use_distributed_optimizer)

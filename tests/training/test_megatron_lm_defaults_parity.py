@@ -45,7 +45,6 @@ OPTIMIZER_DIFFERENCES = {
     "barrier_with_L1_time": (True, False, _INERT + "read only by Megatron-LM's timers, which "
                                           "this trainer does not pass"),
     "fp8_recipe": ("delayed", None, _INERT + "read only with FP8 (refused)"),
-    "muon_momentum": (0.9, 0.95, _INERT + "read only by Muon; Adam runs"),
     "optimizer_offload_fraction": (1.0, 0.0, _INERT + "read only with --optimizer-cpu-offload "
                                                       "(refused)"),
 }
