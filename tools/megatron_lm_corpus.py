@@ -158,7 +158,8 @@ REASONS = (
         "cuda-graph", "cuda graph", "CUDA", "offload", "--delay-wgrad-compute",
         "--overlap-moe-expert")),
     ("Megatron-FSDP", ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
-    ("Muon optimizer", ("--optimizer", "--muon-", "--no-use-layer-wise-param-layout")),
+    ("Muon with a distributed optimizer (Megatron-Core's LayerWiseDistributedOptimizer)", (
+        "--optimizer", "--muon-", "--no-use-layer-wise-param-layout")),
     ("fp16 with loss scaling", ("--fp16", "--apply-query-key-layer-scaling")),
     ("attention variants (sliding window, YaRN, softmax type)", (
         "--window-", "yarn", "--softmax-type")),

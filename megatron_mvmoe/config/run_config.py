@@ -233,6 +233,9 @@ class TrainingSection:
     `latest` points at is never deleted."""
     ckpt_step: Optional[int] = None
     """Load iter_<ckpt_step> of `load` instead of the one `latest` points at."""
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    """Every this many steps the data-parallel replicas compare parameter hashes and the run
+    stops if they differ (Megatron-LM's flag; None = never)."""
     exit_duration_in_mins: Optional[float] = None
     """Save and exit (status 3, requeue) once the run has lasted this many minutes."""
     exit_interval: Optional[int] = None
@@ -331,6 +334,10 @@ class RunConfig:
         _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
                  "training.exit_duration_in_mins", f"got {t.exit_duration_in_mins}",
                  "use --exit-duration-in-mins X > 0")
+        _require((t.check_weight_hash_across_dp_replicas_interval or 1) > 0,
+                 "training.check_weight_hash_across_dp_replicas_interval",
+                 f"got {t.check_weight_hash_across_dp_replicas_interval}",
+                 "use --check-weight-hash-across-dp-replicas-interval N >= 1")
         _require(t.ckpt_step is None or t.load is not None, "training.ckpt_step",
                  "set without training.load", "pass --load DIR with --ckpt-step")
         check_rampup(t.rampup_batch_size, t.global_batch_size)

@@ -54,6 +54,7 @@ from megatron_mvmoe.training.rank_reports import recording
 from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.save_lock import hold_save_lock
 from megatron_mvmoe.training.step import evaluate, train_step
+from megatron_mvmoe.training.weight_hash_check import ReplicaMismatch, check_weight_hashes
 from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
                                               StopConditions, StopFlags,
                                               exit_cleanly_on_sigterm, launcher_pid,
@@ -395,6 +396,8 @@ def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
             if _due(step, run.logging.log_interval) or step == t.train_iters:
                 loop.report(metrics, time.perf_counter() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
+            if _due(step, t.check_weight_hash_across_dp_replicas_interval or 0):
+                check_weight_hashes(loop.trainer.model, step, loop.log.line)
             if _due(step, t.eval_interval) and step < t.train_iters:
                 loop.evaluate()
             if loop.result.stopped and step < t.train_iters:
@@ -419,7 +422,7 @@ def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
 
 
 # ------------------------------------------------------------------------------ launcher
-USER_ERRORS = (ValueError, CheckpointError, NonFiniteLoss)
+USER_ERRORS = (ValueError, CheckpointError, NonFiniteLoss, ReplicaMismatch)
 """What main() reports in one line with EXIT_USER_ERROR (anything else is a bug: traceback)."""
 
 

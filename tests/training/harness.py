@@ -72,6 +72,17 @@ def _corrupt_at(corrupt_at_step: int):
     return on_step
 
 
+def _desync_at(step_to_desync: int, rank: int):
+    """on_step hook: `rank` alone nudges its first weight at the start of that step, so its
+    data-parallel replica differs from the others' from then on."""
+    import torch.distributed as dist
+
+    def on_step(step, trainer):
+        if step == step_to_desync and dist.get_rank() == rank:
+            next(trainer.unwrapped()[0].parameters()).data.add_(1e-3)
+    return on_step
+
+
 def _kill_in_publish(kill_at: int):
     """No on_step hook: this rank's checkpoint publish dies as under kill -9 (os._exit(9))
     just before its `kill_at`-th file operation (kill_points.py)."""
@@ -97,7 +108,7 @@ def _train(rank, world_size, raw, hook):
                             timeout_s=run.parallel.distributed_timeout_seconds)
     on_step = None
     if hook is not None:
-        on_step = {"corrupt": _corrupt_at, "nan": _nan_loss_once, "signal": _signal_at,
+        on_step = {"corrupt": _corrupt_at, "nan": _nan_loss_once, "signal": _signal_at, "desync": _desync_at,
                    "kill_publish": _kill_in_publish}[hook[0]](*hook[1:])
     result = pretrain(run, pgs, on_step=on_step)
     return {"losses": result.losses, "eval": result.eval, "first_step": result.first_step,
@@ -108,7 +119,8 @@ def _train(rank, world_size, raw, hook):
 def train(raw: Dict, world_size: int, corrupt_at_step: Optional[int] = None,
           timeout_s: float = 240, hook: Optional[Tuple] = None) -> Dict:
     """Rank 0's RunResult fields (every rank sees the same losses). `hook`: ("nan", step),
-    ("signal", step, signum, rank), ("corrupt", step) or ("kill_publish", k), see the
+    ("signal", step, signum, rank), ("corrupt", step), ("desync", step, rank) or
+    ("kill_publish", k), see the
     functions above."""
     # daemon=False: Megatron's checkpoint writer starts helper processes of its own
     # (pretrain() stops them before returning).

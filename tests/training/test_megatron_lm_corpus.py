@@ -13,7 +13,7 @@ import megatron_lm_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-RESOLVING = {  # docs/megatron_lm.md: the 30 lines that resolve as written
+RESOLVING = {  # docs/megatron_lm.md: the 32 lines that resolve as written
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances",
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances"
     "_1node",
@@ -21,6 +21,9 @@ RESOLVING = {  # docs/megatron_lm.md: the 30 lines that resolve as written
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer",
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer",
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer_1node",
+    # Muon (replicated, as written) with --check-weight-hash-across-dp-replicas-interval 1
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon",
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon_1node",
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
     "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic_dp_last",
     "gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel_dp_last",
@@ -52,9 +55,9 @@ REASON_COUNTS = {
     "GPT-3 architecture (item 2: GeLU / LayerNorm / learned positions / tied)": 1,
     "inference / RL test, not pretraining": 13,
     "CUDA graphs / GPU streams / offloading": 9,
-    "checkpoint integrity / async strategy / fault tolerance": 3,
+    "checkpoint integrity / async strategy / fault tolerance": 1,
     "FP8 / TransformerEngine": 7,
-    "Muon optimizer": 6,
+    "Muon with a distributed optimizer (Megatron-Core's LayerWiseDistributedOptimizer)": 4,
     "bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)": 5,
     "Megatron-FSDP": 4,
     "per-token loss": 2,
