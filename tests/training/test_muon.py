@@ -47,3 +47,63 @@ def test_a_muon_run_trains_with_muon_and_resumes_exactly(tmp_path, text_tokens):
     assert full[0] == adam[0] and full[1:] != adam[1:]
     raw["training"].update(load=str(tmp_path / "muon"), ckpt_step=2, save=str(tmp_path / "ck2"))
     assert train(raw, 1)["losses"] == full[2:]
+
+
+QUINTIC = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+           (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)]
+"""emerging-optimizers' "quintic" Newton-Schulz coefficients, one set per step (5 steps)."""
+
+
+def _naive_muon_update(grad, extra_scale):
+    """Muon's first update of a 2-D weight written out: momentum (1 - m) * grad (a positive
+    factor, which the normalisation removes), Newton-Schulz orthogonalisation of the
+    Frobenius-normalised matrix (bf16 I/O under Megatron's default 'medium' fp32 matmul
+    precision), times the spectral scale sqrt(max(out, in)) and the extra scale factor."""
+    x = grad.float()
+    transpose = x.shape[0] > x.shape[1]
+    x = x.T if transpose else x
+    x = (x / x.norm().clamp_min(1e-7)).bfloat16()
+    for a, b, c in QUINTIC:  # a x + (b A + c A^2) x, A = x x^T, in the library's bf16 order
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, alpha=c, beta=b), x, beta=a)
+    x = x.float()
+    x = x.T if transpose else x
+    return x * max(grad.shape) ** 0.5 * extra_scale
+
+
+def _first_step_of_one_matrix(rank, world_size, raw):
+    """(weight before step 1, its step-1 gradient, weight after) of layer 1's attention
+    output projection, read by on_step hooks (the gradient buffer is zeroed only when step 2
+    starts)."""
+    from megatron_mvmoe.config.run_config import config_from_dict
+    from megatron_mvmoe.parallel import initialize_layout
+    from megatron_mvmoe.training.pretrain import pretrain
+
+    seen = {}
+
+    def on_step(step, trainer):
+        name, param = next((n, p) for n, p in trainer.unwrapped()[0].named_parameters()
+                           if "layers.0.self_attention.linear_proj.weight" in n)
+        seen[step] = (param.detach().clone(), param.main_grad.detach().clone())
+
+    run = config_from_dict(raw)
+    pretrain(run, initialize_layout(run.parallel.layout(), timeout_s=60), on_step=on_step)
+    return seen[1][0], seen[2][1], seen[2][0]
+
+
+def test_muons_first_step_is_the_orthogonalised_gradient(text_tokens):
+    """The trainer's first Muon step on a weight matrix equals the update written out
+    (constant lr, no weight decay): W1 = W0 - lr * extra * sqrt(max(m, n)) * NS5(G)."""
+    from harness import tiny_run
+
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    raw = tiny_run(text_tokens, preset="tiny_smoe", train_iters=2, eval_iters=0)
+    raw["optimizer"] = dict(optimizer="muon", muon_extra_scale_factor=0.2, lr=0.01,
+                            min_lr=0.01, lr_decay_style="constant", weight_decay=0.0,
+                            use_distributed_optimizer=False)
+    before, grad, after = run_distributed(_first_step_of_one_matrix, 1, args=(raw,),
+                                          daemon=False)[0]
+    expected = before - 0.01 * _naive_muon_update(grad, 0.2)
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, expected, rtol=0, atol=1e-7)  # updates ~1e-3
