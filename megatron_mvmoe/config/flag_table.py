@@ -222,7 +222,7 @@ FLAGS: List[Flag] = [
     Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", parse_bool),
     Flag("--lr-decay-style", "optimizer", "lr_decay_style", str),
     Flag("--check-weight-hash-across-dp-replicas-interval", "training",
-         "check_weight_hash_across_dp_replicas_interval", int),
+         "check_weight_hash_interval", int),
     Flag("--optimizer", "optimizer", "optimizer", str),
     Flag("--muon-momentum", "optimizer", "muon_momentum", float),
     Flag("--muon-scale-mode", "optimizer", "muon_scale_mode", str),

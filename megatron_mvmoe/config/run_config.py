@@ -233,7 +233,7 @@ class TrainingSection:
     `latest` points at is never deleted."""
     ckpt_step: Optional[int] = None
     """Load iter_<ckpt_step> of `load` instead of the one `latest` points at."""
-    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    check_weight_hash_interval: Optional[int] = None
     """Every this many steps the data-parallel replicas compare parameter hashes and the run
     stops if they differ (Megatron-LM's flag; None = never)."""
     exit_duration_in_mins: Optional[float] = None
@@ -334,9 +334,9 @@ class RunConfig:
         _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
                  "training.exit_duration_in_mins", f"got {t.exit_duration_in_mins}",
                  "use --exit-duration-in-mins X > 0")
-        _require((t.check_weight_hash_across_dp_replicas_interval or 1) > 0,
-                 "training.check_weight_hash_across_dp_replicas_interval",
-                 f"got {t.check_weight_hash_across_dp_replicas_interval}",
+        _require((t.check_weight_hash_interval or 1) > 0,
+                 "training.check_weight_hash_interval",
+                 f"got {t.check_weight_hash_interval}",
                  "use --check-weight-hash-across-dp-replicas-interval N >= 1")
         _require(t.ckpt_step is None or t.load is not None, "training.ckpt_step",
                  "set without training.load", "pass --load DIR with --ckpt-step")

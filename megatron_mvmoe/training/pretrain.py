@@ -396,7 +396,7 @@ def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
             if _due(step, run.logging.log_interval) or step == t.train_iters:
                 loop.report(metrics, time.perf_counter() - window_start, window_steps)
                 window_start, window_steps = time.perf_counter(), 0
-            if _due(step, t.check_weight_hash_across_dp_replicas_interval or 0):
+            if _due(step, t.check_weight_hash_interval or 0):
                 check_weight_hashes(loop.trainer.model, step, loop.log.line)
             if _due(step, t.eval_interval) and step < t.train_iters:
                 loop.evaluate()

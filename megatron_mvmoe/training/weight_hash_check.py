@@ -45,7 +45,7 @@ def check_weight_hashes(model: List[torch.nn.Module], step: int,
         same = check_param_hashes_across_dp_replicas(model, cross_check=True)
     if not same:
         raise ReplicaMismatch(
-            f"training.check_weight_hash_across_dp_replicas_interval: the data-parallel "
+            f"training.check_weight_hash_interval: the data-parallel "
             f"replicas' weights differ after step {step} (Megatron-Core's log names each "
             "parameter). Fix: this is a bug or a hardware fault, not a setting: resume from the "
             "last checkpoint (--load) and report it with the run directory")

@@ -15,7 +15,7 @@ def _run(text_tokens):
     # Replicated optimizer (as on the corpus's Muon lines): ZeRO-1 would overwrite the
     # desynchronised weight with its all-gathered shard after the step, hiding the fault.
     raw["optimizer"].update(warmup_iters=0, use_distributed_optimizer=False)
-    raw["training"]["check_weight_hash_across_dp_replicas_interval"] = 1
+    raw["training"]["check_weight_hash_interval"] = 1
     return raw
 
 
@@ -41,4 +41,4 @@ def test_the_flag_sets_the_interval():
 
     run = config_from_args(["--model-preset", "tiny_smoe",
                             "--check-weight-hash-across-dp-replicas-interval", "3"])
-    assert run.training.check_weight_hash_across_dp_replicas_interval == 3
+    assert run.training.check_weight_hash_interval == 3
