@@ -25,7 +25,7 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 from megatron_mvmoe.training.stopping import run_id
 
@@ -86,20 +86,23 @@ def recording(save: Optional[str], rank: int, world_size: int) -> Iterator[None]
 
 
 def read_reports(save: str, this_run: Optional[str]) -> List[RankReport]:
-    """The records of run `this_run` in `save`, by rank."""
+    """The records of run `this_run` in `save`, one per rank. A rank killed between writing
+    its error record and renaming it over its start record (write_json_atomic) leaves both
+    (`rank_N.json` and `rank_N.json.tmp`): the one with the error counts."""
     folder = os.path.join(save, REPORTS_DIR)
     if this_run is None or not os.path.isdir(folder):
         return []
-    reports = []
+    by_rank: Dict[int, RankReport] = {}
     for name in sorted(os.listdir(folder)):
         try:
             with open(os.path.join(folder, name)) as fh:
                 report = RankReport(**json.load(fh))
         except (OSError, ValueError, TypeError):
-            continue
-        if report.run_id == this_run:
-            reports.append(report)
-    return reports
+            continue  # a record cut short by the kill
+        kept = by_rank.get(report.rank)
+        if report.run_id == this_run and (kept is None or kept.error is None):
+            by_rank[report.rank] = report
+    return [by_rank[rank] for rank in sorted(by_rank)]
 
 
 def stopped_peers(save: Optional[str], rank: int) -> List[RankReport]:

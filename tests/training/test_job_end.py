@@ -65,3 +65,25 @@ def test_save_comes_from_the_flag_or_the_yaml(tmp_path):
     assert save_from_args(["--config", str(config), "--save", "/ck/flag"]) == "/ck/flag"
     assert save_from_args(["--save=/ck/eq"]) == "/ck/eq"
     assert save_from_args(["--lr", "1"]) is None
+
+
+def test_an_error_record_killed_before_its_rename_still_counts(tmp_path):
+    """A rank killed between writing its error record and renaming it over its start record
+    (write_json_atomic: fsync, then rename) leaves both files. Seen in CI: the summary then
+    listed rank 0 as silent AND as the first error ("ranks 0,1 ... ended without an error;
+    then rank 0 ..."). One record per rank: the error, the newer of the two."""
+    save = tmp_path / "ck"
+    (save / REPORTS_DIR).mkdir(parents=True)
+    for rank in (0, 1):
+        start = RankReport(rank, 2, "vm", 100 + rank, "9.0", 0.0)
+        (save / REPORTS_DIR / f"rank_{rank:05d}.json").write_text(json.dumps(asdict(start)))
+    error = RankReport(0, 2, "vm", 100, "9.0", 0.0, "RuntimeError: Connection reset", 5.0)
+    (save / REPORTS_DIR / "rank_00000.json.tmp").write_text(json.dumps(asdict(error)))
+    for name in ("rank_00001.json.tmp",):  # a start record cut short by the kill
+        (save / REPORTS_DIR / name).write_text('{"rank": 1, "wor')
+    _checkpoint(save, 2)
+    line = verdict(137, str(save), "9.0")["line"]
+    assert line.startswith(
+        "job failed (exit status 137): rank 1 on vm (PID 101) ended without an error (killed, "
+        "or hung and killed by the launcher); then rank 0 on vm: RuntimeError: Connection "
+        "reset; "), line
