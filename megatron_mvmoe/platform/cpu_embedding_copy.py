@@ -34,6 +34,12 @@ def _cuda_is_the_cpu():
         torch.Tensor.cuda = original
 
 
+def tensor_cuda_stays_on_this_device():
+    """For one Megatron call that moves tensors with `.cuda()`: on a CPU machine the tensors
+    stay where they are; with CUDA, nothing changes."""
+    return contextlib.nullcontext() if torch.cuda.is_available() else _cuda_is_the_cpu()
+
+
 def embedding_copy_on_cpu() -> None:
     cls = importlib.import_module(_LANGUAGE_MODULE).LanguageModule
     original = cls.setup_embeddings_and_output_layer

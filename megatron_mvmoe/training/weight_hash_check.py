@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import check_param_hashes_across_dp_replicas
 
-from megatron_mvmoe.platform.cpu_embedding_copy import _cuda_is_the_cpu
+from megatron_mvmoe.platform.cpu_embedding_copy import tensor_cuda_stays_on_this_device
 
 
 class ReplicaMismatch(RuntimeError):
@@ -40,7 +40,7 @@ def check_weight_hashes(model: List[torch.nn.Module], step: int,
     """Megatron-Core's cross-replica hash check after `step`; raises ReplicaMismatch on every
     rank when any two replicas differ (each rank sees every hash, so all agree)."""
     # Megatron-Core moves the hashes to the GPU for the all-gather; on CPU they stay put.
-    on_cpu = _cuda_is_the_cpu() if not torch.cuda.is_available() else contextlib.nullcontext()
+    on_cpu = tensor_cuda_stays_on_this_device()
     with _params_gathered(model), on_cpu:
         same = check_param_hashes_across_dp_replicas(model, cross_check=True)
     if not same:
