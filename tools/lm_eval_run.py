@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(table(out))
+        print(benchmark_tasks.score_table(out))
     return 0
 
 
@@ -153,17 +153,6 @@ def summarise(results: dict, tasks, args) -> dict:
             "mean": sum(scores) / len(scores) if scores else None,
             "num_fewshot": args.num_fewshot, "limit": args.limit,
             "n_samples": results.get("n-samples")}
-
-
-def table(out: dict) -> str:
-    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-    lines = ["| task | split | items | metric | score | stderr | chance |",
-             "|---|---|---|---|---|---|---|"]
-    for task, r in out["tasks"].items():
-        lines.append(f"| {task} | {r['split'] or '-'} | {r['items']} | {r['metric']} | "
-                     f"{fmt(r['score'])} | {fmt(r['stderr'])} | {fmt(r['chance'])} |")
-    lines.append(f"| macro mean | | | | {fmt(out['mean'])} | | |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,18 @@ MoE on CPU at EP=2 under torchrun -> per-domain perplexity -> runs/<name>/.
 
   python tools/run_main_job.py                      # ~3-5 min of training on 2 cores
   python tools/run_main_job.py --train-iters 40 --json
+  python tools/run_main_job.py --downstream-only    # add the downstream block to a finished run
 
 Writes runs/<name>/: config.yaml (the resolved run config), metrics.jsonl, train.log
 (console of every rank), tensorboard/, loss_curve.png, results.json, checkpoints/.
 Existing corpus / preprocessed directories are reused (pass --rebuild-data to redo them).
+
+Then the final checkpoint is scored on the standard lm-eval tasks (tools/lm_eval_run.py
+--tasks standard --limit N, offline, on the files scripts/setup_env.sh fetched): results.json's
+"downstream" holds each task's score, stderr, items and chance level and the macro mean next
+to the mean a guesser gets, labelled near chance (a toy model at this scale answers these
+benchmarks about as well as guessing). --downstream-limit 0 skips it.
+Checked by tests/hf/test_downstream.py::test_main_job_results_carry_downstream_beside_chance.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,17 +34,20 @@ class JobError(RuntimeError):
     """A stage of the main job failed."""
 
 
-def _run(cmd: List[str], log_path: str, timeout_s: float, what: str) -> None:
-    """Run one stage; its output goes to the log and, as progress, to stderr."""
+def _run(cmd: List[str], log_path: str, timeout_s: float, what: str,
+         result_path: Optional[str] = None) -> None:
+    """Run one stage; its output goes to the log and, as progress, to stderr. With
+    result_path, the stage's stdout (its --json result) goes to that file instead."""
     print(f"[main job] {what} ...", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout_s
-    with open(log_path, "a") as log:
+    with open(log_path, "a") as log, open(result_path or os.devnull, "w") as result:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in proc.stdout:  # the stages print progress lines; a stage that hangs
-            log.write(line)       # without output is caught by the wait below
+        streams = ({"stdout": result, "stderr": subprocess.PIPE} if result_path else
+                   {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT})
+        proc = subprocess.Popen(cmd, cwd=REPO, text=True, bufsize=1, **streams)
+        for line in proc.stderr or proc.stdout:  # the stages print progress lines; a stage
+            log.write(line)  # that hangs without output is caught by the wait below
             # Every line shows: noise is filtered where it is emitted (megatron_mvmoe/log_noise.py)
             print(f"  {line}", end="", file=sys.stderr, flush=True)
             if time.monotonic() > deadline:
@@ -129,6 +140,47 @@ def summarize(records: List[Dict], seconds: float, args, run_dir: str) -> Dict:
             "loss_curve": os.path.join(run_dir, "loss_curve.png")}
 
 
+NEAR_CHANCE = ("near chance at this scale: a toy model trained for minutes on CPU answers "
+               "these benchmarks about as well as guessing; compare each score with its "
+               "chance level, not with published numbers")
+
+
+def score_downstream(args, run_dir: str, log_path: str) -> Dict:
+    """--downstream-tasks (the standard lm-eval tasks) on the run's final checkpoint, first
+    --downstream-limit items of each (of each MMLU subject)."""
+    out_path = os.path.join(run_dir, "downstream.json")
+    cmd = [sys.executable, "tools/lm_eval_run.py", "--load", os.path.join(run_dir, "checkpoints"),
+           "--tasks", *args.downstream_tasks, "--limit", str(args.downstream_limit), "--json"]
+    _run(cmd, log_path, args.timeout_s, "downstream: lm-eval tasks, offline "
+         f"(tools/lm_eval_run.py --limit {args.downstream_limit})", result_path=out_path)
+    with open(out_path) as fh:
+        return downstream_block(json.load(fh), " ".join(["python", *cmd[1:]]))
+
+
+def downstream_block(out: Dict, command: str) -> Dict:
+    """results.json's downstream entry: each task's score with its chance level beside it,
+    the macro mean and what guessing would give (LAMBADA, which names a word, counts 0)."""
+    keys = ("split", "items", "metric", "score", "stderr", "chance")
+    tasks = {task: {k: row[k] for k in keys} for task, row in out["tasks"].items()}
+    guessing = [row["chance"] or 0.0 for row in tasks.values()]
+    return {"label": NEAR_CHANCE, "command": command, "limit": out["limit"],
+            "num_fewshot": out["num_fewshot"], "tasks": tasks, "mean": out["mean"],
+            "mean_if_guessing": sum(guessing) / len(guessing), "seconds": out["seconds"]}
+
+
+def downstream_lines(block: Dict) -> str:
+    from megatron_mvmoe.evaluation.benchmark_tasks import score_table
+
+    return (f"downstream, first {block['limit']} items per task ({block['label']}):\n"
+            + score_table(block) + f"\nmacro mean {block['mean']:.4f}; guessing gives "
+            f"{block['mean_if_guessing']:.4f}")
+
+
+def write_results(run_dir: str, results: Dict) -> None:
+    with open(os.path.join(run_dir, "results.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", default="main_job")
@@ -141,22 +193,35 @@ def main(argv=None) -> int:
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--rebuild-data", action="store_true")
+    p.add_argument("--downstream-limit", type=int, default=10,
+                   help="items per standard lm-eval task (per MMLU subject) scored on the final "
+                        "checkpoint (default 10; 0 skips)")
+    p.add_argument("--downstream-tasks", nargs="+", default=["standard"],
+                   help="lm_eval_run.py task names (default: standard, the ten local tasks)")
+    p.add_argument("--downstream-only", action="store_true",
+                   help="no training: score the finished run's checkpoint and add the "
+                        "downstream block to its results.json")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     run_dir = os.path.join("runs", args.name)
     os.makedirs(run_dir, exist_ok=True)
     log_path = os.path.join(run_dir, "train.log")
     try:
-        data_path = build_data(args, log_path)
-        seconds = train(args, data_path, run_dir, log_path)
-        records = _records(run_dir)
-        plot_loss(records, os.path.join(run_dir, "loss_curve.png"))
-        results = summarize(records, seconds, args, run_dir)
+        if args.downstream_only:
+            results = _finished_results(run_dir)
+        else:
+            data_path = build_data(args, log_path)
+            seconds = train(args, data_path, run_dir, log_path)
+            records = _records(run_dir)
+            plot_loss(records, os.path.join(run_dir, "loss_curve.png"))
+            results = summarize(records, seconds, args, run_dir)
+            write_results(run_dir, results)  # training's results stand if scoring fails
+        if args.downstream_limit > 0:
+            results["downstream"] = score_downstream(args, run_dir, log_path)
+            write_results(run_dir, results)
     except JobError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    with open(os.path.join(run_dir, "results.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
     if args.json:
         print(json.dumps(results, indent=1))
     else:
@@ -165,7 +230,18 @@ def main(argv=None) -> int:
               f"{results['first_logged_loss']:.3f} -> {results['final_train_loss']:.3f}; "
               f"held-out perplexity {ppl}\nwrote {run_dir}/ (results.json, loss_curve.png, "
               "metrics.jsonl, config.yaml, train.log)")
+        if "downstream" in results:
+            print(downstream_lines(results["downstream"]))
     return 0
+
+
+def _finished_results(run_dir: str) -> Dict:
+    path = os.path.join(run_dir, "results.json")
+    if not os.path.isfile(path):
+        raise JobError(f"--downstream-only needs a finished run: {path} is missing. Fix: "
+                       "run tools/run_main_job.py without --downstream-only first")
+    with open(path) as fh:
+        return json.load(fh)
 
 
 if __name__ == "__main__":

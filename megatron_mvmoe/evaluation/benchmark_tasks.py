@@ -151,3 +151,16 @@ def primary_metric(task: str, metrics: Dict[str, float]) -> Optional[str]:
         if name and name in metrics:
             return name
     return None
+
+
+def score_table(out: Dict) -> str:
+    """Markdown: one row per task of out["tasks"] (split, items, metric, score, stderr,
+    chance), then the macro mean out["mean"] (tools/lm_eval_run.py's summary)."""
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    lines = ["| task | split | items | metric | score | stderr | chance |",
+             "|---|---|---|---|---|---|---|"]
+    for task, r in out["tasks"].items():
+        lines.append(f"| {task} | {r['split'] or '-'} | {r['items']} | {r['metric']} | "
+                     f"{fmt(r['score'])} | {fmt(r['stderr'])} | {fmt(r['chance'])} |")
+    lines.append(f"| macro mean | | | | {fmt(out['mean'])} | | |")
+    return "\n".join(lines)

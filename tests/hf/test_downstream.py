@@ -7,6 +7,7 @@ log-likelihoods of our model class equal lm-eval's `hf` backend on the exported 
 The files come from scripts/setup_env.sh (tools/fetch_benchmarks.py); the fixture runs the
 same step, a hash check when they are there."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -37,6 +38,7 @@ FIELDS = {"arc_easy": {"question", "choices", "answerKey"},
           "openbookqa": {"question_stem", "choices", "answerKey"},
           "social_iqa": {"context", "question", "answerA", "answerB", "answerC", "label"},
           "lambada_openai": {"text"}}
+MMLU_FIELDS = {"question", "subject", "choices", "answer"}  # every subject, test and dev
 # a socket guard: any connection that is not to this machine fails the process loudly
 GUARD = """
 import socket
@@ -65,6 +67,10 @@ def test_local_files_have_lm_evals_counts_and_fields(manifest):
     mmlu = [manifest["tasks"][f"mmlu_{s}"] for s in data.MMLU_SUBJECTS]
     assert len(mmlu) == 57 and sum(m["test"]["items"] for m in mmlu) == 14042
     assert all(m["dev"]["items"] == 5 for m in mmlu)
+    for subject in mmlu:
+        for split in ("test", "dev"):
+            with open(os.path.join(data.default_root(), subject[split]["file"])) as fh:
+                assert MMLU_FIELDS <= set(json.loads(fh.readline())), subject[split]["file"]
     assert benchmark_tasks.chance("piqa") == 0.5 and benchmark_tasks.chance("mmlu") == 0.25
     assert benchmark_tasks.chance("lambada_openai") is None
 
@@ -166,29 +172,46 @@ def test_loglikelihoods_equal_lm_evals_hf_backend(manifest, exported, tmp_path):
     generation = json.load(open(os.path.join(exported["hf"], "generation_config.json")))
     assert config["vocab_size"] == PADDED_VOCAB  # padded rows exported, in both softmaxes
     assert generation["suppress_tokens"] == list(range(512, PADDED_VOCAB))  # never generated
-    assert set(ours) == set(theirs) == set(EQUALITY_TASKS)
+    assert set(ours["ll"]) == set(theirs["ll"]) == set(EQUALITY_TASKS)
     for task in EQUALITY_TASKS:
-        assert len(ours[task]) == len(theirs[task]) >= 3, task  # 3 items (x choices)
-        for a, b in zip(ours[task], theirs[task]):
-            assert abs(a - b) < 1e-4, (task, ours[task], theirs[task])
+        mine, hf = ours["ll"][task], theirs["ll"][task]
+        assert len(mine) == len(hf) >= 3, task  # 3 items (x choices)
+        for a, b in zip(mine, hf):
+            assert abs(a - b) < 1e-4, (task, mine, hf)
+    assert ours["acc"] == theirs["acc"]  # so the scores: every task's acc and acc_norm
 
 
-def test_tool_prints_scores_chance_and_mean_without_network(manifest, exported):
-    """The command a researcher runs, hub variables unset, with every non-local connection
-    made to fail: per-task scores, standard errors, chance levels and the mean. Three of the
-    ten standard tasks keep it cheap (all ten load in the test above; the mmlu group's
-    summary: test_summary_of_a_group_and_the_table)."""
+@pytest.fixture(scope="module")
+def main_job_scored(manifest, exported, tmp_path_factory):
+    """The main job's downstream stage (tools/run_main_job.py) on the tiny checkpoint: it runs
+    tools/lm_eval_run.py with the hub variables unset and, through a sitecustomize on
+    PYTHONPATH, every non-local connection made to fail. Three of the ten standard tasks at 2
+    items keep it cheap (all ten load in the test above; the mmlu group's summary:
+    test_summary_of_a_group_and_the_table)."""
+    import run_main_job
+
+    run_dir = tmp_path_factory.mktemp("main_job")
+    os.symlink(exported["root"], run_dir / "checkpoints")
+    guard = tmp_path_factory.mktemp("guard")
+    (guard / "sitecustomize.py").write_text(GUARD)
+    args = argparse.Namespace(downstream_tasks=["arc_easy", "winogrande", "lambada_openai"],
+                              downstream_limit=2, timeout_s=500)
+    with pytest.MonkeyPatch.context() as patch:  # the stage's subprocess inherits these
+        for name in [k for k in os.environ if k.startswith("HF_")]:
+            patch.delenv(name)
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(guard),
+                                                    os.environ.get("PYTHONPATH", "")]))
+        patch.setenv("OMP_NUM_THREADS", "1")
+        block = run_main_job.score_downstream(args, str(run_dir), str(run_dir / "train.log"))
+    return {"block": block, "tool": json.loads((run_dir / "downstream.json").read_text()),
+            "log": (run_dir / "train.log").read_text()}
+
+
+def test_tool_prints_scores_chance_and_mean_without_network(main_job_scored):
+    """The command a researcher runs, offline: per-task scores, standard errors, chance
+    levels and the mean; its stdout is the JSON alone (lambada's bootstrap line too)."""
     assert benchmark_tasks.expand(["standard", "piqa"]) == benchmark_tasks.STANDARD
-    tasks = ["arc_easy", "winogrande", "lambada_openai"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    code = GUARD + "import runpy, sys; sys.argv = sys.argv[1:]; " \
-        "runpy.run_path('tools/lm_eval_run.py', run_name='__main__')"
-    proc = subprocess.run([sys.executable, "-c", code, "tools/lm_eval_run.py", "--load",
-                           exported["root"], "--tasks", *tasks, "--limit", "2", "--json"],
-                          env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)  # stdout is the JSON alone (lambada's bootstrap line too)
+    out, tasks = main_job_scored["tool"], ["arc_easy", "winogrande", "lambada_openai"]
     assert list(out["tasks"]) == tasks
     for task, row in out["tasks"].items():
         assert 0.0 <= row["score"] <= 1.0 and row["stderr"] is not None, (task, row)
@@ -197,13 +220,31 @@ def test_tool_prints_scores_chance_and_mean_without_network(manifest, exported):
     assert out["tasks"]["winogrande"]["chance"] == 0.5
     scores = [row["score"] for row in out["tasks"].values()]
     assert abs(out["mean"] - sum(scores) / len(scores)) < 1e-12
-    assert "[lm_eval] loglikelihood:" in proc.stderr
+    assert "[lm_eval] loglikelihood:" in main_job_scored["log"]
+    assert "network access attempted" not in main_job_scored["log"]
+
+
+def test_main_job_results_carry_downstream_beside_chance(main_job_scored):
+    """Issue 39 item 4: the main job's results.json holds the tasks at a small --limit, each
+    score with its chance level beside it, labelled near chance; the console shows the same."""
+    import run_main_job
+
+    block, out = main_job_scored["block"], main_job_scored["tool"]
+    assert "near chance" in block["label"] and block["limit"] == 2
+    assert "--limit 2 --json" in block["command"]
+    for task, row in block["tasks"].items():
+        assert (row["score"], row["stderr"], row["chance"]) == (
+            out["tasks"][task]["score"], out["tasks"][task]["stderr"],
+            out["tasks"][task]["chance"]), task
+    guessing = [benchmark_tasks.chance("arc_easy"), 0.5, 0.0]  # LAMBADA: no chance, counts 0
+    assert abs(block["mean_if_guessing"] - sum(guessing) / 3) < 1e-12
+    lines = run_main_job.downstream_lines(block).splitlines()
+    assert "near chance" in lines[0] and lines[1].endswith("| chance |")
+    assert lines[-1].startswith(f"macro mean {block['mean']:.4f}; guessing gives ")
 
 
 def test_summary_of_a_group_and_the_table(manifest):
     """mmlu: one row, its subjects' items summed, lm-eval's group acc as the score."""
-    import argparse
-
     import lm_eval_run
 
     n = {f"mmlu_{s}": {"effective": 2} for s in data.MMLU_SUBJECTS}
@@ -216,7 +257,7 @@ def test_summary_of_a_group_and_the_table(manifest):
     assert out["tasks"]["mmlu"] == {"metric": "acc", "score": 0.3, "stderr": 0.04,
                                     "items": 114, "split": "test", "chance": 0.25}
     assert out["tasks"]["piqa"]["metric"] == "acc_norm" and abs(out["mean"] - 0.45) < 1e-12
-    table = lm_eval_run.table(out).splitlines()
+    table = benchmark_tasks.score_table(out).splitlines()
     assert table[2] == "| mmlu | test | 114 | acc | 0.3000 | 0.0400 | 0.2500 |"
     assert table[-1] == "| macro mean | | | | 0.4500 | | |"
 
@@ -234,9 +275,12 @@ def _leaf_tasks(nested):
 
 
 def _per_item(results) -> dict:
-    """task -> the log-likelihood of every (item, choice) in lm-eval's order."""
-    return {task: [float(resp[0][0]) for sample in samples for resp in sample["resps"]]
-            for task, samples in results["samples"].items()}
+    """"ll": task -> the log-likelihood of every (item, choice) in lm-eval's order; "acc":
+    task -> its acc / acc_norm."""
+    return {"ll": {task: [float(resp[0][0]) for sample in samples for resp in sample["resps"]]
+                   for task, samples in results["samples"].items()},
+            "acc": {task: {k: v for k, v in metrics.items() if k.split(",")[0] in
+                           ("acc", "acc_norm")} for task, metrics in results["results"].items()}}
 
 
 def _evaluate(model, task_dir):
