@@ -16,6 +16,10 @@ mean of the tasks' scores (acc_norm for ARC, HellaSwag, PIQA, OpenBookQA; acc el
 mmlu is one task, its 57 subjects weighted by size as lm-eval does). A task whose files are
 missing is refused in one line naming it and the fix. Other lm-eval task names pass through
 to lm-eval unchanged (they need their data reachable: unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE).
+The tokenizer is the run's: its data.path's tokenizer/, read relative to the directory the
+tool runs in when the path is relative (the main job's is), or --tokenizer-type with
+--tokenizer-model / --vocab-file --merge-file; a run whose tokenizer is not found is refused
+naming where it looked (test_a_run_without_its_tokenizer_here_names_a_fix_the_tool_takes).
 Checked by tests/hf/test_downstream.py.
 
 Examples:
@@ -49,6 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="EP size to load onto (run under torchrun with that many ranks)")
     p.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=1,
                    help="TP size to load onto")
+    for flag, what in (("--tokenizer-type", "override the run's tokenizer: GPT2BPETokenizer, "
+                        "HuggingFaceTokenizer, NullTokenizer or Llama2Tokenizer"),
+                       ("--tokenizer-model", "HuggingFaceTokenizer tokenizer.json or its "
+                        "directory; Llama2Tokenizer .model"),
+                       ("--vocab-file", "GPT2BPETokenizer vocab.json"),
+                       ("--merge-file", "GPT2BPETokenizer merges.txt")):
+        p.add_argument(flag, default=None, help=what)
     p.add_argument("--task-source", type=existing_path(
                        "a held-out JSONL ('text' field) or text file"), help="held-out JSONL ('text' field) or text file to "
                    "build the mvmoe_continuation task from")
@@ -99,7 +110,9 @@ def main(argv=None) -> int:
             say(f"task {TASK_NAME}: {len(docs)} documents, {args.num_choices} choices -> "
                 f"{task_dir}")
         manager = benchmark_tasks.task_manager(task_dir, tasks, args.benchmark_dir)
-        model = MVMoELM(load=args.load, tp=args.tp, ep=args.ep)
+        model = MVMoELM(load=args.load, tp=args.tp, ep=args.ep,
+                        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                        merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
         try:  # lm-eval prints to stdout ("bootstrapping for stddev"): stdout stays the result
             with contextlib.redirect_stdout(sys.stderr):
                 results = lm_eval.simple_evaluate(

@@ -30,7 +30,7 @@ import contextlib
 import os
 import sys
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from lm_eval.api.model import LM
@@ -45,7 +45,9 @@ class MVMoELM(LM):
     module), or `MVMoELM(load=...)` passed to `lm_eval.simple_evaluate`."""
 
     def __init__(self, load: str, tp: int = 1, ep: int = 1, etp: int = 1,
-                 max_gen_toks: int = 32, **_unused) -> None:
+                 max_gen_toks: int = 32, tokenizer_type: Optional[str] = None,
+                 vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                 tokenizer_model: Optional[str] = None, **_unused) -> None:
         super().__init__()
         import argparse
 
@@ -54,8 +56,8 @@ class MVMoELM(LM):
         from megatron_mvmoe.toolkit.flags import run_from_flags
 
         flags = argparse.Namespace(load=load, tp=int(tp), pp=1, ep=int(ep), etp=int(etp),
-                                   tokenizer_type=None, vocab_file=None, merge_file=None,
-                                   tokenizer_model=None)
+                                   tokenizer_type=tokenizer_type, vocab_file=vocab_file,
+                                   merge_file=merge_file, tokenizer_model=tokenizer_model)
         run = run_from_flags(flags)
         self._stack = contextlib.ExitStack()
         pgs = self._stack.enter_context(tool_session(run))

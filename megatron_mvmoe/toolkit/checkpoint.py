@@ -180,6 +180,10 @@ def run_tokenizer(run: RunConfig):
     if isinstance(path, str) and os.path.isdir(os.path.join(path, "tokenizer")):
         return load_tokenizer(os.path.join(path, "tokenizer"),
                               read_meta(path)["tokenizer"]["kind"])
-    raise ValueError("tokenizer: the checkpoint's run has none on record (data.path "
-                     f"{path!r} holds no tokenizer/). Fix: --tokenizer-type with "
-                     "--tokenizer-model / --vocab-file --merge-file")
+    # a relative data.path (the main job's) is read from where the tool runs: say where
+    relative = isinstance(path, str) and not os.path.isabs(path)
+    where = f", read from {os.getcwd()}," if relative else ""
+    run_there = "run the tool in the directory the run trained in, or " if relative else ""
+    raise ValueError(f"tokenizer: the checkpoint's run has none on record (data.path {path!r}"
+                     f"{where} holds no tokenizer/). Fix: {run_there}pass --tokenizer-type "
+                     "with --tokenizer-model / --vocab-file --merge-file")

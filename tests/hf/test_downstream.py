@@ -131,6 +131,29 @@ def test_a_task_without_data_fails_in_one_line(tmp_path, capsys):
     assert "task piqa" in lines[0] and "tools/fetch_benchmarks.py" in lines[0], lines
 
 
+def test_a_run_without_its_tokenizer_here_names_a_fix_the_tool_takes(tmp_path, monkeypatch):
+    """The main job records data.path relative to where it trained (data/main_job/bpe4096):
+    run from elsewhere, the tool must say where it looked, and the flags its fix names must
+    be lm_eval_run's own (they were not: argparse refused them)."""
+    import lm_eval_run
+
+    from megatron_mvmoe.config.flags import config_from_args
+    from megatron_mvmoe.toolkit.checkpoint import run_tokenizer
+
+    run = config_from_args(["--config", os.path.abspath("examples/tiny_cpu.yaml")])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as err:
+        run_tokenizer(run)
+    message = str(err.value)
+    assert "'data/preprocessed'" in message and str(tmp_path) in message, message
+    assert "run the tool in the directory the run trained in" in message, message
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file",
+             "m.txt", "--tokenizer-model", "t.json"]
+    args = lm_eval_run.parse_args(["--load", "ck", "--tasks", "piqa", *flags])
+    assert (args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model) == (
+        "GPT2BPETokenizer", "v.json", "m.txt", "t.json")
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A tiny Multi-View MoE (3 steps) and its export. Its vocabulary is padded: 4096 rows
