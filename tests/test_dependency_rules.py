@@ -23,48 +23,23 @@ included), so the layering cannot erode silently:
 - tools/ are leaves: no tool imports another tool, and only tools/megatron_moe_tests.py (it
   runs Megatron's own tests) imports megatron_mvmoe.testing.
 
+Imports are read by tests/import_walker.py, every form (`from megatron_mvmoe import training`,
+`from .. import training`) resolved to the module it loads.
+
 KNOWN_VIOLATIONS lists the edges that still break a rule, as debt: a new one fails the test,
 and removing one (the fix) fails it too until the list is shortened.
 """
 
-import ast
 import pathlib
 from typing import Dict, Set, Tuple
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("megatron_mvmoe", "mvmoe_kernels")
+import pytest
+
+from import_walker import ROOT, graph, imports_of
 
 KNOWN_VIOLATIONS: Set[Tuple[str, str]] = set()
 # Empty: the last edge (training's start-up fit check asking the memory planner) went when
 # the planner moved out of analysis/ into planning/, below training.
-
-
-def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
-    parts = path.relative_to(root).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports_of(path: pathlib.Path, root: pathlib.Path = ROOT) -> Set[str]:
-    """Every module a file imports, at any depth (relative imports resolved)."""
-    found = set()
-    package = module_name(path, root).rsplit(".", 1)[0] if path.name != "__init__.py" \
-        else module_name(path, root)
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            found.add(base)
-    return found
-
-
-def graph(root: pathlib.Path = ROOT) -> Dict[str, Set[str]]:
-    """module -> what it imports, for every module of PACKAGES under `root`."""
-    return {module_name(p, root): imports_of(p, root) for pkg in PACKAGES
-            for p in sorted((root / pkg).rglob("*.py"))}
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -214,3 +189,30 @@ def test_the_checker_reads_an_upward_import_from_files_on_disk(tmp_path):
     _write(tmp_path, "tools/report.py", "from megatron_mvmoe.toolkit import flags\n")
     assert violations(graph(tmp_path)) == set()
     assert tool_violations(tool_graph(tmp_path), tool_names(tmp_path)) == set()
+
+
+
+PLANTED_FORMS = {
+    "absolute module": "from megatron_mvmoe.analysis.stats import nanmean\n",
+    "from-package-import-module": "from megatron_mvmoe import analysis\n",
+    "from-package-import-submodule": "from megatron_mvmoe.analysis import stats\n",
+    "relative from .. import x": "def watch():\n    from .. import analysis\n",
+    "relative from ..x import y": "from ..analysis import stats\n",
+}
+"""One training -> analysis import per import form, each planted in training/metrics.py."""
+
+
+@pytest.mark.parametrize("form", sorted(PLANTED_FORMS))
+def test_a_planted_violation_is_caught_in_every_import_form(tmp_path, form):
+    """Issue 40: `from megatron_mvmoe import analysis` and `from .. import analysis` were read
+    as the bare package, so the training -> analysis import they make passed every rule."""
+    _write(tmp_path, "megatron_mvmoe/__init__.py", "")
+    for package in ("analysis", "training"):
+        _write(tmp_path, f"megatron_mvmoe/{package}/__init__.py", "")
+    _write(tmp_path, "megatron_mvmoe/analysis/stats.py", "nanmean = None\n")
+    _write(tmp_path, "megatron_mvmoe/training/metrics.py", "from . import loop\n")
+    _write(tmp_path, "megatron_mvmoe/training/loop.py", "from .metrics import watch\n")
+    assert violations(graph(tmp_path)) == set()
+    _write(tmp_path, "megatron_mvmoe/training/metrics.py", PLANTED_FORMS[form])
+    assert violations(graph(tmp_path)) == {
+        ("megatron_mvmoe.training.metrics", "megatron_mvmoe.analysis")}, PLANTED_FORMS[form]

@@ -1,5 +1,5 @@
 """The package-level import graph has no circle: collapse every module import (function-level
-ones included, read by tests/test_dependency_rules.py) to the packages of megatron_mvmoe
+ones included, read by tests/import_walker.py) to the packages of megatron_mvmoe
 (`megatron_mvmoe.<package>`, top-level modules such as errors.py count as packages) and
 find the strongly connected components. A cycle such as layers -> views -> layers (views
 once took BitNet's math from layers/bitnet.py instead of functional/quantize.py) fails
@@ -7,7 +7,7 @@ here, naming the packages and one import edge each way."""
 
 from typing import Dict, List, Set, Tuple
 
-from test_dependency_rules import graph
+from import_walker import graph
 
 
 def package_of(module: str) -> str:
