@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -98,8 +97,10 @@ class CPDotProductAttention(DotProductAttention):
         if self.scale_mask_softmax.window_size is not None:
             raise ValueError(f"window_size={config.window_size}: the local CP attention has no "
                              f"sliding window (set --context-parallel-size 1)")
-        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        self.cp_group = cp_group or parallel_state.get_context_parallel_group()
+        assert getattr(self.pg_collection, "cp", None) is not None, (
+            "the CP attention gathers over pg_collection.cp: Megatron's attention passes its "
+            "layer's pg_collection (models/specs.py)")
+        self.cp_group = self.pg_collection.cp
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):

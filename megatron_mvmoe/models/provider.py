@@ -5,7 +5,8 @@ Design choices:
   `build_decoder_block_spec(config, vp_stage)`) which swaps only the MoE MLP
   slots of Megatron's own block spec.
 - One GPTModel per virtual pipeline chunk, each knowing whether it holds the embedding
-  (pre_process) or the LM head (post_process) from Megatron's own stage helpers.
+  (pre_process) or the LM head (post_process) from Megatron's own stage helpers, asked of
+  the pipeline group in the caller's pg_collection (never Megatron's parallel_state).
 - The one translation of our model config into Megatron's: shape fields map to Megatron's
   names, the nested MultiViewConfig / MultiHeadConfig / BitNetConfig are handed over as
   they are, `extra` (Megatron fields we do not model) goes on top.
@@ -27,8 +28,9 @@ import dataclasses
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,
+                                                  is_vp_first_stage, is_vp_last_stage)
 from megatron.core.transformer.enums import AttnBackend
 
 from megatron_mvmoe.config.mla_config import megatron_config_class
@@ -123,12 +125,12 @@ def decoder_block_spec(config: MVMoETransformerConfig, vp_stage: Optional[int] =
     return build_decoder_block_spec(config, vp_stage=vp_stage)
 
 
-def _stage_flags(vp_stage: Optional[int]) -> Dict[str, bool]:
+def _stage_flags(vp_stage: Optional[int], pp_group, vp_size: Optional[int]) -> Dict[str, bool]:
+    """Whether this chunk holds the embedding / the LM head: the first / last virtual stage
+    on the first / last pipeline rank."""
     return dict(
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                           vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                           vp_stage=vp_stage))
+        pre_process=is_vp_first_stage(vp_stage, vp_size) and is_pp_first_stage(pp_group),
+        post_process=is_vp_last_stage(vp_stage, vp_size) and is_pp_last_stage(pp_group))
 
 
 def build_gpt_chunk(config: MVMoETransformerConfig, model: ModelSection, pg_collection=None,
@@ -151,11 +153,12 @@ def build_gpt_chunk(config: MVMoETransformerConfig, model: ModelSection, pg_coll
 
 
 def build_model_chunks(config: MVMoETransformerConfig, model: ModelSection,
-                       pg_collection=None) -> List[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), on Megatron's groups."""
+                       pg_collection) -> List[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), on `pg_collection`'s groups."""
     vpp = config.virtual_pipeline_model_parallel_size
     stages = range(vpp) if vpp else [None]
-    return [build_gpt_chunk(config, model, pg_collection, vp_stage=stage, **_stage_flags(stage))
+    return [build_gpt_chunk(config, model, pg_collection, vp_stage=stage,
+                            **_stage_flags(stage, pg_collection.pp, vpp))
             for stage in stages]
 
 

@@ -59,11 +59,9 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import mvmoe_kernels
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
     apply_router_token_dropping,
-    get_default_pg_collection,
     group_limited_topk,
 )
 
@@ -146,9 +144,8 @@ class MultiRouter(RouterAuxLosses, MegatronModule):
 
     # ---- construction -------------------------------------------------------------------
     def _set_groups(self, pg_collection) -> None:
-        """Explicit groups win; else Megatron's global ones if built; else single process."""
-        if pg_collection is None and parallel_state.model_parallel_is_initialized():
-            pg_collection = get_default_pg_collection()
+        """The caller's groups (Megatron's MoELayer always passes its own); None: one
+        process (the HF export and unit tests build a router alone)."""
         self.tp_group = getattr(pg_collection, "tp", None)
         self.tp_cp_group = getattr(pg_collection, "tp_cp", None)
         self.tp_dp_cp_group = getattr(pg_collection, "tp_dp_cp", None)

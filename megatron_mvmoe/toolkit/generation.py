@@ -22,7 +22,6 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_mvmoe import platform
@@ -77,8 +76,9 @@ def sequence_logits(model: torch.nn.Module, tokens: List[int]) -> torch.Tensor:
     tokens_BS = torch.tensor([tokens], dtype=torch.long, device=device)
     positions_BS = torch.arange(len(tokens), device=device).unsqueeze(0)
     logits_BSV = model(tokens_BS, positions_BS, None)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        logits_BSV = gather_from_tensor_model_parallel_region(logits_BSV)
+    tp_group = model.pg_collection.tp  # the groups the model was built on
+    if tp_group.size() > 1:
+        logits_BSV = gather_from_tensor_model_parallel_region(logits_BSV, tp_group)
     return logits_BSV[0].float().cpu()
 
 
@@ -91,7 +91,7 @@ def generate(model: torch.nn.Module, prompt_ids: List[int], config: SamplingConf
              seq_length: int, vocab_size: int, eod_id: Optional[int] = None,
              progress=None) -> List[int]:
     """The new token ids after `prompt_ids` (collective: every rank calls it)."""
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+    if model.pg_collection.pp.size() > 1:
         raise ValueError("generation: pipeline parallelism is not supported. Fix: "
                          "--pipeline-model-parallel-size 1 (the checkpoint reshards)")
     if not prompt_ids:

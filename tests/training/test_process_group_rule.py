@@ -1,12 +1,12 @@
-"""The training loop takes its process groups from the run's `pg_collection` (Megatron's
-ProcessGroupCollection, built once by megatron_mvmoe.parallel.initialize_layout), never from
-Megatron's `parallel_state` globals: read from every training module's source (its imports, at
-any depth, function-level ones included), so a new global read cannot slip back in.
+"""The trainer, the model, its layers and routers, and the tools' toolkit take their process
+groups from the `pg_collection` their caller holds (Megatron's ProcessGroupCollection, built
+once by megatron_mvmoe.parallel.initialize_layout), never from Megatron's `parallel_state`
+globals: read from every module's source under GUARDED (its imports, at any depth,
+function-level ones included), so a new global read cannot slip back in.
 
-Megatron's parallel state is initialised in megatron_mvmoe/parallel.py, outside training/;
-`training/` reaches it only through that module. EXEMPT lists the training modules that still
-read it, as debt (each must still do so: fixing one fails the test until it is removed here;
-a module moved out of training/ drops out of the check).
+Megatron's parallel state is initialised in megatron_mvmoe/parallel.py, outside GUARDED; the
+guarded packages reach it only through that module. EXEMPT lists the modules that still read
+it, as debt (each must still do so: fixing one fails the test until it is removed here).
 """
 
 import ast
@@ -14,12 +14,13 @@ import pathlib
 from typing import Set
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TRAINING = ROOT / "megatron_mvmoe" / "training"
+GUARDED = ("training", "models", "routing", "layers", "toolkit")
+"""The packages of megatron_mvmoe under the rule (issue 40 extended it past training/)."""
 GLOBAL_STATE = ("parallel_state", "mpu")
 """Megatron's module of process-group globals, and Megatron-LM's old name for it."""
 
 EXEMPT: set = set()
-"""Empty since generation moved out of training/ into megatron_mvmoe/toolkit/."""
+"""Paths under megatron_mvmoe/ (e.g. "layers/cp_attention.py"); empty."""
 
 
 def parallel_state_uses(source: str) -> Set[str]:
@@ -40,16 +41,19 @@ def parallel_state_uses(source: str) -> Set[str]:
 
 
 def offenders() -> dict:
-    return {path.name: uses for path in sorted(TRAINING.rglob("*.py"))
+    package = ROOT / "megatron_mvmoe"
+    return {str(path.relative_to(package)): uses for name in GUARDED
+            for path in sorted((package / name).rglob("*.py"))
             if (uses := parallel_state_uses(path.read_text()))}
 
 
-def test_training_reads_process_groups_from_pg_collection_only():
+def test_groups_come_from_pg_collection_only():
     found = offenders()
     new = {name: uses for name, uses in found.items() if name not in EXEMPT}
-    assert not new, (f"training modules reading Megatron's parallel_state: {new}. Fix: take "
-                     "the group from trainer.pg_collection (or the pg_collection passed in)")
-    present = {name for name in EXEMPT if (TRAINING / name).exists()}
+    assert not new, (f"modules reading Megatron's parallel_state: {new}. Fix: take the group "
+                     "from the pg_collection the caller holds (trainer.pg_collection, or the "
+                     "one passed in)")
+    present = {name for name in EXEMPT if (ROOT / "megatron_mvmoe" / name).exists()}
     assert present - set(found) == set(), (
         f"no longer read parallel_state, remove from EXEMPT: {present - set(found)}")
 
@@ -62,3 +66,32 @@ def test_every_way_of_reaching_parallel_state_is_caught():
     assert not parallel_state_uses("from megatron.core.process_groups_config import "
                                    "ProcessGroupCollection\n")
     assert not parallel_state_uses("from megatron_mvmoe.parallel import initialize_layout\n")
+
+
+class _Group:
+    """A pipeline group as Megatron's helpers ask it: this rank and the group's size."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_stage_flags_from_the_pipeline_group_match_megatrons_global_reading():
+    """models/provider.py asks pg_collection.pp where it read parallel_state's
+    is_pipeline_first/last_stage(ignore_virtual=False): the same answers (their formula)."""
+    from megatron_mvmoe.models.provider import _stage_flags
+
+    for pp in (1, 3):
+        for vp_size in (None, 2):
+            for rank in range(pp):
+                for vp in ([None] if vp_size is None else range(vp_size)):
+                    first_vp = vp_size is None or vp == 0
+                    last_vp = vp_size is None or vp == vp_size - 1
+                    assert _stage_flags(vp, _Group(rank, pp), vp_size) == dict(
+                        pre_process=first_vp and rank == 0,
+                        post_process=last_vp and rank == pp - 1), (pp, vp_size, rank, vp)
