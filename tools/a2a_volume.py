@@ -9,7 +9,7 @@ dedup dispatcher (one copy per (token, destination rank) / per destination node 
 inside the node; Multi-View sends blends or views + weights, whichever is smaller).
 Checks are exact integer equalities: the alltoall / allgather checks of before, and per
 rank, phase, direction, payload and link (self / intra-node / inter-node, --gpus-per-node
-ranks per simulated node) counted == analytic (analysis.dispatch_semantics) for every
+ranks per simulated node) counted == analytic (a2a_model.semantics) for every
 semantic. The routing shape is a flag (--num-experts, --topk, --num-views, --latent-size),
 so every dedup mode is reachable: Multi-View sends a (token, destination) pair as its K
 views only where K views + n x K weights are strictly smaller than n blends, i.e. with

@@ -7,7 +7,7 @@ Examples:
   python tools/parity.py --config --heads 3    # derive the matched MH-MoE for H=3
   python tools/parity.py --config --heads 4 --hidden 768 --experts 8 --ffn 2048 --topk 1
 
-Conventions are in megatron_mvmoe/analysis/parity.py: SwiGLU experts count 3 matrices
+Conventions are in megatron_mvmoe/functional/parity.py: SwiGLU experts count 3 matrices
 (--expert-matrices 2 gives the summary's two-matrix count); leading term = 2 FLOPs per
 multiply-accumulate without gating; exact = every scalar op including the gating network.
 """

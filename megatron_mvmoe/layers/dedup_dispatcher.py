@@ -83,7 +83,7 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
 
 
 def blend(views_NKL: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-    """v_0 + sum_m a_m (v_m - v_0) for N rows (functional.blend_views, one slot each): the
+    """v_0 + sum_m a_m (v_m - v_0) for N rows (functional.mixing.blend_views, one slot each): the
     same arithmetic as the Multi-View layer's `expert_rows`."""
     return blend_views(views_NKL, weights_NK.unsqueeze(1))[:, 0]
 
@@ -108,7 +108,7 @@ class DedupAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     counted_phases = ("dispatch_preprocess", "dispatch_preprocess_views", "token_dispatch",
                       "dispatch_postprocess", "combine_preprocess", "token_combine")
-    """Phase methods the collective counter labels (analysis.a2a_counter)."""
+    """Phase methods the collective counter labels (analysis.a2a.counter)."""
 
     multi_view_input = "views"
     """What MultiViewMoELayer hands this dispatcher: the K views + mixing weights

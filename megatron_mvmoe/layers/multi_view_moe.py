@@ -88,7 +88,7 @@ class MultiViewMoELayer(LatentMoELayer):
         self._pending = None  # (mix_TSR, topk_idx_TS) from route, taken by preprocess
         self.mix_transforms: List[Callable[[torch.Tensor], torch.Tensor]] = []
         """Applied in order to the mixing weights mix_TSR before the blend, on every backend
-        (analysis.interventions swaps the mixing proportions this way); empty in training."""
+        (analysis.routing.interventions swaps the mixing proportions this way); empty in training."""
 
     def build_down_projection(self, config) -> torch.nn.Module:
         """K views: view 0 is the backbone P (`fc1_latent_proj.weight`), others P + gamma dP_m."""

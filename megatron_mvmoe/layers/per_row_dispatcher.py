@@ -35,7 +35,7 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """MoEAlltoAllTokenDispatcher whose permute gathers per-(token, slot) rows."""
 
     counted_phases = ("dispatch_preprocess_rows", "dispatch_preprocess_permuted")
-    """Phase methods of this class the collective counter labels (analysis.a2a_counter);
+    """Phase methods of this class the collective counter labels (analysis.a2a.counter);
     the inherited ones are declared by Megatron's class there."""
 
     multi_view_input = "rows"

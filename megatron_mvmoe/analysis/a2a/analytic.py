@@ -26,7 +26,7 @@ Probs travel with the tokens in the alltoall dispatcher: one fp32 value per row.
 Bookkeeping (`metadata_in`): the alltoall dispatcher all-gathers E int64 tokens-per-expert
 counts per rank (not when padded to capacity), the allgather dispatcher the bool [T, E]
 routing map; the dedup dispatchers' per-destination bookkeeping is in
-analysis.dispatch_semantics.
+a2a_model.semantics.
 Expert capacity (`capacity_factor`, Megatron's moe_expert_capacity_factor; C =
 ceil(units*k / E * factor), Megatron's get_capacity, per rank): padded to capacity
 (`pad_to_capacity`), every rank sends exactly C*E rows (padding rows included) and receives
@@ -38,10 +38,10 @@ Node-limited routing (`nodes`, `group_topk`: Megatron's moe_router_num_groups = 
 moe_router_group_topk): the alltoall rows do not change (T*k), but each token's k experts lie
 in at most group_topk nodes: `node_copies_per_token` gives the range of distinct
 destination nodes per token (one copy each in the "node" dedup semantic of
-analysis.dispatch_semantics), exact when its two ends meet; `node_hop_rows` the rows a
+a2a_model.semantics), exact when its two ends meet; `node_hop_rows` the rows a
 rank sends over that network hop.
 Per-destination figures (which rank sends what to whom, split intra / inter-node) and the
-deduplicating semantics (per destination rank / node) are in analysis.dispatch_semantics.
+deduplicating semantics (per destination rank / node) are in a2a_model.semantics.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def node_copies_per_token(shape: CommShape) -> Tuple[int, int]:
 def node_hop_rows(shape: CommShape, views: int = 1,
                   weight_bytes: int = 4) -> Tuple[int, int]:
     """(fewest, most) rows one rank sends over the network hop of the "node" dedup semantic
-    (analysis.dispatch_semantics: one copy per (token, destination node)) under node-limited
+    (a2a_model.semantics: one copy per (token, destination node)) under node-limited
     routing, of width W = latent (or hidden) and `shape.dtype_bytes`.
 
     One shared row per (token, node) (views = 1): T * node_copies_per_token. Multi-View

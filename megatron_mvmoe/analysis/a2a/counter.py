@@ -18,7 +18,7 @@ token_dispatch, dispatch_postprocess, combine_preprocess, token_combine), direct
 "bwd"), payload ("tokens" float rows; "probs": a float vector, or the allgather
 dispatcher's dense [T, E] probs; "metadata": int/bool), and for all_to_all_single
 peer_bytes (input bytes for each rank of the group) with group_ranks, from which
-analysis.volume splits a rank's bytes into self / intra-node / inter-node.
+analysis.a2a.volume splits a rank's bytes into self / intra-node / inter-node.
 
 Design choices:
 - Counting happens at torch.distributed itself (the functions are wrapped for the duration of

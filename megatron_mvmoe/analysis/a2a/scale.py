@@ -14,7 +14,7 @@ Design choices:
 - Compute per GPU and micro-batch: analytic training FLOPs per token (config.model_costs) x
   seq x micro-batch / (TP x PP) at the stated achieved TFLOP/s; all-to-all per GPU and
   micro-batch: (layers / PP) x the layer's four collectives (dispatch and combine, forward
-  and backward), each the max over ranks (analysis.link_time); no overlap.
+  and backward), each the max over ranks (analysis.a2a.link_time); no overlap.
 - Bytes count everything a dispatcher sends (`semantics.link_bytes`): intra / inter include
   the int64 bookkeeping, stated beside them (`bookkeeping_bytes_mean`), and the ratios are
   given with it (`bytes_ratio`) and for the float payload alone (`payload_ratio`).

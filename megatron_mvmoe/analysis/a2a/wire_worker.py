@@ -9,7 +9,7 @@ forward + backward under the collective counter (records: what each rank handed 
 torch.distributed), then `repeats` times: [read] forward [read] backward [read], each read
 between two barriers, so a window holds the MoE collectives, two barrier halves and nothing
 else (EP-only model without DDP: the MoE layers are the only communication). The same
-windows replay the recorded collectives at minimal size (analysis.wire: transport overhead),
+windows replay the recorded collectives at minimal size (analysis.a2a.wire: transport overhead),
 and, with `time` in the spec, the recorded collectives of each layer and direction are
 replayed at full size under `tc tbf` rates and timed.
 
