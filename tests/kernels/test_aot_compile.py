@@ -12,6 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "kernel_resources.py"
 KERNELS = {"multi_router_fwd", "multi_router_bwd", "mix_permute_fwd", "mix_permute_bwd"}
+KNOWN_SPILLS = {("multi_router_bwd", target, "10b") for target in ("sm_90", "sm_100")}
 
 
 def _run(*args):
@@ -30,9 +31,14 @@ def test_every_kernel_compiles_for_both_targets_and_shapes():
                     for s in ("tiny", "10b")}
     for r in rows:
         assert r["registers"] > 0 and r["cubin_bytes"] > 0 and r["ptx_bytes"] > 0
-        assert r["spill_store_bytes"] >= 0 and r["spill_load_bytes"] >= 0
         # the figures describe Triton's own binary: its registers (cuobjdump) are the rerun's
         assert r["triton_cubin_registers"] == r["registers"], r
+    # the one known spill (examples/results/kernel_resources.md: the 10B backward router at
+    # the 255-register cap); a new one is a register-pressure regression, a parser reading
+    # every spill as 0 hides the known one
+    spilling = {(r["kernel"], r["target"], r["shapes"]) for r in rows
+                if r["spill_store_bytes"] > 0 or r["spill_load_bytes"] > 0}
+    assert spilling == KNOWN_SPILLS, spilling
     # the 10B shapes use the launchers' GPU block sizes (4k-element fp32 tiles, E = 128)
     fwd = next(r for r in rows if r["kernel"] == "multi_router_fwd" and r["shapes"] == "10b")
     assert fwd["constexprs"] == dict(NUM_HEADS=2, NUM_SLOTS=8, BLOCK_T=32, BLOCK_E=128)

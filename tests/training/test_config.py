@@ -152,10 +152,13 @@ def test_valid_yaml_types_pass_and_ints_widen_to_floats(tmp_path):
 
 
 def test_every_example_yaml_passes_the_type_checks():
-    import glob
+    import pathlib
 
-    for path in sorted(glob.glob("examples/**/*.yaml", recursive=True)):
-        load_yaml(path)
+    examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+    paths = sorted(examples.rglob("*.yaml"))  # anchored: from any working directory
+    assert paths, f"no example YAML under {examples}"
+    for path in paths:
+        load_yaml(str(path))
 
 
 @pytest.mark.parametrize("raw,match", [

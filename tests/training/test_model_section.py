@@ -78,8 +78,45 @@ def test_fingerprint_keeps_the_flat_form_of_earlier_checkpoints():
         "max_position_embeddings"} | {"num_routers", "num_views", "num_heads_mh"}
     no_merge = dataclasses.replace(model, multi_head=MultiHeadConfig(merge_projection=False))
     assert model_fingerprint(no_merge)["multi_head"]["merge_projection"] is False
-    assert model_fingerprint(dataclasses.replace(
-        model, multi_view=dataclasses.replace(model.multi_view, gamma_ramp_steps=99))) == printed
+
+
+NOT_COMPARED_CHANGES = {
+    "multi_view": dict(gamma_ramp_steps=99, stop_grad_mixing=True, gate_scale=2.5,
+                       view_init_std=0.5, normalizer_eps=1e-3, kernels="reference"),
+    "bitnet": dict(activation_bits=4, input_norm=False),
+}
+"""Every subfield of the nested sections that holds no weights of its own, changed."""
+
+
+@pytest.mark.parametrize("section,field", [(s, f) for s, changes in NOT_COMPARED_CHANGES.items()
+                                           for f in changes])
+def test_fingerprint_ignores_every_field_without_weights(section, field):
+    """Each non-structural subfield alone leaves the fingerprint as it was; each of
+    multi_view's structural ones (R, K, learned alpha) changes it."""
+    model = model_section_from_dict({"preset": "tiny_multi_view", "bitnet": {"enabled": True}})
+    printed = model_fingerprint(model)
+    nested = dataclasses.replace(getattr(model, section),
+                                 **{field: NOT_COMPARED_CHANGES[section][field]})
+    assert model_fingerprint(dataclasses.replace(model, **{section: nested})) == printed
+
+
+@pytest.mark.parametrize("field,value", [("num_routers", 4), ("num_views", 4),
+                                         ("learned_gate_scale", True)])
+def test_fingerprint_changes_with_every_structural_view_field(field, value):
+    model = model_section_from_dict({"preset": "tiny_multi_view"})
+    changed = dataclasses.replace(model.multi_view, **{field: value})
+    assert model_fingerprint(dataclasses.replace(model, multi_view=changed)) != (
+        model_fingerprint(model))
+
+
+def test_every_non_structural_subfield_is_exercised():
+    """The two tests above cover every subfield of MultiViewConfig and BitNetConfig."""
+    from megatron_mvmoe.config.transformer_config import BitNetConfig
+
+    structural = {"num_routers", "num_views", "learned_gate_scale", "enabled"}
+    covered = structural | {f for changes in NOT_COMPARED_CHANGES.values() for f in changes}
+    every = {f.name for c in (MultiViewConfig, BitNetConfig) for f in dataclasses.fields(c)}
+    assert every == covered, every ^ covered
 
 
 def test_a_model_invalid_for_its_variant_fails_at_validate_run():
