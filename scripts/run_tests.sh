@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
-ORDER=(test_dependency_rules.py test_import_graph.py test_docs_resolve.py routing views mhmoe kernels platform data layers launch training analysis)
+ORDER=(test_dependency_rules.py test_import_graph.py test_docs_resolve.py functional config routing views mhmoe kernels platform data layers launch planning training toolkit analysis)
 dirs=()
 for d in "${ORDER[@]}"; do [ -e "tests/$d" ] && dirs+=("tests/$d"); done
 for d in tests/*/; do

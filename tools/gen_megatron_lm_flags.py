@@ -7,7 +7,7 @@ Why two sources: the explicit `add_argument` calls are read with `ast` (no impor
 about half of Megatron-LM's flags are generated from dataclasses by its
 `ArgumentGroupFactory` (TransformerConfig, TrainingConfig, ...), which only exist once that
 code runs; those come from Megatron-LM's own `add_megatron_arguments` on a fresh parser.
-The test (tests/training/test_megatron_lm_flags.py) checks the table against both.
+The test (tests/config/test_megatron_lm_flags.py) checks the table against both.
 
 Usage: .venv/bin/python tools/gen_megatron_lm_flags.py [--check] [--json]
 """

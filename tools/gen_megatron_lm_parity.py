@@ -9,7 +9,7 @@ its MODEL_ARGS in order (`key: true` a bare switch, `${...}` paths replaced by p
 plus the four flags that make its architecture explicit (--swiglu, --normalization RMSNorm,
 --position-embedding-type rope, --untie-embeddings-and-output-weights): without them
 Megatron-LM builds GeLU / LayerNorm / learned positions / tied embeddings, which this trainer
-refuses by name (tests/training/test_megatron_lm_defaults.py).
+refuses by name (tests/config/test_megatron_lm_defaults.py).
 
 What runs: Megatron-LM's `megatron/training/arguments.py` (the copy shipped in the pinned
 megatron-core 0.19.2 wheel; with --mirror it is first checked byte for byte against the

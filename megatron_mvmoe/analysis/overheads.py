@@ -1,7 +1,7 @@
 """Parameter overhead of every variant of a model's family against that family's baseline.
 
 Design choices:
-- Counts come from `config.model_costs.parameter_counts`, which tests/training/test_plan.py
+- Counts come from `config.model_costs.parameter_counts`, which tests/planning/test_plan.py
   checks against the built models, so an overhead here is what the provider would add.
 - Latent family (latent, multi_router, multi_view): the baseline is the single-router latent
   MoE of the same shape; Multi-Router adds (R - 1) routing heads, Multi-View adds those and

@@ -8,7 +8,7 @@ Design choices:
   LayerNorm (weight and bias), SwiGLU fc1 of 2F rows or GeLU of F, biases or none, untied
   LM head or the embedding reused, RoPE or a learned table of max_position_embeddings positions); an MoE
   layer's count is its variant record's
-  (config/variants.py, `Variant.layer_params`). tests/training/test_plan.py checks them
+  (config/variants.py, `Variant.layer_params`). tests/planning/test_plan.py checks them
   against the built tiny models exactly.
 - Layer placement is Megatron's `moe_layer_freq` (`moe_layer_pattern`): the seed-2 family's
   MoE layers alternate with dense SwiGLU FFNs of `ffn_hidden_size`.

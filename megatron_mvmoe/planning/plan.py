@@ -5,7 +5,7 @@ H MH-MoE heads, V vocab, S sequence length, G query groups.
 
 Design choices:
 - Parameters and FLOPs per token are config/model_costs.py's (re-exported here), which asks
-  each MoE layer's variant record (config/variants.py); tests/training/test_plan.py checks
+  each MoE layer's variant record (config/variants.py); tests/planning/test_plan.py checks
   them against the built tiny models exactly, so the 10B-A1B numbers are the ones the
   provider would build. The trainer's MFU reads the same function.
 - Memory per GPU (bf16 weights, fp32 grad buffer, distributed optimizer: fp32 main params
