@@ -15,7 +15,7 @@ Design choices:
   instead (e.g. Megatron's "Overwriting old incomplete / corrupted checkpoint...", which the
   trainer used to trigger on every save by creating files in the checkpoint directory
   before Megatron's save: training/checkpoint.py).
-- tests/test_log_noise.py checks that a short real training run (a save included) prints
+- tests/training/test_log_noise.py checks that a short real training run (a save included) prints
   none of these and that each filter matches only its own message.
 """
 

@@ -1,7 +1,7 @@
-"""Docs that cannot drift: every `megatron_mvmoe/...` path and every dotted module name
-(`megatron_mvmoe.analysis.stats`, or `analysis.routing.interventions` written from inside the
-package) in docs/*.md, README.md, the sources of megatron_mvmoe/, mvmoe_kernels/ and tools/
-(docstrings, comments, help strings) and the rendered `--help` of the trainer and every tool
+"""Docs that cannot drift: every `megatron_mvmoe/...` and `tests/...py` path and every dotted
+module name (`megatron_mvmoe.analysis.stats`, or `analysis.routing.interventions` written from
+inside the package) in docs/*.md, README.md, the sources of megatron_mvmoe/, mvmoe_kernels/
+and tools/ (docstrings and comments) and the rendered `--help` of the trainer and every tool
 names a file, package or module-level name that exists. A module that moves leaves its old
 name behind in prose (`analysis.a2a_counter`, `analysis.interventions`, `analysis.wire` did):
 this test names the file and the stale name.
@@ -29,7 +29,8 @@ PACKAGE = ROOT / "megatron_mvmoe"
 AMBIGUOUS = {"config", "data", "training"}
 """Subpackage names that are also run-config sections or variable names in prose."""
 SUFFIXES = {"py", "md", "json", "yaml", "yml", "txt", "sh", "jsonl", "bin", "idx", "pt"}
-PATH_RE = re.compile(r"megatron_mvmoe/[\w./-]*\w")
+PATH_RE = re.compile(r"megatron_mvmoe/[\w./-]*\w|(?<![\w/.-])tests/[\w./-]*\.py\b")
+"""Package paths, and test file paths (what a test move breaks)."""
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
 DOTTED_RE = re.compile(r"(?<![\w./-])((?:megatron_mvmoe|" + "|".join(SUBPACKAGES)
                        + r")(?:\.\w+)+)")
@@ -171,6 +172,8 @@ def test_every_path_and_module_name_in_help_resolves():
 def test_a_stale_name_is_caught():
     assert stale_names("see analysis.a2a_counter and megatron_mvmoe/analysis/wire.py") == [
         "megatron_mvmoe/analysis/wire.py", "analysis.a2a_counter"]
+    assert stale_names("tests/training/test_config.py (now tests/config/test_config.py)") == [
+        "tests/training/test_config.py"]
     assert stale_names("megatron_mvmoe.analysis.routing.interventions, "
                        "megatron_mvmoe/config/flags.py, training.seed, routing.py, "
                        "megatron_mvmoe.errors.require") == []

@@ -13,8 +13,8 @@ moves both sides of a pair alike. --clock cpu (the default) times the process's 
 which with --threads 1 is the work, not the scheduler's share of a loaded machine.
 It also names the aten SDPA kernel that ran (profiler: flash, memory-efficient, cuDNN or
 the math fallback) and, on CUDA, torch.backends.cuda's kernel switches; tools/gpu_check.sh
-runs it as its `attention` stage. Not a test: the figures go to docs/performance.md by
-hand, with the load at the time.
+runs it as its `attention` stage. Not a test: the figures go to
+examples/results/sdpa_attention.md by hand, with the load at the time.
 """
 
 from __future__ import annotations
