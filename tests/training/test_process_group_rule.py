@@ -81,10 +81,15 @@ class _Group:
         return self._size
 
 
-def test_stage_flags_from_the_pipeline_group_match_megatrons_global_reading():
+def test_stage_flags_from_the_pipeline_group_match_megatrons_global_reading(monkeypatch):
     """models/provider.py asks pg_collection.pp where it read parallel_state's
     is_pipeline_first/last_stage(ignore_virtual=False): the same answers (their formula)."""
+    import torch
+
     from megatron_mvmoe.models.provider import _stage_flags
+
+    # Megatron's get_pg_rank/size read a group only once torch.distributed is initialised
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
 
     for pp in (1, 3):
         for vp_size in (None, 2):
