@@ -38,6 +38,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 from megatron_mvmoe import platform
 from megatron_mvmoe.data.run_data import to_device
 from megatron_mvmoe.training.build import Trainer
+from megatron_mvmoe.training.grad_norm_once import grad_norm_reused
 
 
 def token_mean_loss(cp_group: dist.ProcessGroup, loss_mask: torch.Tensor,
@@ -150,8 +151,8 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
     norm are finite on every rank, the optimizer and scheduler steps.
 
     Returns loss, grad_norm, lr, updated, nonfinite and `stop` (the stop flags OR-ed over
-    all ranks). The gradient norm is computed before the update (one extra pass over the
-    gradients) so a NaN/inf never reaches the weights or the Adam moments."""
+    all ranks). The gradient norm is computed before the update so a NaN/inf never reaches
+    the weights or the Adam moments; Megatron's clipping reuses it (grad_norm_once.py)."""
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
@@ -161,13 +162,15 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
     loss = _mean_loss(pgs, losses)
     _assert_no_grad_scaler(trainer.optimizer)
     trainer.optimizer.prepare_grads()
-    grad_norm = float(trainer.optimizer.get_grad_norm() or 0.0)
+    norm = trainer.optimizer.get_grad_norm()
+    grad_norm = float(norm or 0.0)
     nonfinite, stop = _verdict_all_ranks(loss, grad_norm, stop_flags)
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite, "stop": stop,
                "lr": trainer.optimizer.param_groups[0]["lr"], "updated": False}
     if nonfinite:
         return metrics
-    updated, _, _ = trainer.optimizer.step()
+    with grad_norm_reused(trainer.optimizer, norm):  # clipping reads it: no second pass
+        updated, _, _ = trainer.optimizer.step()
     _end_phase(trainer, "optimizer")  # grad norm, optimizer step and param all-gather
     trainer.scheduler.step(increment=1)
     metrics["updated"] = bool(updated)
