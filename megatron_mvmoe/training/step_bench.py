@@ -10,6 +10,10 @@ Design choices:
   alike, so both start from the same weights and see the same batch.
 - The bare step is what a user would write by hand around the same GPTModel: forward with
   labels, token-mean cross-entropy, backward, clip 1.0, torch AdamW (foreach), zero grads.
+  Against the trainer it runs torch AdamW's default implementation instead (`adam_foreach`
+  None), the one Megatron-Core builds: on CPU the per-tensor loop, bit-identical to foreach
+  and faster there (foreach on CPU is a loop of the same kernels plus its list overhead), so
+  the overhead measured is the trainer's machinery, not a slower optimizer in the bare step.
 - The trainer step is the pretrain loop's own iteration (`pretrain._Loop.one_step` and its
   progress report when due) on Megatron's mock data, with the run's logging defaults.
 - Phase times come from the loop's own seams (the data iterator, the schedule's
@@ -93,7 +97,8 @@ def one_batch(run, seed: int = 0) -> Dict[str, torch.Tensor]:
 class BareStep:
     """The hand-written loop around the same GPTModel: forward, loss, backward, clip, AdamW."""
 
-    def __init__(self, run, pgs, clip: float = 1.0, config=None):
+    def __init__(self, run, pgs, clip: float = 1.0, config=None,
+                 adam_foreach: Optional[bool] = True):
         from megatron_mvmoe.models.build import build_model
 
         self.model = build_model(run, pgs, config)[0]
@@ -102,7 +107,7 @@ class BareStep:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.adam_beta1,
                                            o.adam_beta2), eps=o.adam_eps,
-                                           weight_decay=o.weight_decay, foreach=True)
+                                           weight_decay=o.weight_decay, foreach=adam_foreach)
         self.clip = clip
 
     def __call__(self, batch: Dict[str, torch.Tensor]) -> float:
