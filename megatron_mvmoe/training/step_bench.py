@@ -12,8 +12,9 @@ Design choices:
   labels, token-mean cross-entropy, backward, clip 1.0, torch AdamW (foreach), zero grads.
   Against the trainer it runs torch AdamW's default implementation instead (`adam_foreach`
   None), the one Megatron-Core builds: on CPU the per-tensor loop, bit-identical to foreach
-  and faster there (foreach on CPU is a loop of the same kernels plus its list overhead), so
-  the overhead measured is the trainer's machinery, not a slower optimizer in the bare step.
+  (tests/training/test_step_bench_adam.py) and faster there (foreach on CPU is a loop of the
+  same kernels plus its list overhead), so the overhead measured is the trainer's
+  machinery, not a slower optimizer in the bare step.
 - The trainer step is the pretrain loop's own iteration (`pretrain._Loop.one_step` and its
   progress report when due) on Megatron's mock data, with the run's logging defaults.
 - Phase times come from the loop's own seams (the data iterator, the schedule's
