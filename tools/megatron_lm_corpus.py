@@ -166,10 +166,8 @@ REASONS = (
     ("checkpoint integrity / async strategy / fault tolerance", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
         "--check-weight-hash", "--suspend-")),
-    ("per-token loss", ("--calculate-per-token-loss",)),
     ("bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)", (
         "--recompute-modules",)),
-    ("--padded-vocab-size", ("--padded-vocab-size",)),
 )
 
 

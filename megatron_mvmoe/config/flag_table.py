@@ -245,6 +245,7 @@ FLAGS: List[Flag] = [
     Flag("--merge-file", "data", "merge_file", str),
     Flag("--tokenizer-model", "data", "tokenizer_model", str),
     Flag("--make-vocab-size-divisible-by", "data", "make_vocab_size_divisible_by", int),
+    Flag("--padded-vocab-size", "data", "padded_vocab_size", int),
     Flag("--data-loader", "data", "loader", str),
     # --- training
     Flag("--train-iters", "training", "train_iters", int),
@@ -285,6 +286,8 @@ FLAGS: List[Flag] = [
     Flag("--precision", "training", "precision", str),
     Flag("--bf16", "training", "precision", None, "Megatron-LM's switch for --precision bf16",
          const="bf16"),
+    Flag("--calculate-per-token-loss", "training", "calculate_per_token_loss", None,
+         "Megatron-LM's switch for training.calculate_per_token_loss true", const=True),
     Flag("--exit-on-nonfinite", "training", "exit_on_nonfinite", parse_bool),
     # --- fault tolerance (NaN/inf, retention, preemption, async save)
     Flag("--no-check-for-nan-in-loss-and-grad", "training", "exit_on_nonfinite", None,

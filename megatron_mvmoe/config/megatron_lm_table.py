@@ -84,10 +84,6 @@ NOTED: Dict[str, str] = {
 REFUSED: Dict[str, tuple] = {
     "--use-rope-scaling": ("RoPE scaling (Llama-3 style) is not wired",
                            "drop the flag (plain RoPE with --rotary-base)"),
-    "--calculate-per-token-loss": (
-        "the loss here is each microbatch's mean token loss (training/step.py); Megatron-LM's "
-        "sum-and-count reduction over the global batch is not wired",
-        "drop the flag (equal-length sequences with a full loss mask give the same loss)"),
 }
 
 _NO_EFFECT = "Megatron-LM {group} option: no effect on training here"

@@ -153,6 +153,10 @@ class DataSection:
     """NullTokenizer's ordinary ids (Megatron-LM's --vocab-size with NullTokenizer)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the model vocabulary to a multiple of this times TP (Megatron-LM's rule)."""
+    padded_vocab_size: Optional[int] = None
+    """The model vocabulary exactly, not padded by the rule above (Megatron-LM's
+    --padded-vocab-size: embedding and output rows; at least the tokenizer's vocabulary and
+    a multiple of TP). None: the tokenizer's vocabulary padded by the rule."""
     loader: Literal["torch", "dali"] = "torch"
     """torch (DataLoader) or dali (NVIDIA DALI pipeline; CPU pipelines work without a GPU)."""
 
@@ -210,6 +214,11 @@ class TrainingSection:
     """Random seed of the initialisation and the data order."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
+    calculate_per_token_loss: bool = False
+    """Megatron-LM's --calculate-per-token-loss: the loss is the token mean over the whole
+    global batch (each microbatch returns its masked loss sum and token count; the gradients
+    are divided once by the global token count), not the mean of the microbatch means
+    (training/step.py; tests/training/test_per_token_loss.py)."""
     exit_on_nonfinite: bool = True
     """Stop with an error naming the step when the loss is NaN/inf."""
     warm_start_from: Optional[str] = None

@@ -74,6 +74,17 @@ def build_run_tokenizer(run: "RunConfig"):
                            d.null_vocab_size)
 
 
+def _given_padded_vocab(padded: int, tokenizer_vocab: int, tp: int) -> int:
+    """data.padded_vocab_size, checked: every token id needs a row, and Megatron's
+    vocab-parallel embedding splits the rows evenly over TP."""
+    if padded < tokenizer_vocab or padded % tp:
+        raise ValueError(f"data.padded_vocab_size (--padded-vocab-size): {padded} must be at "
+                         f"least the tokenizer's vocabulary {tokenizer_vocab} and a multiple "
+                         f"of TP {tp}. Fix: raise it, or drop it (the vocabulary is then "
+                         "padded by --make-vocab-size-divisible-by)")
+    return padded
+
+
 def resolve_tokenizer(run: "RunConfig"):
     """Fix model.vocab_size from the run's tokenizer (idempotent); returns the tokenizer."""
     from megatron_mvmoe.data.tokenizers import padded_vocab_size
@@ -84,7 +95,10 @@ def resolve_tokenizer(run: "RunConfig"):
     tokenizer = build_run_tokenizer(run)
     if tokenizer is None:
         return None
-    if m.vocab_size is None:
+    if d.padded_vocab_size is not None:  # Megatron-LM: it is the model's, whatever else
+        m.vocab_size = _given_padded_vocab(d.padded_vocab_size, tokenizer.vocab_size,
+                                           run.parallel.tp)
+    elif m.vocab_size is None:
         m.vocab_size = padded_vocab_size(tokenizer.vocab_size, d.make_vocab_size_divisible_by,
                                          run.parallel.tp)
     elif m.vocab_size < tokenizer.vocab_size:

@@ -41,8 +41,12 @@ def model_config(run: "RunConfig") -> MVMoETransformerConfig:
     """The run's full Megatron config for its layout on this machine (provider's one
     translation of the resolved model section)."""
     p = run.parallel
-    return transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                              cp=p.cp, use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+    config = transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                                cp=p.cp, use_bf16=use_bf16(run), on_cpu=not platform.is_cuda())
+    # A training switch that Megatron reads from the model config: its schedule, DDP's
+    # gradient scaling, finalize_model_grads and the aux-loss scale (training/step.py).
+    config.calculate_per_token_loss = run.training.calculate_per_token_loss
+    return config
 
 
 def validate_run(run: "RunConfig", world_size: Optional[int] = None,

@@ -12,8 +12,14 @@ Design choices:
   loss is its token-loss sum over the token count all-reduced over the CP group; Megatron's
   schedule multiplies it by CP and DDP averages the gradients over DP x CP, so they are
   those of the whole sequence's mean.
-- The reported loss lives on the last pipeline stage; it is averaged over the DP ranks and
-  broadcast over the pipeline group, so every rank sees the same number.
+- `training.calculate_per_token_loss` (Megatron-LM's --calculate-per-token-loss): the loss
+  function returns Megatron-LM's (masked loss sum, token count, {"lm loss": [sum, count]});
+  the schedule leaves the sum undivided, DDP does not average over DP, and
+  finalize_model_grads divides the gradients once by the global batch's token count, so
+  the gradients are those of the token mean over the whole global batch.
+- The reported loss lives on the last pipeline stage: (numerator, denominator) over the
+  DP x CP ranks, i.e. the mean of the microbatch means, or with per-token loss the global
+  token mean; it is broadcast over the pipeline group, so every rank sees the same number.
 - Process groups come from the run's `pg_collection` (Megatron's ProcessGroupCollection),
   passed in, and are handed to Megatron's schedule too: nothing here reads
   `parallel_state`, so a step runs on whatever groups its caller built.
@@ -61,6 +67,17 @@ def token_mean_loss(cp_group: dist.ProcessGroup, loss_mask: torch.Tensor,
     return loss, {"lm loss": (sum_and_count[0] / count).clone()}
 
 
+def token_sum_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-LM's per-token loss contract (pretrain_gpt.loss_func): (masked loss sum,
+    token count, {"lm loss": [sum, count]}) of the per-token losses [B, S/CP] (a CP rank
+    sums its own tokens; finalize_model_grads counts over DP x CP)."""
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(output_tensor.float().reshape(-1) * mask)
+    count = mask.sum()
+    return loss_sum, count.detach().to(torch.int), {"lm loss": torch.stack(
+        [loss_sum.detach(), count.detach()])}
+
+
 def this_cp_rank_part(batch: Dict[str, torch.Tensor], cp_group: dist.ProcessGroup
                       ) -> Dict[str, torch.Tensor]:
     """This CP rank's load-balanced sequence chunks of a [B, S] microbatch over `cp_group`
@@ -73,11 +90,15 @@ def this_cp_rank_part(batch: Dict[str, torch.Tensor], cp_group: dist.ProcessGrou
     return {key: split[key] for key in keys}
 
 
-def forward_step(cp_group: dist.ProcessGroup, data_iterator: Iterator, model: torch.nn.Module):
-    """Megatron's forward-step contract once `cp_group` is bound (functools.partial)."""
+def forward_step(cp_group: dist.ProcessGroup, per_token: bool, data_iterator: Iterator,
+                 model: torch.nn.Module):
+    """Megatron's forward-step contract once `cp_group` and `per_token` (the run's
+    calculate_per_token_loss) are bound (functools.partial)."""
     batch = this_cp_rank_part(to_device(next(data_iterator), platform.device()), cp_group)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
+    if per_token:
+        return output, partial(token_sum_loss, batch["loss_mask"])
     return output, partial(token_mean_loss, cp_group, batch["loss_mask"])
 
 
@@ -86,17 +107,25 @@ def _iterators(trainer: Trainer, make) -> List[Iterator]:
     return [make() for _ in trainer.model]
 
 
+def _numerator_denominator(record: torch.Tensor) -> torch.Tensor:
+    """[loss sum, token count] of a per-token record; [mean, 1] of a microbatch mean."""
+    record = record.double().cpu().reshape(-1)
+    return record if record.numel() == 2 else torch.cat([record, torch.ones(1).double()])
+
+
 def _mean_loss(pgs, losses: List[Dict[str, torch.Tensor]]) -> float:
-    """Mean microbatch loss, averaged over DP and broadcast over the pipeline group."""
-    value = torch.zeros(1, dtype=torch.float64)
+    """The reported loss: summed (numerator, denominator) over the microbatches and the DP x
+    CP ranks (a CP rank's microbatch mean is already the whole sequence's, counted once per
+    CP rank on both sides), broadcast over the pipeline group."""
+    value = torch.zeros(2, dtype=torch.float64)
     if is_pp_last_stage(pgs.pp) and losses:
-        value[0] = torch.stack([d["lm loss"].double().cpu() for d in losses]).mean()
+        value = torch.stack([_numerator_denominator(d["lm loss"]) for d in losses]).sum(0)
     value = value.to(platform.device())
-    dist.all_reduce(value, group=pgs.dp)
-    value /= pgs.dp.size()
+    dist.all_reduce(value, group=pgs.dp_cp)
+    mean = value[:1] / value[1:].clamp(min=1)
     last_stage = dist.get_global_rank(pgs.pp, pgs.pp.size() - 1)
-    dist.broadcast(value, src=last_stage, group=pgs.pp)
-    return float(value.item())
+    dist.broadcast(mean, src=last_stage, group=pgs.pp)
+    return float(mean.item())
 
 
 def _schedule_groups(model_chunks, pgs) -> Dict:
@@ -113,7 +142,8 @@ def _run_schedule(trainer: Trainer, pgs, iterators, num_microbatches: int,
                   forward_only: bool):
     run = trainer.run
     schedule = get_forward_backward_func(pp_size=pgs.pp.size(), vp_size=run.parallel.vpp)
-    return schedule(forward_step_func=partial(forward_step, pgs.cp),
+    per_token = run.training.calculate_per_token_loss
+    return schedule(forward_step_func=partial(forward_step, pgs.cp, per_token),
                     data_iterator=iterators if len(iterators) > 1 else iterators[0],
                     model=trainer.model if len(trainer.model) > 1 else trainer.model[0],
                     num_microbatches=num_microbatches,

@@ -112,3 +112,22 @@ def test_dali_loader_gives_the_torch_loaders_losses(prefixes):
     torch_run = train(_raw(argv), 1)
     dali_run = train(_raw(argv + ["--data-loader", "dali"]), 1)
     assert len(dali_run["losses"]) == 4 and dali_run["losses"] == torch_run["losses"]
+
+
+def test_padded_vocab_size_is_the_model_vocabulary():
+    """Megatron-LM's --padded-vocab-size (the GPT-OSS corpus line): the model's rows
+    exactly, not the tokenizer's vocabulary padded by --make-vocab-size-divisible-by; one
+    error naming the flag when a token id would have no row."""
+    from megatron_mvmoe.data.run_data import resolve_tokenizer
+
+    line = ["--model-preset", "tiny_dense", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "512",
+            "--make-vocab-size-divisible-by", "128"]
+    for extra, expected in (([], 640), (["--padded-vocab-size", "1000"], 1000)):
+        run = config_from_args(line + extra)
+        resolve_tokenizer(run)
+        assert run.model.vocab_size == expected, extra
+    run = config_from_args(line + ["--padded-vocab-size", "500"])
+    with pytest.raises(ValueError, match=r"--padded-vocab-size\): 500 must be at least the "
+                                         r"tokenizer's vocabulary 513"):
+        resolve_tokenizer(run)

@@ -60,10 +60,8 @@ REASON_COUNTS = {
     "Muon with a distributed optimizer (Megatron-Core's LayerWiseDistributedOptimizer)": 4,
     "bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)": 5,
     "Megatron-FSDP": 4,
-    "per-token loss": 2,
     "attention variants (sliding window, YaRN, softmax type)": 1,
     "fp16 with loss scaling": 1,
-    "--padded-vocab-size": 1,
 }
 
 
