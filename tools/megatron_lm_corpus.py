@@ -142,8 +142,7 @@ def runnable_line(line: List[str], scratch: str) -> List[str]:
 REASONS = (
     ("GPT-3 architecture (item 2: GeLU / LayerNorm / learned positions / tied)",
      ("--swiglu", "--normalization", "--position-embedding-type", "--untie-embeddings",
-      "--disable-bias-linear", "--quick-geglu", "--glu-linear-offset",
-      "--activation-func-clamp")),
+      "--disable-bias-linear")),
     ("inference / RL test, not pretraining", (
         "inference", "--rl-", "grpo", "--prompts", "--langrl", "--num-tokens-to-generate",
         "--temperature", "--top_k", "--return-log-probs", "--output-path", "--incoming-requests",

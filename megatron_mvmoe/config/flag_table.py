@@ -104,6 +104,12 @@ FLAGS: List[Flag] = [
     # --- architecture (Megatron-LM's meaning; a Megatron-LM style line without them gets
     # Megatron-LM's GPT-3 choices: megatron_lm_rules.apply_megatron_lm_defaults)
     Flag("--swiglu", "model", "swiglu", None, "Megatron-LM's switch for SwiGLU", const=True),
+    Flag("--quick-geglu", "model", "quick_geglu", None,
+         "Megatron-LM's switch for GPT-OSS's gated quick-GeLU", const=True),
+    Flag("--glu-linear-offset", "model", "extra.glu_linear_offset", float,
+         "added to the linear half of a gated unit: act(gate) * (linear + offset) (GPT-OSS 1.0)"),
+    Flag("--activation-func-clamp-value", "model", "extra.activation_func_clamp_value", float,
+         "a gated unit clamps its gate to <= v and its linear half to [-v, v] (GPT-OSS 7.0)"),
     Flag("--normalization", "model", "normalization", str),
     Flag("--position-embedding-type", "model", "position_embedding_type", str),
     Flag("--untie-embeddings-and-output-weights", "model",

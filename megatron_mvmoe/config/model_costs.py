@@ -77,8 +77,9 @@ def swiglu(d_in: int, width: int) -> int:
 
 
 def dense_mlp_params(m: ModelSection, d_in: int, width: int) -> int:
-    """A dense MLP of the model's architecture: SwiGLU or GeLU, with or without biases."""
-    matrices = SWIGLU_MATRICES if m.swiglu else GELU_MATRICES
+    """A dense MLP of the model's architecture: gated (SwiGLU, quick-GeGLU) or GeLU, with or
+    without biases."""
+    matrices = SWIGLU_MATRICES if m.gated_mlp else GELU_MATRICES
     biases = (matrices - 1) * width + d_in if m.add_bias_linear else 0
     return matrices * d_in * width + biases
 

@@ -93,6 +93,11 @@ class ModelSection:
     swiglu: bool = True
     """SwiGLU MLPs and experts (Megatron-LM's --swiglu: gated_linear_unit with silu);
     False = GeLU MLPs of one fc1 of F rows (Megatron-LM without --swiglu, GPT-3)."""
+    quick_geglu: bool = False
+    """GPT-OSS's gated quick-GeLU MLPs and experts (Megatron-LM's --quick-geglu:
+    gated_linear_unit with quick_gelu, x * sigmoid(1.702 x), on the gate; with extra
+    glu_linear_offset / activation_func_clamp_value, its --glu-linear-offset and
+    --activation-func-clamp-value). Not with swiglu (Megatron-LM asserts the same)."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     """Every norm of the model (Megatron-LM's --normalization; LayerNorm has a bias)."""
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
@@ -136,6 +141,11 @@ class ModelSection:
     def is_latent(self) -> bool:
         return self.variant.latent
 
+    @property
+    def gated_mlp(self) -> bool:
+        """MLPs and experts with a gate (fc1 of 2F rows): SwiGLU or quick-GeGLU."""
+        return self.swiglu or self.quick_geglu
+
     def validate(self, vocab_from_tokenizer: bool = False) -> None:
         """The section's own checks (the variant's requirements on the whole Megatron config
         are MVMoETransformerConfig.validate_mvmoe, run by RunConfig.validate at load).
@@ -158,6 +168,19 @@ class ModelSection:
         except ValueError as err:
             raise ValueError(run_field_names(str(err))) from None
         self._check_sdpa()
+        self._check_activation()
+
+    def _check_activation(self) -> None:
+        require(not (self.swiglu and self.quick_geglu), "model.quick_geglu",
+                "cannot be combined with swiglu (one gated activation)",
+                "give --swiglu or --quick-geglu, not both")
+        for name, flag in (("glu_linear_offset", "--glu-linear-offset"),
+                           ("activation_func_clamp_value", "--activation-func-clamp-value")):
+            # Megatron's MLP reads them only in its gated branch: elsewhere they would be
+            # silently ignored.
+            require(self.gated_mlp or self.extra.get(name) in (None, 0.0), f"model.extra.{name}",
+                    "acts only on a gated MLP (Megatron's glu)",
+                    f"add --quick-geglu or --swiglu, or drop {flag}")
 
     def _check_sdpa(self) -> None:
         """An explicit sdpa that SDPA cannot serve is refused (auto falls back instead)."""
@@ -174,7 +197,7 @@ def position_table_rows(model: ModelSection) -> int:
     return model.max_position_embeddings or model.seq_length
 
 
-ARCHITECTURE_FIELDS = ("swiglu", "normalization", "position_embedding_type",
+ARCHITECTURE_FIELDS = ("swiglu", "quick_geglu", "normalization", "position_embedding_type",
                        "untie_embeddings_and_output_weights", "add_bias_linear")
 """The architecture switches (Megatron-LM's --swiglu, --normalization, ...): a warm start
 or upcycling keeps them."""

@@ -86,7 +86,7 @@ class MoEDims:
     merge_projection: bool = True
     """MH-MoE's D x D projection after the concatenation."""
     expert_matrices: int = SWIGLU_MATRICES
-    """SWIGLU_MATRICES or GELU_MATRICES (model.swiglu)."""
+    """SWIGLU_MATRICES (a gated MLP: model.gated_mlp) or GELU_MATRICES."""
     biases: bool = False
     """model.add_bias_linear: every expert's fc1 / fc2 and the router have a bias (only
     the stock layer: validate_mvmoe refuses biases with the others' projections)."""
@@ -101,7 +101,7 @@ class MoEDims:
                    latent=section.latent_size, routers=mv.num_routers, views=mv.num_views,
                    heads=mh.num_heads, head_projection=mh.head_projection,
                    merge_projection=mh.merge_projection,
-                   expert_matrices=SWIGLU_MATRICES if section.swiglu else GELU_MATRICES,
+                   expert_matrices=SWIGLU_MATRICES if section.gated_mlp else GELU_MATRICES,
                    biases=section.add_bias_linear)
 
 

@@ -28,6 +28,7 @@ import dataclasses
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,
                                                   is_vp_first_stage, is_vp_last_stage)
@@ -70,13 +71,19 @@ def _routing(model: ModelSection) -> Dict[str, Any]:
     return dict(common, **model.variant.routing_defaults)  # config/variants.py
 
 
+def _activation(model: ModelSection):
+    if model.swiglu:
+        return torch.nn.functional.silu
+    return quick_gelu if model.quick_geglu else torch.nn.functional.gelu
+
+
 def architecture_fields(model: ModelSection) -> Dict[str, Any]:
     """The TransformerConfig fields of the model's architecture switches, as Megatron-LM's
-    arguments.py sets them: --swiglu is a gated silu, its absence GeLU; biased linears
-    bias the QKV projection too (`add_qkv_bias`, which --add-qkv-bias in `extra` can set alone)."""
-    return dict(normalization=model.normalization, gated_linear_unit=model.swiglu,
-                activation_func=torch.nn.functional.silu if model.swiglu
-                else torch.nn.functional.gelu, add_bias_linear=model.add_bias_linear,
+    arguments.py sets them: --swiglu is a gated silu, --quick-geglu a gated quick_gelu,
+    neither GeLU; biased linears bias the QKV projection too (`add_qkv_bias`, which
+    --add-qkv-bias in `extra` can set alone)."""
+    return dict(normalization=model.normalization, gated_linear_unit=model.gated_mlp,
+                activation_func=_activation(model), add_bias_linear=model.add_bias_linear,
                 add_qkv_bias=model.add_bias_linear)
 
 
@@ -110,8 +117,9 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         attention_backend=model.attention_backend, sdpa_blocker=sdpa_blocker(model.extra))))
     if target.te:  # Megatron-LM's meaning: it picks TE's kernel (LanguageModule env vars)
         kwargs["attention_backend"] = AttnBackend[model.attention_backend]
-    if not model.swiglu:  # Megatron fuses GeLU only with a bias, and not in experts that
-        kwargs["bias_activation_fusion"] = False  # scale rows by their probs (SequentialMLP)
+    if not model.swiglu:  # Megatron fuses GeLU only with a bias, and neither GeLU in experts
+        # that scale rows by their probs (SequentialMLP) nor quick-GeGLU without them
+        kwargs["bias_activation_fusion"] = False
     kwargs.update(_routing(model))
     kwargs.update(model.extra)
     config_class = megatron_config_class(kwargs)  # MLA's config with multi_latent_attention

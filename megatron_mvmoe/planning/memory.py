@@ -185,7 +185,7 @@ def mlp_elements(m: ModelSection, F: int, grouped: bool = False) -> float:
     keeps (2F with SwiGLU, F with GeLU), and the activation, fc2's input (F). The grouped CPU
     experts also keep the activation before its probability scaling (F) and, with SwiGLU,
     SiLU's output (F). Biases add none: the bias add saves nothing for the backward."""
-    fc1 = (2 if m.swiglu else 1) * F
+    fc1 = (2 if m.gated_mlp else 1) * F
     kept_by_grouped = fc1 if grouped else 0
     return fc1 + F + kept_by_grouped
 
@@ -258,7 +258,7 @@ def stacked_expert_elements(m: ModelSection, target: PlanTarget) -> Dict[str, in
     _, width = _routed_rows_and_width(m)
     local = m.num_experts // lay.ep
     F = m.moe_ffn_hidden_size // lay.etp
-    fc1_rows = (2 if m.swiglu else 1) * F
+    fc1_rows = (2 if m.gated_mlp else 1) * F
     return {"fc1": local * fc1_rows * width, "fc2": local * width * F}
 
 

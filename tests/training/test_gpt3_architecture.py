@@ -96,7 +96,7 @@ def _ddp(model, config, pgs):
                                    pg_collection=pgs)
 
 
-def _ours_and_stock(rank, world_size):
+def _ours_and_stock(rank, world_size, line=LINE):
     from megatron_mvmoe.models.provider import build_model_chunks, transformer_config
     from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
     from megatron_mvmoe.platform import seed_all
@@ -104,11 +104,11 @@ def _ours_and_stock(rank, world_size):
 
     os.environ.setdefault("WORLD_SIZE", "1")
     pgs = initialize_layout(ParallelLayout())
-    model = flags.config_from_args(LINE).model
+    model = flags.config_from_args(line).model
     seed_all(0)
     ours_config = transformer_config(model)
     ours = build_model_chunks(ours_config, model, pgs)[0]
-    stock_config, args = _megatron_lm_config(LINE)
+    stock_config, args = _megatron_lm_config(line)
     seed_all(1)
     stock = _stock_gpt(stock_config, args, model.vocab_size, pgs)
     stock.load_state_dict(ours.state_dict(), strict=True)  # same parameters and shapes
@@ -120,7 +120,35 @@ def _ours_and_stock(rank, world_size):
 
 
 def test_gpt3_line_trains_as_megatron_lm_stock_gpt_model():
-    out = run_distributed(_ours_and_stock, 1, timeout_s=240)[0]
+    _assert_same_step(run_distributed(_ours_and_stock, 1, timeout_s=240)[0])
+
+
+GPT_OSS_MLP = ["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value",
+               "0.05"]
+"""GPT-OSS's clamped quick-GeGLU (its corpus line clamps at 7.0; 0.05 here so the clamp acts
+on this tiny model's fc1 outputs, std ~0.1)."""
+
+
+def test_gpt_oss_quick_geglu_trains_as_megatron_lm_stock_gpt_model():
+    """--quick-geglu / --glu-linear-offset / --activation-func-clamp-value build Megatron-LM's
+    TransformerConfig (argument_utils: gated quick_gelu), and our experts (the grouped CPU
+    path) compute what its stock SequentialMLP computes."""
+    line = LINE + GPT_OSS_MLP
+    assert flags.config_from_args(line).model.quick_geglu
+    _assert_same_step(run_distributed(_ours_and_stock, 1, timeout_s=240, args=(line,))[0])
+
+
+def test_clamp_and_offset_without_a_gated_unit_are_refused():
+    from megatron_mvmoe.models.build import model_config
+
+    with pytest.raises(ValueError, match=r"glu_linear_offset: acts only on a gated MLP.*"
+                                         r"--quick-geglu"):
+        model_config(flags.config_from_args(LINE + ["--glu-linear-offset", "1.0"]))
+    with pytest.raises(ValueError, match="quick_geglu: cannot be combined with swiglu"):
+        model_config(flags.config_from_args(LINE + ["--quick-geglu", "--swiglu"]))
+
+
+def _assert_same_step(out):
     ours, stock = out["ours"], out["stock"]
     assert ours["loss"] == pytest.approx(stock["loss"], abs=1e-6)
     assert set(ours["grads"]) == set(stock["grads"])

@@ -50,9 +50,6 @@ RESOLVING = {  # docs/megatron_lm.md: the 32 lines that resolve as written
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node"}
 # reason: refused lines that name it (docs/megatron_lm.md, "The functional-test corpus")
 REASON_COUNTS = {
-    # GPT-OSS's clamped quick-GeGLU (--quick-geglu, --glu-linear-offset, ...); GeLU,
-    # LayerNorm, learned positions and tied embeddings are built (test_gpt3_architecture.py)
-    "GPT-3 architecture (item 2: GeLU / LayerNorm / learned positions / tied)": 1,
     "inference / RL test, not pretraining": 13,
     "CUDA graphs / GPU streams / offloading": 9,
     "checkpoint integrity / async strategy / fault tolerance": 1,
