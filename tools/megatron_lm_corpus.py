@@ -159,7 +159,6 @@ REASONS = (
     ("Megatron-FSDP", ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
     ("Muon with a distributed optimizer (Megatron-Core's LayerWiseDistributedOptimizer)", (
         "--optimizer", "--muon-", "--no-use-layer-wise-param-layout")),
-    ("fp16 with loss scaling", ("--fp16", "--apply-query-key-layer-scaling")),
     ("attention variants (sliding window, YaRN, softmax type)", (
         "--window-", "yarn", "--softmax-type")),
     ("checkpoint integrity / async strategy / fault tolerance", (

@@ -227,6 +227,7 @@ FLAGS: List[Flag] = [
     Flag("--adam-eps", "optimizer", "adam_eps", float),
     Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", parse_bool),
     Flag("--lr-decay-style", "optimizer", "lr_decay_style", str),
+    Flag("--initial-loss-scale", "optimizer", "initial_loss_scale", float),
     Flag("--check-weight-hash-across-dp-replicas-interval", "training",
          "check_weight_hash_interval", int),
     Flag("--optimizer", "optimizer", "optimizer", str),
@@ -292,6 +293,11 @@ FLAGS: List[Flag] = [
     Flag("--precision", "training", "precision", str),
     Flag("--bf16", "training", "precision", None, "Megatron-LM's switch for --precision bf16",
          const="bf16"),
+    Flag("--fp16", "training", "precision", None, "Megatron-LM's switch for --precision fp16 "
+         "(dynamic loss scaling from 2**32, Megatron-LM's defaults)", const="fp16"),
+    Flag("--apply-query-key-layer-scaling", "model", "extra.apply_query_key_layer_scaling",
+         None, "fp16's attention-score scaling by the layer number, undone in an fp32 "
+         "softmax (Megatron's DotProductAttention; the same function)", const=True),
     Flag("--calculate-per-token-loss", "training", "calculate_per_token_loss", None,
          "Megatron-LM's switch for training.calculate_per_token_loss true", const=True),
     Flag("--exit-on-nonfinite", "training", "exit_on_nonfinite", parse_bool),

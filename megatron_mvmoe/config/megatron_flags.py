@@ -81,8 +81,6 @@ ACCEPTED: Dict[str, Accepted] = {
 }
 
 UNSUPPORTED: Dict[str, Tuple[str, str]] = {
-    "--fp16": ("fp16 needs loss scaling, which this trainer does not wire",
-               "--bf16 (or fp32, the CPU default)"),
     "--fp8-format": ("FP8 needs TransformerEngine, which this build does not use",
                      "--bf16"),
     "--num-layers-per-virtual-pipeline-stage": (

@@ -41,6 +41,9 @@ def sdpa_blocker(megatron_fields: Mapping[str, Any]) -> str:
     if megatron_fields.get("window_size") is not None:
         return (f"window_size={megatron_fields['window_size']}: a sliding window is "
                 "Megatron's masked softmax only")
+    if megatron_fields.get("apply_query_key_layer_scaling"):
+        return ("apply_query_key_layer_scaling: fp16's score scaling is Megatron's "
+                "DotProductAttention only")
     softmax_type = megatron_fields.get("softmax_type", "vanilla")
     if softmax_type != "vanilla":
         return f"softmax_type={softmax_type!r}: a softmax offset is not in SDPA"

@@ -83,6 +83,10 @@ class OptimizerSection:
     grad_reduce_in_fp32: bool = True
     """Reduce gradients over the data-parallel ranks in fp32 (bf16 runs otherwise reduce
     them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off by default there)."""
+    initial_loss_scale: float = 2.0 ** 32
+    """fp16 only: the dynamic loss scale's start (Megatron-LM's --initial-loss-scale); it
+    halves on an overflow (after 2 in a row, Megatron's hysteresis) and doubles after 1000
+    clean steps."""
     lr_decay_style: LrDecayStyle = "cosine"
     """Shape of the decay after warmup (Megatron's OptimizerParamScheduler)."""
     optimizer: Literal["adam", "muon", "dist_muon"] = "adam"
@@ -212,8 +216,11 @@ class TrainingSection:
     """Save every this many steps (0 = only at the end when save is set)."""
     seed: int = 1234
     """Random seed of the initialisation and the data order."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32. fp16 (Megatron-LM's --fp16):
+    fp16 weights, fp32 main weights, dynamic loss scaling (Megatron-Core's
+    Float16OptimizerWithFloat16Params and DynamicGradScaler: an overflow skips the update
+    and lowers the scale, a skipped iteration); on CPU too."""
     calculate_per_token_loss: bool = False
     """Megatron-LM's --calculate-per-token-loss: the loss is the token mean over the whole
     global batch (each microbatch returns its masked loss sum and token count; the gradients

@@ -46,10 +46,10 @@ from megatron_mvmoe.models.specs import build_decoder_block_spec
 
 
 
-def _numerics(use_bf16: bool, on_cpu: bool) -> Dict[str, Any]:
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
+def _numerics(use_bf16: bool, on_cpu: bool, use_fp16: bool = False) -> Dict[str, Any]:
+    dtype = torch.bfloat16 if use_bf16 else torch.float16 if use_fp16 else torch.float32
     return dict(
-        bf16=use_bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=use_bf16, fp16=use_fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=on_cpu, perform_initialization=True,
         persist_layer_norm=False,  # apex-only
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -89,7 +89,8 @@ def architecture_fields(model: ModelSection) -> Dict[str, Any]:
 
 def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
                        etp: int = 1, vpp: Optional[int] = None, use_bf16: bool = False,
-                       on_cpu: bool = True, cp: int = 1) -> MVMoETransformerConfig:
+                       on_cpu: bool = True, cp: int = 1,
+                       use_fp16: bool = False) -> MVMoETransformerConfig:
     """The full Megatron config of the model `shape` for one layout, with the fast paths
     the target machine (the CPU, or this process's GPU) takes."""
     kwargs: Dict[str, Any] = dict(
@@ -109,7 +110,7 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         bitnet=dataclasses.replace(model.bitnet),
     )
     kwargs.update(architecture_fields(model))
-    kwargs.update(_numerics(use_bf16, on_cpu))
+    kwargs.update(_numerics(use_bf16, on_cpu, use_fp16))
     target = target_for(on_cpu)
     kwargs.update(config_fields(choose_fast_paths(
         target, model.moe_variant, bitnet=model.bitnet.enabled,

@@ -4,7 +4,7 @@ The step (training/step.py) needs the norm BEFORE the update, for its NaN/inf ve
 Megatron-Core's `ChainedOptimizer.step()` computes it again (`self.get_grad_norm()`) to clip:
 a second pass over every gradient and, with data parallelism, a second all-reduce. Between
 the two nothing changes the gradients (`prepare_grads()` without a loss scaler only copies
-model grads into main grads again, the same values; step.py asserts there is no scaler), so
+model grads into main grads again, the same values; step.py reuses the norm only without a scaler), so
 the second result is the first one, bit for bit.
 
 Design choices:

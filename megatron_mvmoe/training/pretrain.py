@@ -76,7 +76,8 @@ class RunResult:
     stopped: Optional[str] = None
     """Why the run stopped before train_iters (signal, time budget, exit interval), or None."""
     skipped_iters: int = 0
-    """Updates skipped over the whole run (resumes included) for a NaN/inf loss/grad norm."""
+    """Updates skipped over the whole run (resumes included) for a NaN/inf loss/grad norm, or
+    an fp16 loss-scale overflow."""
 
 
 class _Loop:
@@ -218,6 +219,8 @@ class _Loop:
             self.tracer.advance_step(step)
         if metrics["nonfinite"]:
             self._on_nonfinite(step, metrics)
+        if metrics.get("loss_scale_overflow"):  # fp16: Megatron-LM counts it skipped too
+            self.state.skipped_iters += 1
         self.watch.reset()
         gamma = self.advance_gamma()
         self.state.step = step

@@ -25,7 +25,9 @@ Design choices:
   `parallel_state`, so a step runs on whatever groups its caller built.
 - Before the optimizer step, one all-reduce over the world ORs "loss or grad norm is
   NaN/inf" with the preemption flags (stopping.py): a non-finite step is never applied,
-  and every rank skips or stops at the same step.
+  and every rank skips or stops at the same step. With fp16 the check sees the loss only:
+  scaled gradients overflow by design, and Megatron's optimizer step skips such an update
+  and lowers the loss scale (`_scaled_update`).
 """
 
 from __future__ import annotations
@@ -163,11 +165,24 @@ def _verdict_all_ranks(loss: float, grad_norm: float, stop_flags: Sequence[float
     return values[0] > 0, values[1:]
 
 
-def _assert_no_grad_scaler(optimizer) -> None:
-    # prepare_grads() is called twice (here and inside step()): idempotent only without a
-    # loss scaler, which would unscale twice. bf16/fp32 runs have none (fp16 is unsupported).
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        assert getattr(inner, "grad_scaler", None) is None, "fp16 loss scaling unsupported"
+def _loss_scaling(optimizer) -> bool:
+    """fp16: Megatron's optimizers carry a grad scaler (bf16/fp32 ones have none)."""
+    return any(getattr(inner, "grad_scaler", None) is not None
+               for inner in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _scaled_update(trainer: Trainer, metrics: Dict) -> Dict:
+    """fp16's update (Megatron-LM's train_step): optimizer.step() unscales the gradients and
+    on an inf/NaN among them skips the update and lowers the loss scale, an expected
+    skipped iteration (the first steps from 2**32), not an error. It runs prepare_grads,
+    which updates the scale, so that runs once: here, not before as for bf16/fp32."""
+    updated, grad_norm, _ = trainer.optimizer.step()
+    _end_phase(trainer, "optimizer")
+    if updated:
+        trainer.scheduler.step(increment=1)
+    metrics.update(updated=bool(updated), loss_scale_overflow=not updated,
+                   grad_norm=float(grad_norm or 0.0))
+    return metrics
 
 
 def _end_phase(trainer: Trainer, phase: str) -> None:
@@ -190,15 +205,19 @@ def train_step(trainer: Trainer, iterators, num_microbatches: int,
     losses = _run_schedule(trainer, pgs, iterators, num_microbatches, forward_only=False)
     _end_phase(trainer, "backward")
     loss = _mean_loss(pgs, losses)
-    _assert_no_grad_scaler(trainer.optimizer)
-    trainer.optimizer.prepare_grads()
-    norm = trainer.optimizer.get_grad_norm()
+    scaled = _loss_scaling(trainer.optimizer)
+    norm = None
+    if not scaled:  # prepare_grads is idempotent without a loss scaler
+        trainer.optimizer.prepare_grads()
+        norm = trainer.optimizer.get_grad_norm()
     grad_norm = float(norm or 0.0)
     nonfinite, stop = _verdict_all_ranks(loss, grad_norm, stop_flags)
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite, "stop": stop,
                "lr": trainer.optimizer.param_groups[0]["lr"], "updated": False}
     if nonfinite:
         return metrics
+    if scaled:
+        return _scaled_update(trainer, metrics)
     with grad_norm_reused(trainer.optimizer, norm):  # clipping reads it: no second pass
         updated, _, _ = trainer.optimizer.step()
     _end_phase(trainer, "optimizer")  # grad norm, optimizer step and param all-gather

@@ -46,7 +46,8 @@ def test_megatron_switches_and_transformer_fields_map():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--fp16"], "--fp16: not supported: fp16 needs loss scaling.*Use instead: --bf16"),
+    (["--fp8-format", "e4m3"], "--fp8-format: not supported: FP8 needs TransformerEngine.*"
+                               "Use instead: --bf16"),
     (["--num-layers-per-virtual-pipeline-stage", "2"],
      "not supported.*--virtual-pipeline-model-parallel-size"),
     (["--position-embedding-type", "mrope"],

@@ -13,7 +13,7 @@ import megatron_lm_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-RESOLVING = {  # docs/megatron_lm.md: the 32 lines that resolve as written
+RESOLVING = {  # docs/megatron_lm.md: the 33 lines that resolve as written
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances",
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances"
     "_1node",
@@ -47,7 +47,9 @@ RESOLVING = {  # docs/megatron_lm.md: the 32 lines that resolve as written
     "gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel",
     "gpt3_mcore_tp2_pp2_ep2_resume_torch_dist_te_4experts2parallel",
     "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel",
-    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node"}
+    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node",
+    # --fp16 with dynamic loss scaling, --apply-query-key-layer-scaling, sinkhorn, TP 2 x PP 2
+    "gpt3_mcore_tp2_pp2_resume_torch_dist_te_2experts"}
 # reason: refused lines that name it (docs/megatron_lm.md, "The functional-test corpus")
 REASON_COUNTS = {
     "inference / RL test, not pretraining": 13,
@@ -58,7 +60,6 @@ REASON_COUNTS = {
     "bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)": 5,
     "Megatron-FSDP": 4,
     "attention variants (sliding window, YaRN, softmax type)": 1,
-    "fp16 with loss scaling": 1,
 }
 
 
