@@ -159,8 +159,7 @@ REASONS = (
     ("Megatron-FSDP", ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
     ("Muon with a distributed optimizer (Megatron-Core's LayerWiseDistributedOptimizer)", (
         "--optimizer", "--muon-", "--no-use-layer-wise-param-layout")),
-    ("attention variants (sliding window, YaRN, softmax type)", (
-        "--window-", "yarn", "--softmax-type")),
+    ("YaRN rotary embedding of standard attention (window and sinks are built)", ("yarn",)),
     ("checkpoint integrity / async strategy / fault tolerance", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
         "--check-weight-hash", "--suspend-")),

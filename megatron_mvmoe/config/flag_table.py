@@ -33,6 +33,16 @@ def parse_moe_freq(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
 
 
+def parse_window(text: str) -> list:
+    """Megatron-LM's --window-size ("127,0": tokens before, after), as its own `tuple_type`
+    reads it; a list, so the run config's YAML and the checkpoint fingerprint hold it."""
+    from megatron.training.arguments import tuple_type
+    try:
+        return list(tuple_type(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+
+
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                      "shared_experts", "gdn_norm_out")
 """Megatron-Core 0.19.2's selective-recompute modules (TransformerConfig.__post_init__
@@ -140,6 +150,13 @@ FLAGS: List[Flag] = [
          "MLA YaRN mscale_all_dim (default 0.0)"),
     Flag("--qk-layernorm", "model", "extra.qk_layernorm", None,
          "norm the queries and keys (MLA: its q/kv latents) in every layer", const=True),
+    Flag("--window-size", "model", "extra.window_size", parse_window,
+         "sliding-window attention: BEFORE,AFTER tokens seen (Megatron's DotProductAttention; "
+         "SDPA falls back to it under --attention-backend auto)"),
+    Flag("--window-attn-skip-freq", "model", "extra.window_attn_skip_freq", parse_moe_freq,
+         "every N-th layer attends fully (or Megatron-LM's list form, 1 = full attention)"),
+    Flag("--softmax-type", "model", "extra.softmax_type", str,
+         "vanilla|off-by-one|learnable: attention sinks (Megatron's DotProductAttention)"),
     Flag("--attention-backend", "model", "attention_backend", str,
          "Megatron-LM's choices (flash, fused, unfused, local, auto) plus sdpa"),
     # --- Megatron TransformerConfig fields, passed through (Megatron's names and meaning)

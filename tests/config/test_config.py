@@ -162,8 +162,8 @@ def test_every_example_yaml_passes_the_type_checks():
 
 
 @pytest.mark.parametrize("raw,match", [
-    ({"training": {"precision": "fp16"}},
-     r"^training\.precision: unknown 'fp16'\. Fix: use one of auto, bf16, fp32$"),
+    ({"training": {"precision": "fp8"}},
+     r"^training\.precision: unknown 'fp8'\. Fix: use one of auto, bf16, fp16, fp32$"),
     ({"data": {"loader": "ray"}}, r"^data\.loader: unknown 'ray'\. Fix: use one of torch, dali$"),
     ({"optimizer": {"lr_decay_style": "step"}},
      r"^optimizer\.lr_decay_style: unknown 'step'\. Fix: use one of cosine, linear, constant, "

@@ -138,6 +138,21 @@ def test_gpt_oss_quick_geglu_trains_as_megatron_lm_stock_gpt_model():
     _assert_same_step(run_distributed(_ours_and_stock, 1, timeout_s=240, args=(line,))[0])
 
 
+GPT_OSS_ATTENTION = ["--window-size", "3,0", "--window-attn-skip-freq", "2", "--softmax-type",
+                     "learnable"]
+"""GPT-OSS's attention but YaRN: a sliding window (3 tokens back here, 127 in its line) in
+every other layer, learnable softmax sinks."""
+
+
+def test_gpt_oss_window_and_sinks_train_as_megatron_lm_stock_gpt_model():
+    """--window-size / --window-attn-skip-freq / --softmax-type reach Megatron's
+    TransformerConfig as Megatron-LM's parser reads them; SDPA cannot serve them, so
+    Megatron's DotProductAttention does (a learnable sink per head: one more parameter)."""
+    line = LINE + GPT_OSS_ATTENTION
+    assert flags.config_from_args(line).model.extra["window_size"] == [3, 0]
+    _assert_same_step(run_distributed(_ours_and_stock, 1, timeout_s=240, args=(line,))[0])
+
+
 def test_clamp_and_offset_without_a_gated_unit_are_refused():
     from megatron_mvmoe.models.build import model_config
 

@@ -59,7 +59,7 @@ REASON_COUNTS = {
     "Muon with a distributed optimizer (Megatron-Core's LayerWiseDistributedOptimizer)": 4,
     "bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)": 5,
     "Megatron-FSDP": 4,
-    "attention variants (sliding window, YaRN, softmax type)": 1,
+    "YaRN rotary embedding of standard attention (window and sinks are built)": 1,
 }
 
 
