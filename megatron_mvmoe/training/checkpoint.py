@@ -49,9 +49,11 @@ from megatron_mvmoe import platform
 from megatron_mvmoe.config.model_section import model_section_from_dict
 from megatron_mvmoe.platform import dist_ckpt_writer_queue as writer_queue
 from megatron_mvmoe.training.build import Trainer
-from megatron_mvmoe.training.checkpoint_parts import (JsonPart, ModelPart, OptimizerPart,
-                                                      ResumeState, RngPart, RunMetadata,
-                                                      SchedulerPart, read_part, run_state_of,
+from megatron_mvmoe.training.checkpoint_parts import (EXCLUDE_FROM_LOADING, RANK_FILE,
+                                                      TENSORS, WEIGHTS_ONLY_ABSENT, ModelPart,
+                                                      OptimizerPart, ResumeState, RngPart,
+                                                      RunMetadata, SchedulerPart, Stateful,
+                                                      loading_way, read_part, run_state_of,
                                                       tensor_state)
 from megatron_mvmoe.training.schedule_rule import describe_schedule
 
@@ -63,13 +65,33 @@ def fingerprint(trainer: Trainer) -> Dict:
     return model_fingerprint(trainer.run.model)
 
 
-def _optimizer_part(trainer: Trainer, optimizer_format: Optional[str]
-                    ) -> Optional[OptimizerPart]:
-    """The optimizer part in `optimizer_format`; None: the checkpoint has (or gets) none."""
-    if optimizer_format is None:
-        return None
-    return OptimizerPart(trainer.optimizer, optimizer_format,
-                         bool(trainer.run.training.override_opt_param_scheduler))
+def checkpoint_parts(trainer: Trainer, position: ResumeState, optimizer_format: Optional[str]
+                     ) -> Dict[str, Stateful]:
+    """This trainer's checkpoint as named parts, in load order: run metadata (read first,
+    the loader decides from it), position, model, then optimizer (its state is laid over the model's), scheduler (applied
+    to the optimizer's groups), rng. No optimizer part when `optimizer_format` is None (none
+    saved before a first step, or none loadable); no scheduler part for a trainer without
+    one (an HF import whose export recorded no schedule)."""
+    model = ModelPart(trainer.unwrapped())
+    parts: Dict[str, Stateful] = {
+        "run metadata": RunMetadata(
+            world_size=dist.get_world_size(), layout=_layout(trainer),
+            optimizer_format=optimizer_format, fingerprint=fingerprint(trainer),
+            config=trainer.run.to_dict()),
+        "position": position, "model": model}
+    if optimizer_format is not None:
+        parts["optimizer"] = OptimizerPart(
+            trainer.optimizer, optimizer_format,
+            bool(trainer.run.training.override_opt_param_scheduler), model)
+    if trainer.scheduler is not None:
+        parts["scheduler"] = SchedulerPart(trainer.scheduler, trainer.run.training,
+                                           fresh_groups="optimizer" not in parts)
+    parts["rng"] = RngPart()
+    return parts
+
+
+def _stored_in(parts: Dict[str, Stateful], store: str) -> Dict[str, Stateful]:
+    return {name: part for name, part in parts.items() if part.store == store}
 
 
 def _rng_path(directory: str) -> str:
@@ -77,18 +99,6 @@ def _rng_path(directory: str) -> str:
 
 
 # ------------------------------------------------------------------------------- save
-def _json_parts(trainer: Trainer, state: ResumeState, optimizer_format: Optional[str]
-                ) -> List[JsonPart]:
-    """The parts run_state.json holds, as this trainer saves them (no scheduler part for a
-    trainer without a scheduler: an HF import whose export recorded no schedule)."""
-    metadata = RunMetadata(world_size=dist.get_world_size(), layout=_layout(trainer),
-                           optimizer_format=optimizer_format, fingerprint=fingerprint(trainer),
-                           config=trainer.run.to_dict())
-    if trainer.scheduler is None:
-        return [metadata, state]
-    return [metadata, state, SchedulerPart(trainer.scheduler, trainer.run.training)]
-
-
 def _refuse_nonfinite(trainer: Trainer, step: int, root: str) -> None:
     bad = integrity.first_nonfinite_parameter(trainer.unwrapped())
     if bad is not None:
@@ -114,14 +124,13 @@ def _start_shards(trainer: Trainer, tmp: str, state: ResumeState, background: bo
     # async_strategy "mcore": Megatron's own writer (the default, "nvrx", needs the
     # nvidia-resiliency-ext package).
     extra = {"async_sharded_save": True, "async_strategy": "mcore"} if background else {}
-    tensors = tensor_state(ModelPart(trainer.unwrapped()),
-                           _optimizer_part(trainer, optimizer_format), is_loading=False)
-    request = dist_checkpointing.save(tensors, tmp, **extra)
+    parts = checkpoint_parts(trainer, state, optimizer_format)
+    request = dist_checkpointing.save(tensor_state(parts, is_loading=False), tmp, **extra)
     # Only after Megatron's save started: it takes a non-empty directory for an earlier,
     # incomplete checkpoint ("Overwriting old incomplete / corrupted checkpoint...").
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(RngPart().state_dict(), _rng_path(tmp))
-    return request, run_state_of(_json_parts(trainer, state, optimizer_format))
+    torch.save(parts["rng"].state_dict(), _rng_path(tmp))
+    return request, run_state_of(list(_stored_in(parts, RUN_STATE).values()))
 
 
 def _finish_shards(tmp: str, run_state: Dict) -> None:
@@ -260,14 +269,15 @@ class AsyncSaver:
 
 
 # ------------------------------------------------------------------------------- load
-def _load_rng(trainer: Trainer, directory: str, saved: RunMetadata, step: int) -> None:
+def _load_rng(trainer: Trainer, directory: str, saved: RunMetadata, step: int,
+              part: Optional[RngPart] = None) -> None:
     """The rng part, when this rank has one saved at the same world size and layout (the
     file of global rank r then belongs to the same TP/PP/EP/DP ranks); else every generator
     and Megatron's RNG tracker are reseeded from (seed, step), so a resharded resume is
     deterministic and does not replay step 0's dropout masks. The log says which."""
     path = _rng_path(directory)
     layout = _layout(trainer)
-    part, reason = RngPart(), None
+    part, reason = part or RngPart(), None
     if dist.get_world_size() != saved.world_size or saved.layout not in (None, layout):
         reason = (f"saved at world size {saved.world_size}, layout {saved.layout}; now "
                   f"{dist.get_world_size()}, {layout}")  # layout None: before the field
@@ -300,59 +310,63 @@ def _rng_note(reason: Optional[str], tracker_restored: bool, step: int) -> Optio
 def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
                     step: Optional[int] = None, allow_unverified: bool = False,
                     finetune: bool = False) -> ResumeState:
-    """Collective: restore model (+ optimizer, scheduler, RNG) and the position (step, data,
-    gamma) from `path` (iter_<step> when given), after checking every file against its
-    manifest. `load_optimizer=False` is Megatron-LM's --no-load-optim: the iteration and
-    data position still come from the checkpoint; the optimizer starts fresh and the
-    scheduler at its step 0 (Megatron-LM loads the scheduler only with the optimizer).
-    `finetune` (Megatron-LM's --finetune): the weights only, everything else starts fresh."""
+    """Collective: restore the checkpoint's parts from `path` (iter_<step> when given), after
+    checking every file against its manifest, and return the position (step, data, gamma).
+    Which parts load is one rule (checkpoint_parts.EXCLUDE_FROM_LOADING): a resume all;
+    `load_optimizer=False`, Megatron-LM's --no-load-optim, leaves out optimizer, scheduler
+    and rng (the schedule restarts from its step 0); `finetune`, Megatron-LM's --finetune,
+    loads the weights only. An optimizer state that cannot apply here is left out too
+    (`_loadable_optimizer_format`, which says why)."""
     directory, meta = open_checkpoint(path, fingerprint(trainer), step, allow_unverified)
-    saved, position = RunMetadata(), ResumeState()
+    saved = RunMetadata()
     read_part(saved, meta, directory)
     _report_changed_fields(trainer, saved, directory)
-    if not finetune:
-        read_part(position, meta, directory)
-    load_optimizer = load_optimizer and not finetune
-    model = ModelPart(trainer.unwrapped())
-    optimizer = _optimizer_part(trainer,
-                                _loadable_optimizer_format(trainer, saved, load_optimizer))
-    loaded = read_tensors(tensor_state(model, optimizer, is_loading=True), directory)
-    model.load_state_dict(loaded)
-    if optimizer is None:
+    way = loading_way(load_optimizer, finetune)
+    excluded = EXCLUDE_FROM_LOADING[way]
+    position = ResumeState()
+    optimizer_format = (None if "optimizer" in excluded
+                        else _loadable_optimizer_format(trainer, saved, True))
+    parts = {name: part for name, part
+             in checkpoint_parts(trainer, position, optimizer_format).items()
+             if name not in excluded and name != saved.name}
+    loaded = read_tensors(tensor_state(_stored_in(parts, TENSORS), is_loading=True), directory)
+    for part in parts.values():
+        _load_part(trainer, part, loaded, meta, directory, saved, position.step)
+    if "optimizer" not in parts:
         # bf16 runs keep fp32 main copies in the optimizer, made from the initial weights:
         # refresh them, or the first step would write the initial weights back.
         with torch.no_grad():
             trainer.optimizer.reload_model_params()
-    if finetune:
-        return ResumeState()
-    if not load_optimizer:
-        if dist.get_rank() == 0:
-            print(f"--no-load-optim: weights, step {position.step} and data position from "
-                  f"{directory}; fresh optimizer state, LR/WD schedule from its step 0 with "
-                  "this run's settings (Megatron-LM's --no-load-optim)", flush=True)
-        return position
-    if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
-    _load_scheduler(trainer, meta, directory, fresh_groups=optimizer is None,
-                    step=position.step)
-    _load_rng(trainer, directory, saved, position.step)
+    if way == "--no-load-optim" and dist.get_rank() == 0:
+        print(f"--no-load-optim: weights, step {position.step} and data position from "
+              f"{directory}; fresh optimizer state, LR/WD schedule from its step 0 with "
+              "this run's settings (Megatron-LM's --no-load-optim)", flush=True)
     return position
 
 
-def _load_scheduler(trainer: Trainer, meta: Dict, directory: str, fresh_groups: bool,
-                    step: int) -> None:
-    """The scheduler part under the schedule rule, its line printed. A weights-only
-    checkpoint without one (an HF import whose export recorded no schedule) leaves this
-    run's schedule, and the line says so."""
-    if SchedulerPart.required[0] not in meta and fresh_groups:
-        note = (f"resume: {directory} carries no LR/WD schedule (weights only); this run's "
-                f"schedule applies from step {step}: {describe_schedule(trainer.scheduler)}")
+def _load_part(trainer: Trainer, part: Stateful, loaded: Dict, meta: Dict, directory: str,
+               saved: RunMetadata, step: int) -> None:
+    """One part from where it lives: the tensors read, run_state.json, this rank's rng file."""
+    if part.store == TENSORS:
+        part.load_state_dict(loaded)
+    elif part.store == RANK_FILE:
+        _load_rng(trainer, directory, saved, step, part)
+    elif part.name in WEIGHTS_ONLY_ABSENT and part.fresh_groups and part.required[0] not in meta:
+        _note_absent_schedule(trainer, directory, step)
     else:
-        scheduler = SchedulerPart(trainer.scheduler, trainer.run.training, fresh_groups)
-        read_part(scheduler, meta, directory)
-        note = scheduler.note
-    if note is not None and dist.get_rank() == 0:
-        print(note, flush=True)
+        read_part(part, meta, directory)
+        if getattr(part, "note", None) is not None and dist.get_rank() == 0:
+            print(part.note, flush=True)  # the schedule rule's line
+
+
+def _note_absent_schedule(trainer: Trainer, directory: str, step: int) -> None:
+    """A weights-only checkpoint without a schedule (an HF import whose export recorded
+    none; with the optimizer state restored a schedule must be there, read_part's error):
+    this run's schedule applies, and the line says so."""
+    if dist.get_rank() == 0:
+        print(f"resume: {directory} carries no LR/WD schedule (weights only); this run's "
+              f"schedule applies from step {step}: {describe_schedule(trainer.scheduler)}",
+              flush=True)
 
 
 def _report_changed_fields(trainer: Trainer, saved: RunMetadata, directory: str) -> None:

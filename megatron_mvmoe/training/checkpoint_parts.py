@@ -1,7 +1,9 @@
 """What a checkpoint holds, as named parts, each with `state_dict()` / `load_state_dict()`
 (the Stateful protocol of torch.distributed.checkpoint, as torchtitan's checkpointer keeps
 its model, optimizers, schedulers, data loader and train state); checkpoint.py saves and
-loads by iterating them.
+loads by iterating them (`checkpoint_parts(...)`, one dict in load order), leaving out the
+parts a way of loading excludes (`EXCLUDE_FROM_LOADING`, torchtitan's
+`exclude_from_loading`).
 
   part         lives in                               load
   model        dist-checkpointing tensors model<i>    strict, every key
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Protocol, Sequence, Tuple
+from typing import Dict, FrozenSet, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import numpy as np
 import torch
@@ -43,10 +45,17 @@ from megatron_mvmoe.training.resume_groups import align_saved_groups, apply_sche
 from megatron_mvmoe.training.schedule_rule import restore_scheduler
 
 
+TENSORS, RANK_FILE = "tensors", "rng/rank_<r>.pt"
+"""Where a part lives (its `store`), with RUN_STATE: the one dist-checkpointing call, one
+torch file per rank, keys of run_state.json."""
+
+
+@runtime_checkable
 class Stateful(Protocol):
     """One named part of a checkpoint."""
 
     name: str
+    store: str
 
     def state_dict(self) -> Dict: ...
 
@@ -97,7 +106,7 @@ class ResumeState:
     skipped_iters: int = 0
     """Updates skipped so far because the loss or gradient norm was NaN/inf."""
 
-    name = "position"
+    name, store = "position", RUN_STATE
     required = ("step", "consumed_samples")
     optional = ("gamma", "skipped_iters")
     fix = ("resume from a checkpoint the trainer saved, or load its weights only with "
@@ -116,7 +125,7 @@ class SchedulerPart:
     """The LR/WD scheduler; its load applies the schedule rule (schedule_rule.py) and keeps
     the rule's message in `note` for the log."""
 
-    name = "scheduler"
+    name, store = "scheduler", RUN_STATE
     required = ("scheduler",)
     optional = ()
     fix = "--no-load-optim (the schedule restarts from its step 0 with this run's settings)"
@@ -148,7 +157,7 @@ class RunMetadata:
     fingerprint: Dict = field(default_factory=dict)
     config: Dict = field(default_factory=dict)
 
-    name = "run metadata"
+    name, store = "run metadata", RUN_STATE
     required = ("format", "fingerprint")
     optional = ("world_size", "layout", "optimizer_format", "config")
     fix = "the directory was not written by this trainer's save; point --load at one that was"
@@ -178,7 +187,7 @@ class RngPart:
     rank). Files written before the tracker states were kept load without them;
     `tracker_restored` then says False."""
 
-    name = "rng"
+    name, store = "rng", RANK_FILE
 
     def __init__(self) -> None:
         self.tracker_restored = False
@@ -227,7 +236,7 @@ def _tracker_states() -> Dict[str, torch.Tensor]:
 class ModelPart:
     """The weights of this rank's model chunks (`model<i>` sharded entries)."""
 
-    name = "model"
+    name, store = "model", TENSORS
 
     def __init__(self, chunks) -> None:
         self.chunks = chunks
@@ -236,42 +245,76 @@ class ModelPart:
         return model_sharded_state_dict(self.chunks)
 
     def load_state_dict(self, state: Dict) -> None:
+        """`state`: what dist-checkpointing filled (its `model<i>` entries are this part's)."""
         set_model_weights(self.chunks, state)
 
 
 class OptimizerPart:
-    """Megatron's (distributed) optimizer state in the format `optimizer_format`; its
-    sharded state dict is built over the model's."""
+    """Megatron's (distributed) optimizer state in the format `optimizer_format` (the
+    `optimizer` entry); its sharded state dict is built over the model part's."""
 
-    name = "optimizer"
+    name, store = "optimizer", TENSORS
 
-    def __init__(self, optimizer, optimizer_format: str, override_scheduler: bool) -> None:
-        self.optimizer, self.format = optimizer, optimizer_format
+    def __init__(self, optimizer, optimizer_format: str, override_scheduler: bool,
+                 model: ModelPart) -> None:
+        self.optimizer, self.format, self.model = optimizer, optimizer_format, model
         self.override_scheduler = override_scheduler
 
+    def state_dict(self) -> Dict:
+        return self.sharded_state_dict(self.model.state_dict(), is_loading=False)
+
     def sharded_state_dict(self, model_state: Dict, is_loading: bool) -> Dict:
+        """{"optimizer": Megatron's sharded optimizer state over `model_state`}."""
         metadata = {"distrib_optim_sharding_type": self.format}
         if not is_cuda():
             # fully_reshardable gathers over NCCL with `.cuda()` unless asked to use the
             # gloo data-parallel group (Megatron's memory-efficient variant): the CPU route.
             metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
-        return self.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                                 metadata=metadata)
+        return {"optimizer": self.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=metadata)}
 
     def load_state_dict(self, state: Dict) -> None:
-        """Megatron's optimizer load, with the saved param groups paired by structure so a
-        changed --lr / --min-lr resumes (resume_groups.py), then the schedule rule's values."""
+        """Megatron's optimizer load of `state["optimizer"]`, with the saved param groups
+        paired by structure so a changed --lr / --min-lr resumes (resume_groups.py), then the
+        schedule rule's values."""
+        state = state["optimizer"]
         checkpoint_values = align_saved_groups(self.optimizer, state)
         with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
             self.optimizer.load_state_dict(state)
         apply_schedule_rule(self.optimizer, checkpoint_values, self.override_scheduler)
 
 
-def tensor_state(model: ModelPart, optimizer: Optional[OptimizerPart], is_loading: bool
-                 ) -> Dict:
+def tensor_state(parts: Dict[str, Stateful], is_loading: bool) -> Dict:
     """The one sharded state dict dist-checkpointing saves or fills: the model's entries,
-    plus `optimizer` when the optimizer part is present."""
-    state = model.state_dict()
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading)
+    plus the optimizer's when `parts` has that part (built over the same model entries)."""
+    state = parts["model"].state_dict()
+    if "optimizer" in parts:
+        state.update(parts["optimizer"].sharded_state_dict(state, is_loading))
     return state
+
+
+# --------------------------------------------------------------------- loading rules
+EXCLUDE_FROM_LOADING: Dict[str, FrozenSet[str]] = {
+    "resume": frozenset(),
+    # Megatron-LM's --no-load-optim: the iteration and data position still load; the
+    # scheduler goes with the optimizer (Megatron-LM loads it only with the optimizer), and
+    # the generators are reseeded as on a fresh start.
+    "--no-load-optim": frozenset({"optimizer", "scheduler", "rng"}),
+    # Megatron-LM's --finetune: the weights only; everything else starts fresh at step 0.
+    "--finetune": frozenset({"optimizer", "scheduler", "rng", "position"}),
+}
+"""The parts each way of loading leaves at this run's values. Whatever the way, `run
+metadata` is read first (the loader's decisions come from it) and `model` always loads."""
+
+WEIGHTS_ONLY_ABSENT = frozenset({"optimizer", "scheduler"})
+"""Parts a weights-only checkpoint lacks (saved before a first step: the trainer's step-0
+save, an HF import; an import carries the scheduler only when its export recorded one):
+absent, they keep this run's values and the log says so. Any other absent part is a
+CheckpointError (`read_part`)."""
+
+
+def loading_way(load_optimizer: bool, finetune: bool) -> str:
+    """The key of EXCLUDE_FROM_LOADING for the load flags."""
+    if finetune:
+        return "--finetune"
+    return "resume" if load_optimizer else "--no-load-optim"

@@ -14,6 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe.checkpointing.directory import FORMAT
 from megatron_mvmoe.checkpointing.errors import CheckpointError
+from megatron_mvmoe.training import checkpoint_parts
 from megatron_mvmoe.training.checkpoint_parts import (TRACKER_KEY, ResumeState, RngPart,
                                                       RunMetadata, SchedulerPart, read_part,
                                                       run_state_of)
@@ -104,6 +105,36 @@ def test_a_missing_part_names_the_part_and_the_fix(key, part, fix):
     message = str(err.value)
     assert f"has no {part} part (missing {key})" in message and fix in message
     assert message.startswith("/ckpt/iter_0000007: run_state.json")
+
+
+PART_CLASSES = ("ResumeState", "SchedulerPart", "RunMetadata", "RngPart", "ModelPart",
+                "OptimizerPart")
+
+
+@pytest.mark.parametrize("part", PART_CLASSES)
+def test_every_part_implements_its_protocol(part):
+    """Each part has a name, a store and both Stateful methods (OptimizerPart had no
+    state_dict before the parts were iterated)."""
+    cls = getattr(checkpoint_parts, part)
+    assert callable(getattr(cls, "state_dict", None)), part
+    assert callable(getattr(cls, "load_state_dict", None)), part
+    assert isinstance(getattr(cls, "name", None), str) and isinstance(
+        getattr(cls, "store", None), str), part
+
+
+def test_loading_ways_exclude_the_declared_parts():
+    """Megatron-LM's flags, written out: --no-load-optim keeps step and data position and
+    loads no optimizer, scheduler or rng; --finetune loads the weights only; the model
+    and the run metadata always load."""
+    from megatron_mvmoe.training.checkpoint_parts import EXCLUDE_FROM_LOADING, loading_way
+
+    assert loading_way(load_optimizer=True, finetune=False) == "resume"
+    assert loading_way(load_optimizer=False, finetune=False) == "--no-load-optim"
+    assert loading_way(load_optimizer=True, finetune=True) == "--finetune"
+    assert loading_way(load_optimizer=False, finetune=True) == "--finetune"
+    assert EXCLUDE_FROM_LOADING == {
+        "resume": set(), "--no-load-optim": {"optimizer", "scheduler", "rng"},
+        "--finetune": {"optimizer", "scheduler", "rng", "position"}}
 
 
 def _draws():
