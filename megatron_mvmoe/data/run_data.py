@@ -9,9 +9,11 @@ Design choices:
   sampler order, resumable from `consumed_samples`); or, given the Megatron-LM way
   (`--data-path` prefixes/blends, per-split paths, `--mock-data`), through
   `megatron_mvmoe.data.megatron_blend`, evaluated per blend component.
-- `resolve_tokenizer` runs before the model is built: the tokenizer chosen by
-  `--tokenizer-type` (or the one saved beside preprocessed prefixes) fixes the model's
-  vocabulary, padded as Megatron-LM pads it, unless the run sets a large enough one.
+- `with_tokenizer_vocab` runs before the model is built (training/startup.py): the
+  tokenizer chosen by `--tokenizer-type` (or the one saved beside preprocessed prefixes)
+  fixes the model's vocabulary, padded as Megatron-LM pads it, unless the run sets a large
+  enough one; the run it is given is left unchanged, and the tokenizer it builds is the
+  one the data reads with (`RunData(..., tokenizer=)`).
 - `data.loader: dali` feeds the train microbatches through a DALI pipeline (same samples,
   same order); evaluation always reads through torch.
 - `tokens` (tests, tiny demos): `<domain>_<split>.npy` int token arrays cut into
@@ -25,8 +27,9 @@ Design choices:
 
 from __future__ import annotations
 
+import copy
 import os
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -85,27 +88,44 @@ def _given_padded_vocab(padded: int, tokenizer_vocab: int, tp: int) -> int:
     return padded
 
 
-def resolve_tokenizer(run: "RunConfig"):
-    """Fix model.vocab_size from the run's tokenizer (idempotent); returns the tokenizer."""
+def with_tokenizer_vocab(run: "RunConfig") -> Tuple["RunConfig", Optional[object]]:
+    """(the run with its tokenizer's vocabulary, the tokenizer); `run` itself is left as
+    given (a copy carries the change). model.vocab_size is the tokenizer's, padded as
+    Megatron-LM pads it, unless the run sets a large enough one; with NullTokenizer the
+    run's --vocab-size is the tokenizer's (Megatron-LM's meaning), moved to
+    data.null_vocab_size. Without a tokenizer (our directory layout): `run`, None."""
     from megatron_mvmoe.data.tokenizers import padded_vocab_size
 
-    d, m = run.data, run.model
-    if d.tokenizer_type == "NullTokenizer" and d.null_vocab_size is None:
-        d.null_vocab_size, m.vocab_size = m.vocab_size, None  # Megatron-LM's --vocab-size
+    if run.data.tokenizer_type == "NullTokenizer" and run.data.null_vocab_size is None:
+        run = copy.deepcopy(run)
+        run.data.null_vocab_size, run.model.vocab_size = run.model.vocab_size, None
     tokenizer = build_run_tokenizer(run)
     if tokenizer is None:
-        return None
-    if d.padded_vocab_size is not None:  # Megatron-LM: it is the model's, whatever else
-        m.vocab_size = _given_padded_vocab(d.padded_vocab_size, tokenizer.vocab_size,
-                                           run.parallel.tp)
-    elif m.vocab_size is None:
-        m.vocab_size = padded_vocab_size(tokenizer.vocab_size, d.make_vocab_size_divisible_by,
-                                         run.parallel.tp)
-    elif m.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"model.vocab_size: {m.vocab_size} is below the tokenizer's "
+        return run, None
+    vocab = run.model.vocab_size
+    if run.data.padded_vocab_size is not None:  # Megatron-LM: it is the model's, whatever else
+        run = copy.deepcopy(run)
+        run.model.vocab_size = _given_padded_vocab(run.data.padded_vocab_size,
+                                                   tokenizer.vocab_size, run.parallel.tp)
+    elif vocab is None:
+        run = copy.deepcopy(run)
+        run.model.vocab_size = padded_vocab_size(
+            tokenizer.vocab_size, run.data.make_vocab_size_divisible_by, run.parallel.tp)
+    elif vocab < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size: {vocab} is below the tokenizer's "
                          f"{tokenizer.vocab_size}. Fix: drop --vocab-size, or --unset "
                          "model.vocab_size when the YAML or the preset sets it (it is then the "
                          "tokenizer's, padded), or raise it")
+    return run, tokenizer
+
+
+def resolve_tokenizer(run: "RunConfig"):
+    """The tools' form of `with_tokenizer_vocab` (a tool session holds one run it built for
+    itself): the vocabulary written into `run`; returns the tokenizer. The trainer's start-up
+    (training/startup.py) leaves its run unchanged."""
+    resolved, tokenizer = with_tokenizer_vocab(run)
+    run.model.vocab_size = resolved.model.vocab_size
+    run.data.null_vocab_size = resolved.data.null_vocab_size
     return tokenizer
 
 
@@ -137,8 +157,11 @@ class RunData:
     """Train and per-domain eval microbatch iterators of one run on one DP rank."""
 
     def __init__(self, run: "RunConfig", seq_length: int, vocab_size: int, dp_rank: int,
-                 dp_size: int) -> None:
+                 dp_size: int, tokenizer=None) -> None:
+        """`tokenizer`: the run's, when the caller built it (the trainer's start-up);
+        otherwise built here when the data needs it (Megatron-LM conventions)."""
         self.run, self.seq_length, self.vocab_size = run, seq_length, vocab_size
+        self.tokenizer = tokenizer
         self.dp_rank, self.dp_size = dp_rank, dp_size
         if run.data.megatron_conventions():
             self.train, self.valid = self._build_megatron()
@@ -203,7 +226,8 @@ class RunData:
 
         d, t = self.run.data, self.run.training
         bundle = build_megatron_datasets(
-            d, resolve_tokenizer(self.run), self.seq_length, t.seed,
+            d, self.tokenizer if self.tokenizer is not None else build_run_tokenizer(self.run),
+            self.seq_length, t.seed,
             train_samples=t.train_iters * t.global_batch_size,
             eval_samples=max(1, t.eval_iters) * t.global_batch_size,
             vocab_size=self.vocab_size)

@@ -50,7 +50,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.config.variants import Variant, get_variant
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
@@ -74,9 +73,9 @@ def use_transformer_engine() -> bool:
 
 def build_decoder_block_spec(config, vp_stage: Optional[int] = None,
                              use_te: Optional[bool] = None) -> TransformerBlockSubmodules:
-    """This pipeline stage's decoder block spec for `config.moe_variant`."""
-    if isinstance(config, MVMoETransformerConfig):  # a plain TransformerConfig is stock smoe
-        config.validate_mvmoe()  # the final config (switches may have been set after init)
+    """This pipeline stage's decoder block spec for `config.moe_variant`. `config` was
+    validated where it was built (MVMoETransformerConfig.__post_init__; a field set after
+    that is checked by whoever sets it: models/provider.fields_config)."""
     use_te = _choose_te(config, use_te)
     _check_attention(config, use_te)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(

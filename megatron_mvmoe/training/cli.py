@@ -3,7 +3,7 @@
 
 import sys
 
-from megatron_mvmoe.training.pretrain import main as _main
+from megatron_mvmoe.training.startup import main as _main
 
 
 def main() -> int:

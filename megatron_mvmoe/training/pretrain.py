@@ -11,8 +11,11 @@ Design choices:
 - `pretrain(run, pg_collection)` is a function of its inputs (no module-level state beyond
   Megatron's parallel state, which only the launcher initialises; every collective here
   runs on a group of `pg_collection`), so tests call it in-process on gloo ranks; `main()`
-  adds the launcher: `launch.init_distributed` with the run's collective timeout (a dead rank makes
-  the survivors fail within `distributed_timeout_seconds`) and `initialize_layout`.
+  (training/startup.py, re-exported here) adds the launcher: `launch.init_distributed`
+  with the run's collective timeout (a dead rank makes the survivors fail within
+  `distributed_timeout_seconds`), the run's `Start` (tokenizer, vocabulary, validated
+  Megatron config: built once, the given RunConfig left unchanged) and
+  `initialize_layout`.
 - bf16 on GPU, fp32 on CPU (`training.precision = auto`).
 - `on_step` (tests only) is called with (step, trainer) before each step, e.g. to corrupt
   a weight and check the NaN error.
@@ -24,41 +27,37 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-from megatron_mvmoe import log_noise, platform
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
-from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
 from megatron_mvmoe.checkpointing.publish import recover
 from megatron_mvmoe.config.run_config import RunConfig
-from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.data.batch_rampup import batch_calculator
-from megatron_mvmoe.data.run_data import RunData, resolve_tokenizer
-from megatron_mvmoe.models.build import validate_run
+from megatron_mvmoe.data.run_data import RunData
 from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
 from megatron_mvmoe.training import checkpoint as ckpt
-from megatron_mvmoe.training import error_once
 from megatron_mvmoe.training.a2a_metrics import A2AMonitor
 from megatron_mvmoe.training.a2a_metrics import summary_line as a2a_summary_line
 from megatron_mvmoe.training.build import Trainer, build_trainer
-from megatron_mvmoe.training.gamma_ramp import gamma_controls
+from megatron_mvmoe.training.gamma_ramp import gamma_advance
 from megatron_mvmoe.training.memory_report import memory_hook
 from megatron_mvmoe.training.metrics import (RoutingMonitor, RunLog, aux_losses,
                                              install_moe_metrics_tracker, mtp_losses,
                                              routing_summary)
-from megatron_mvmoe.training.nonfinite import NonFiniteLoss, NonFiniteWatch, nonfinite_error
+from megatron_mvmoe.training.nonfinite import NonFiniteWatch, nonfinite_error
 from megatron_mvmoe.training.rank_reports import recording
 from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.save_lock import hold_save_lock
 from megatron_mvmoe.training.step import evaluate, train_step
-from megatron_mvmoe.training.weight_hash_check import ReplicaMismatch, check_weight_hashes
-from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
-                                              StopConditions, StopFlags,
-                                              exit_cleanly_on_sigterm, launcher_pid,
-                                              marker_payload)
+from megatron_mvmoe.training.weight_hash_check import check_weight_hashes
+from megatron_mvmoe.training.startup import (USER_ERRORS, Start, main,  # noqa: F401 (the
+                                             run_config, run_from_args,  # launcher's names,
+                                             start_up)  # here for `-m ...pretrain` callers)
+from megatron_mvmoe.training.stopping import (STOPPED_MARKER, StopConditions, StopFlags,
+                                              launcher_pid, marker_payload)
 from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
 
 
@@ -83,9 +82,10 @@ class RunResult:
 class _Loop:
     """State of one pretraining call; methods are the named steps of an iteration."""
 
-    def __init__(self, run: RunConfig, pg_collection, on_step, config) -> None:
+    def __init__(self, start: Start, pg_collection, on_step) -> None:
+        run = start.run
         self.run, self.on_step = run, on_step
-        self.trainer = build_trainer(run, pg_collection, config)
+        self.trainer = build_trainer(run, pg_collection, start.config)
         world = dist.get_world_size()
         self.num_microbatches = run.num_microbatches(world)  # of the full global batch (eval)
         t, dp_group = run.training, pg_collection.dp
@@ -94,7 +94,7 @@ class _Loop:
         self.window = {"samples": 0, "microbatches": 0}  # since the last progress line
         model = self.trainer.model_section
         self.data = RunData(run, model.seq_length, model.vocab_size, dp_group.rank(),
-                            dp_group.size())
+                            dp_group.size(), tokenizer=start.tokenizer)
         self.log = RunLog(run.logging.run_dir, run.logging.tensorboard, dist.get_rank() == 0,
                           tensorboard_dir=run.logging.tensorboard_dir,
                           wandb=run.logging if run.logging.wandb_project else None)
@@ -104,7 +104,7 @@ class _Loop:
         self.routing = (RoutingMonitor(self.trainer.unwrapped(), model.num_experts, pg_collection)
                         if run.logging.routing_metrics and model.is_moe else None)
         self.a2a = A2AMonitor.for_run(run, self.trainer, pg_collection, self.log.line)
-        self.advance_gamma, self.gamma = gamma_controls(self.trainer)
+        self.advance_gamma = gamma_advance(self.trainer)
         install_moe_metrics_tracker()  # before the first forward records into it
         self.tracer = self._start_router_trace()
         self.state = ckpt.ResumeState()
@@ -356,28 +356,27 @@ def _due(step: int, interval: int) -> bool:
 
 def pretrain(run: RunConfig, pg_collection,
              on_step: Optional[Callable[[int, Trainer], None]] = None,
-             config: Optional[MVMoETransformerConfig] = None) -> RunResult:
+             start: Optional[Start] = None) -> RunResult:
     """Train `run` on the initialised layout; returns losses and final evaluation.
-    `config`: the Megatron config `validate_run` returned for this run (the launcher's), so a
-    launch builds and checks it once; None = validate here (direct callers, tests)."""
-
-    resolve_tokenizer(run)  # the tokenizer fixes the vocabulary (Megatron-LM conventions)
-    model = run.model
-    if config is None:  # a direct call; a launch passes the config it validated
-        config = validate_run(run, dist.get_world_size(), model.num_layers, model.num_experts)
+    `start`: the launcher's `start_up(run, world)` (tokenizer, vocabulary and validated
+    Megatron config, built once per launch); None = built here (direct callers, tests).
+    `run` is not changed either way."""
+    if start is None:  # a direct call; a launch passes the Start it built
+        start = start_up(run, dist.get_world_size())
+    run = start.run  # the tokenizer's vocabulary (training/startup.py)
     if run.training.warm_start_from is not None:  # before any weight is built
-        check_target(model, run.training.moe_use_upcycling)
+        check_target(run.model, run.training.moe_use_upcycling)
     on_step = memory_hook(run, on_step, pg_collection)  # fit check; memory/rank<R>.json
     # One writer per --save (refused with the holder's name), and this rank's record for
     # the job-end summary (rank_reports.py), written only while the lock is held.
     with hold_save_lock(run.training.save), recording(run.training.save, dist.get_rank(),
                                                       dist.get_world_size()):
-        return _train(run, pg_collection, on_step, config)
+        return _train(start, pg_collection, on_step)
 
 
-def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
-    loop = _Loop(run, pg_collection, on_step, config)
-    t = run.training
+def _train(start: Start, pg_collection, on_step) -> RunResult:
+    loop = _Loop(start, pg_collection, on_step)
+    run, t = start.run, start.run.training
     loop.stops.install()
     try:
         loop.resume()
@@ -422,82 +421,6 @@ def _train(run: RunConfig, pg_collection, on_step, config) -> RunResult:
         return loop.result
     finally:
         loop.close()
-
-
-# ------------------------------------------------------------------------------ launcher
-USER_ERRORS = (ValueError, CheckpointError, NonFiniteLoss, ReplicaMismatch)
-"""What main() reports in one line with EXIT_USER_ERROR (anything else is a bug: traceback)."""
-
-
-def run_from_args(argv: Optional[Sequence[str]] = None,
-                  on_step: Optional[Callable[[int, Trainer], None]] = None,
-                  on_error: Optional[Callable[[Exception, object], None]] = None) -> RunResult:
-    """Parse, start torch.distributed, train. on_error(err, store) sees a USER_ERRORS error
-    while the process group's store still exists (error_once.rank_error), then it is
-    re-raised."""
-    from megatron_mvmoe.config.flags import config_from_args
-
-    return run_config(config_from_args(argv), on_step, on_error)
-
-
-def run_config(run: RunConfig, on_step: Optional[Callable[[int, Trainer], None]] = None,
-               on_error: Optional[Callable[[Exception, object], None]] = None) -> RunResult:
-    from megatron_mvmoe.launch import init_distributed
-    from megatron_mvmoe.parallel import destroy_layout, initialize_layout
-
-    log_noise.apply_logging_level(run.logging.logging_level)
-    exit_cleanly_on_sigterm()
-    try:
-        platform.apply_cpu_patches()
-        init_distributed(timeout_s=run.parallel.distributed_timeout_seconds)
-        resolve_tokenizer(run)
-        model = run.model
-        config = validate_run(run, dist.get_world_size(), model.num_layers, model.num_experts)
-        pgs = initialize_layout(run.parallel.layout(), model.num_layers, model.num_experts,
-                                timeout_s=run.parallel.distributed_timeout_seconds)
-        result = pretrain(run, pgs, on_step=on_step, config=config)
-        destroy_layout()
-        return result
-    except USER_ERRORS as err:
-        if on_error is not None:
-            on_error(err, error_once.default_store())
-        raise
-    except RuntimeError as err:
-        if on_error is None or not error_once.is_collective_timeout(err):
-            raise
-        timeout = error_once.collective_timeout(
-            err, run.parallel.distributed_timeout_seconds, run.training.save,
-            dist.get_rank() if dist.is_initialized() else 0)
-        on_error(timeout, None)  # no store: its host may be the rank that stopped
-        raise timeout from None
-    finally:
-        close_writer_processes()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def main(argv: Optional[Sequence[str]] = None,
-         on_step: Optional[Callable[[int, Trainer], None]] = None) -> int:
-    """Exit status: 0 finished, 2 user error / bad checkpoint / NaN stop, 3 (EXIT_REQUEUE)
-    stopped early by a signal, --exit-duration-in-mins or --exit-interval after saving."""
-    from megatron_mvmoe.config.flags import config_from_args
-
-    try:
-        run = config_from_args(argv)
-    except ValueError as err:
-        error_once.config_error(err)  # the same on every rank: rank 0 prints it
-        return EXIT_USER_ERROR
-    try:
-        result = run_config(run, on_step=on_step, on_error=error_once.rank_error)
-    except USER_ERRORS:
-        return EXIT_USER_ERROR  # printed once by on_error
-    except error_once.CollectiveTimeout:
-        return 1  # printed by on_error: a failure of the job, not of its input
-    if result.stopped:
-        print(f"stopped early ({result.stopped}) at checkpoint {result.last_checkpoint}: exit "
-              f"status {EXIT_REQUEUE} (requeue to continue)", file=sys.stderr, flush=True)
-        return EXIT_REQUEUE
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from megatron_mvmoe.config.transformer_config import MultiViewConfig
-from megatron_mvmoe.models.specs import build_decoder_block_spec
 from megatron_mvmoe.models.warm_start import warm_start_multi_view, warm_start_state_dict
 from megatron_mvmoe.parallel import ParallelLayout, initialize_layout
 from megatron_mvmoe.testing.spawn import run_distributed
@@ -151,14 +150,15 @@ def test_bad_config_names_the_field(overrides, field):
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "flex"])
 def test_multi_view_refuses_unique_token_dispatchers(dispatcher):
-    # refused by the config at start-up, and by the block spec, which re-runs the same
-    # validation on the final config
+    # refused by the config at start-up, and by its validation when the field is switched
+    # after init (what models/provider.fields_config runs; the block spec validates nothing
+    # twice)
     with pytest.raises(ValueError, match="moe_token_dispatcher_type") as info:
         mv_config("multi_view", moe_token_dispatcher_type=dispatcher)
     assert "alltoall" in str(info.value) and "top-k" in str(info.value)
     config = mv_config("multi_view")
     config.moe_token_dispatcher_type = dispatcher  # bypassing __post_init__
     with pytest.raises(ValueError, match="moe_token_dispatcher_type"):
-        build_decoder_block_spec(config)
+        config.validate_mvmoe()
     mv_config("multi_router", num_routers=2,
               moe_token_dispatcher_type=dispatcher)  # fine without views
