@@ -5,7 +5,8 @@ Design choices:
   config/run_sections.py), and the model section nests our model configs
   (config/model_section.py). A YAML file (examples/*.yaml) mirrors the nesting;
   Megatron-style command-line flags (config/flags.py) set single fields of the same nested
-  mapping before it is loaded, so a recipe plus a few flags fully describes a run and `RunConfig.to_dict()` is what gets written into the run directory.
+  mapping before it is loaded, so a recipe plus a few flags fully describes a run and
+  `RunConfig.to_dict()` is what gets written into the run directory.
 - Loading (`config_from_dict`) type-checks every field (config/typed_config.py) and resolves
   `model.preset` (the preset's values under the YAML's / flags'), once; `validate()` then
   checks the fields (with a world size also the layout: `ParallelLayout.validate`,

@@ -5,7 +5,8 @@ model fingerprint, the model weights) live in `megatron_mvmoe/checkpointing/`; t
 adds what only the trainer has: saving, and restoring the optimizer, scheduler, RNG and
 data position. What a checkpoint holds is a set of named parts, each with
 state_dict()/load_state_dict() (checkpoint_parts.py: model, optimizer, scheduler, rng,
-position, run metadata); save and load go through them.
+position, run metadata); save and load iterate them (`checkpoint_parts`), a load leaving
+out what its way of loading excludes (checkpoint_parts.EXCLUDE_FROM_LOADING).
 
 Design choices:
 - A save writes into `.tmp_iter_N`, then renames it to `iter_N` (a re-saved step's old copy
@@ -68,10 +69,10 @@ def fingerprint(trainer: Trainer) -> Dict:
 def checkpoint_parts(trainer: Trainer, position: ResumeState, optimizer_format: Optional[str]
                      ) -> Dict[str, Stateful]:
     """This trainer's checkpoint as named parts, in load order: run metadata (read first,
-    the loader decides from it), position, model, then optimizer (its state is laid over the model's), scheduler (applied
-    to the optimizer's groups), rng. No optimizer part when `optimizer_format` is None (none
-    saved before a first step, or none loadable); no scheduler part for a trainer without
-    one (an HF import whose export recorded no schedule)."""
+    the loader decides from it), position, model, then optimizer (its state is laid over
+    the model's), scheduler (applied to the optimizer's groups), rng. No optimizer part
+    when `optimizer_format` is None (none saved before a first step, or none loadable); no
+    scheduler part for a trainer without one (an HF import whose export recorded none)."""
     model = ModelPart(trainer.unwrapped())
     parts: Dict[str, Stateful] = {
         "run metadata": RunMetadata(
