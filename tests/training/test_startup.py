@@ -34,3 +34,30 @@ def test_start_up_without_a_tokenizer_is_the_run_itself():
     start = start_up(run, world_size=1)
     assert start.run is run and start.tokenizer is None
     assert start.config.hidden_size == run.model.hidden_size
+
+
+def _count_tokenizer_builds(rank, world_size, argv):
+    """One in-process pretrain step of `argv`; how often the run's tokenizer was built."""
+    from megatron_mvmoe.data import run_data
+    from megatron_mvmoe.parallel import initialize_layout
+    from megatron_mvmoe.training.pretrain import pretrain
+
+    builds = []
+    real = run_data.build_run_tokenizer
+
+    def counted(run):
+        builds.append(run.data.tokenizer_type)
+        return real(run)
+    run_data.build_run_tokenizer = counted  # this spawned rank only
+    run = config_from_args(argv)
+    pretrain(run, initialize_layout(run.parallel.layout(), timeout_s=60))
+    return builds
+
+
+def test_a_run_builds_its_tokenizer_once():
+    """main's pretrain built it twice more (its own vocabulary pass, then the data's)."""
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    argv = ARGV + ["--train-iters", "1", "--eval-iters", "0", "--tensorboard", "false"]
+    builds = run_distributed(_count_tokenizer_builds, 1, timeout_s=120, args=(argv,))[0]
+    assert builds == ["NullTokenizer"]
