@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from megatron_mvmoe.checkpointing.directory import resolve_checkpoint
 from megatron_mvmoe.checkpointing.integrity import write_json_atomic
-from megatron_mvmoe.checkpointing.publish import recover
 from megatron_mvmoe.config.run_config import RunConfig
 from megatron_mvmoe.data.batch_rampup import batch_calculator
 from megatron_mvmoe.data.run_data import RunData
@@ -53,12 +52,15 @@ from megatron_mvmoe.training.run_info import Efficiency, write_run_files
 from megatron_mvmoe.training.save_lock import hold_save_lock
 from megatron_mvmoe.training.step import evaluate, train_step
 from megatron_mvmoe.training.weight_hash_check import check_weight_hashes
-from megatron_mvmoe.training.startup import (USER_ERRORS, Start, main,  # noqa: F401 (the
-                                             run_config, run_from_args,  # launcher's names,
-                                             start_up)  # here for `-m ...pretrain` callers)
+from megatron_mvmoe.training.startup import Start, recover_saves, start_up
+# The launcher lives in startup.py; `python -m megatron_mvmoe.training.pretrain` and its
+# callers (tests, sbatch recipes) reach it here.
+from megatron_mvmoe.training.startup import (USER_ERRORS, main, run_config,  # noqa: F401
+                                             run_from_args)
 from megatron_mvmoe.training.stopping import (STOPPED_MARKER, StopConditions, StopFlags,
                                               launcher_pid, marker_payload)
-from megatron_mvmoe.training.warm_start import check_target, has_checkpoint, warm_start
+from megatron_mvmoe.training.warm_start import (check_target, has_checkpoint, warm_start,
+                                                warm_start_lines)
 
 
 @dataclass
@@ -117,7 +119,7 @@ class _Loop:
         """--load (when it holds a checkpoint, or without a warm start), else the warm start."""
         t = self.run.training
         load = t.load
-        self._recover_saves()
+        recover_saves(self.run.training.save, self.log.line)
         if load is not None and _same_dir(load, t.save) and not has_checkpoint(load):
             # The requeue pattern: one command line for the first launch and every restart.
             self.log.line(f"--load {load}: no checkpoint yet (first launch of --save {t.save}): "
@@ -132,26 +134,6 @@ class _Loop:
         self.result.last_checkpoint = resolve_checkpoint(load, t.ckpt_step)
         self.log.line(f"resumed from {self.result.last_checkpoint} at step "
                       f"{self.state.step} (consumed samples {self.state.consumed_samples})")
-
-    def _recover_saves(self) -> None:
-        """Before anything is loaded: finish or undo what interrupted saves left in --save
-        (checkpointing/publish.py), and drop the stop marker of the run this one continues."""
-        save = self.run.training.save
-        if save is None:
-            return
-        done = recover(save)
-        if dist.get_rank() == 0 and os.path.exists(os.path.join(save, STOPPED_MARKER)):
-            os.remove(os.path.join(save, STOPPED_MARKER))
-        recovered = ([f".tmp_{n} (complete, manifest verified) published as {n}"
-                      for n in done.published] +
-                     [f".old_{n} (the copy kept during its re-save) renamed back to {n}"
-                      for n in done.restored])
-        if recovered:
-            self.log.line(f"recovered an interrupted save in {save}: {'; '.join(recovered)}")
-        if done.removed:
-            self.log.line(f"removed {len(done.removed)} unfinished save(s) in {save}: "
-                          f"{done.removed}")
-        dist.barrier()
 
     def already_saved(self, steps_taken: int) -> bool:
         """Resumed from this very step's checkpoint in --save and took no step (a finished
@@ -169,25 +151,8 @@ class _Loop:
     def warm_start(self) -> None:
         t = self.run.training
         reports = warm_start(self.trainer, t.warm_start_from, t.warm_start_new_heads)
-        if t.moe_use_upcycling:
-            self.log.line(f"upcycled the dense checkpoint {t.warm_start_from} "
-                          f"({reports[0].mapping} mapping): "
-                          f"{sum(len(r.copied) for r in reports)} tensors copied, "
-                          f"{sum(len(r.experts) for r in reports)} expert tensors from the "
-                          f"dense MLPs, {sum(len(r.kept) for r in reports)} kept at init "
-                          "(routers); step 0, fresh optimizer")
-            return
-        heads = sum(len(r.router_head0) for r in reports)
-        self.log.line(f"warm start from {t.warm_start_from} (new heads: "
-                      f"{t.warm_start_new_heads}): {sum(len(r.copied) for r in reports)} "
-                      f"tensors copied, {heads} routers extended, "
-                      f"{sum(len(r.kept) for r in reports)} kept at init; step 0, fresh "
-                      "optimizer")
-        if self.trainer.model_section.variant.multi_view and \
-                self.trainer.model_section.multi_view.gamma_ramp_steps == 0:
-            self.log.line("warning: gamma_ramp_steps = 0, so gamma is 1 from the first step "
-                          "and the views are not inert at the warm start (set "
-                          "--gamma-ramp-steps > 0 to start from the baseline's function)")
+        for line in warm_start_lines(reports, t, self.trainer.model_section):
+            self.log.line(line)
 
     def _start_router_trace(self):
         """Megatron's router trace (`--moe-routing-trace-path`), MultiRouter included."""

@@ -22,6 +22,7 @@ Design choices:
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_mvmoe import log_noise, platform
 from megatron_mvmoe.checkpointing.errors import CheckpointError
+from megatron_mvmoe.checkpointing.publish import recover
 from megatron_mvmoe.config.run_config import RunConfig
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.data.run_data import with_tokenizer_vocab
@@ -37,7 +39,8 @@ from megatron_mvmoe.models.build import validate_run
 from megatron_mvmoe.platform.dist_ckpt_writer_queue import close_writer_processes
 from megatron_mvmoe.training import error_once
 from megatron_mvmoe.training.nonfinite import NonFiniteLoss
-from megatron_mvmoe.training.stopping import EXIT_REQUEUE, EXIT_USER_ERROR, exit_cleanly_on_sigterm
+from megatron_mvmoe.training.stopping import (EXIT_REQUEUE, EXIT_USER_ERROR, STOPPED_MARKER,
+                                              exit_cleanly_on_sigterm)
 from megatron_mvmoe.training.weight_hash_check import ReplicaMismatch
 
 
@@ -60,6 +63,26 @@ def start_up(run: RunConfig, world_size: int) -> Start:
     model = resolved.model
     config = validate_run(resolved, world_size, model.num_layers, model.num_experts)
     return Start(resolved, tokenizer, config)
+
+
+def recover_saves(save: Optional[str], log_line: Callable[[str], None]) -> None:
+    """Collective, before anything is loaded: finish or undo what interrupted saves left in
+    --save (checkpointing/publish.py), and drop the stop marker of the run this one
+    continues."""
+    if save is None:
+        return
+    done = recover(save)
+    if dist.get_rank() == 0 and os.path.exists(os.path.join(save, STOPPED_MARKER)):
+        os.remove(os.path.join(save, STOPPED_MARKER))
+    recovered = ([f".tmp_{n} (complete, manifest verified) published as {n}"
+                  for n in done.published] +
+                 [f".old_{n} (the copy kept during its re-save) renamed back to {n}"
+                  for n in done.restored])
+    if recovered:
+        log_line(f"recovered an interrupted save in {save}: {'; '.join(recovered)}")
+    if done.removed:
+        log_line(f"removed {len(done.removed)} unfinished save(s) in {save}: {done.removed}")
+    dist.barrier()
 
 
 # ------------------------------------------------------------------------------ launcher

@@ -189,3 +189,25 @@ def _load_baseline(run: RunConfig, pg_collection, directory: str) -> List[torch.
             "baseline written by megatron_mvmoe") from err
     set_model_weights(chunks, loaded)
     return chunks
+
+
+def warm_start_lines(reports: List[WarmStartReport], training, model: ModelSection
+                     ) -> List[str]:
+    """The log lines of a finished warm start (or upcycling) into `model`: what was copied,
+    extended and kept, and the gamma-ramp warning when the views are not inert."""
+    copied = sum(len(r.copied) for r in reports)
+    kept = sum(len(r.kept) for r in reports)
+    if training.moe_use_upcycling:
+        return [f"upcycled the dense checkpoint {training.warm_start_from} "
+                f"({reports[0].mapping} mapping): {copied} tensors copied, "
+                f"{sum(len(r.experts) for r in reports)} expert tensors from the dense MLPs, "
+                f"{kept} kept at init (routers); step 0, fresh optimizer"]
+    heads = sum(len(r.router_head0) for r in reports)
+    lines = [f"warm start from {training.warm_start_from} (new heads: "
+             f"{training.warm_start_new_heads}): {copied} tensors copied, {heads} routers "
+             f"extended, {kept} kept at init; step 0, fresh optimizer"]
+    if model.variant.multi_view and model.multi_view.gamma_ramp_steps == 0:
+        lines.append("warning: gamma_ramp_steps = 0, so gamma is 1 from the first step and "
+                     "the views are not inert at the warm start (set --gamma-ramp-steps > 0 "
+                     "to start from the baseline's function)")
+    return lines
