@@ -307,10 +307,11 @@ EXCLUDE_FROM_LOADING: Dict[str, FrozenSet[str]] = {
 metadata` is read first (the loader's decisions come from it) and `model` always loads."""
 
 WEIGHTS_ONLY_ABSENT = frozenset({"optimizer", "scheduler"})
-"""Parts a weights-only checkpoint lacks (saved before a first step: the trainer's step-0
-save, an HF import; an import carries the scheduler only when its export recorded one):
-absent, they keep this run's values and the log says so. Any other absent part is a
-CheckpointError (`read_part`)."""
+"""Parts a weights-only checkpoint may lack (saved before a first step: the trainer's step-0
+save, an HF import, which carries the scheduler only when its export recorded one): absent,
+they keep this run's values (the optimizer: its run_state says optimizer_format None; the
+scheduler, only when the optimizer state was not restored either: a line says so). Any
+other absent part is a CheckpointError naming it (`read_part`)."""
 
 
 def loading_way(load_optimizer: bool, finetune: bool) -> str:
