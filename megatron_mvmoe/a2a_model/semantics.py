@@ -34,7 +34,9 @@ routing probability per (token, expert) and hop, plus the mixing weights, floats
   included), one expert id per (token, expert) selection and an (n, mode) pair per
   (token, destination) pair sent.
 The backward sends the gradients of the float tensors in reverse: its matrix is the
-transpose; the ints have no gradient.
+transpose; the ints have no gradient. Megatron's allgather dispatcher
+(`add_allgather_source`) and the alltoall dispatcher's expert-TP collectives
+(`add_expert_tp_collectives`) are modelled on their TP x EP group.
 """
 
 from __future__ import annotations
@@ -135,14 +137,9 @@ class LinkMatrices:
 
     def add_hop_metadata(self, source: int, dests, selections, pairs) -> None:
         """One dedup hop's int64 bookkeeping from `source` to `dests`: expert ids per
-        selection and (n, mode) per pair (the split counts: `add_split_counts`)."""
+        selection and (n, mode) per pair (the split counts: `per_call_bookkeeping`)."""
         self.add("token_dispatch", "metadata", source, dests,
                  (selections + 2 * pairs) * INT_BYTES)
-
-    def add_split_counts(self, hops: int) -> None:
-        """The [P, SPLIT_COUNTS] count exchange of each hop: to every rank, self included."""
-        self.add("token_dispatch", "metadata", slice(None), slice(None),
-                 hops * SPLIT_COUNTS * INT_BYTES)
 
 
 def experts_per_dest(maps_PTE: torch.Tensor, placement: EpPlacement) -> torch.Tensor:
@@ -170,14 +167,21 @@ def link_bytes(maps_PTE: torch.Tensor, placement: EpPlacement, shape: PayloadSha
 
 def add_per_call_bytes(acc: "LinkMatrices", placement: EpPlacement, semantics: str,
                        calls: int) -> None:
-    """The bookkeeping every rank sends whatever its tokens, `calls` dispatches: Megatron's
-    all-gather of E tokens-per-expert counts (row), the [P, 4] split counts per hop (rank:
-    one hop, node: two)."""
-    if semantics == "row":  # to every rank, self included
-        acc.add("dispatch_preprocess", "metadata", slice(None), slice(None),
-                calls * placement.num_experts * INT_BYTES)
-    else:
-        acc.add_split_counts(hops=calls * (2 if semantics == "node" else 1))
+    """The bookkeeping every rank sends whatever its tokens, `calls` dispatches, to every rank
+    of the group, self included (`per_call_bookkeeping`)."""
+    phase = "dispatch_preprocess" if semantics == "row" else "token_dispatch"
+    acc.add(phase, "metadata", slice(None), slice(None),
+            calls * per_call_bookkeeping(placement, semantics))
+
+
+def per_call_bookkeeping(placement: EpPlacement, semantics: str, padded: bool = False) -> int:
+    """Bytes one rank sends each rank of the group per dispatch whatever its tokens:
+    Megatron's all-gather of its E tokens-per-expert counts (row; none when padded to
+    capacity: the splits are fixed), the [P, 4] split counts per hop (rank: one hop, node:
+    two)."""
+    if semantics == "row":
+        return 0 if padded else placement.num_experts * INT_BYTES
+    return (2 if semantics == "node" else 1) * SPLIT_COUNTS * INT_BYTES
 
 
 def add_source_bytes(acc: "LinkMatrices", n_TQ: torch.Tensor, source: int,
@@ -338,20 +342,47 @@ def payload_for_variant(variant: str, hidden: int, latent, views: int = 1,
 
 def allgather_link_bytes(placement: EpPlacement, tokens: int, shape: PayloadShape,
                          rows_per_token: int = 1) -> Dict[Key, torch.Tensor]:
-    """The allgather dispatcher as [P, P] matrices: every rank's rows (and dense [T, E]
-    fp32 probs, and the bool [T, E] routing map: metadata, 1 byte each) reach every rank,
-    and the combine reduce-scatters the same amount back. `rows_per_token` = k for
-    Multi-View's expanded tokens (refused by the layer)."""
-    ranks = placement.ep
-    ones = torch.ones(ranks, ranks, dtype=torch.long)
-    units = tokens * rows_per_token
-    rows = ones * units * shape.row_bytes
-    probs = ones * units * placement.num_experts * shape.probs_bytes
-    routing_map = ones * units * placement.num_experts
-    return {("token_dispatch", "fwd", "tokens"): rows, ("token_dispatch", "fwd", "probs"): probs,
-            ("token_dispatch", "fwd", "metadata"): routing_map,
-            ("token_dispatch", "bwd", "tokens"): rows, ("token_combine", "fwd", "tokens"): rows,
-            ("token_combine", "bwd", "tokens"): rows}
+    """The allgather dispatcher as [P, P] matrices when every rank routes `tokens` tokens
+    (`add_allgather_source` for each). `rows_per_token` = k for Multi-View's expanded
+    tokens (refused by the layer)."""
+    acc = LinkMatrices(placement.ep)
+    for source in range(placement.ep):
+        add_allgather_source(acc, source, tokens * rows_per_token, shape,
+                             placement.num_experts)
+    return acc.with_backward()
+
+
+def add_allgather_source(acc: LinkMatrices, source: int, tokens: int, shape: PayloadShape,
+                         num_experts: int) -> None:
+    """Megatron's allgather dispatcher, one rank's `tokens` tokens over its TP x EP group
+    (`acc.ranks` ranks, self included): the forward all-gathers its rows, its dense [T, E]
+    probs and its bool [T, E] routing map (metadata, 1 byte each); the combine
+    reduce-scatters the gathered [ranks * T, W] outputs cast to the probs' dtype, T rows
+    to each rank. The backward (the transposes) reduce-scatters the rows' and probs'
+    gradients and all-gathers the combine's."""
+    acc.add("token_dispatch", "tokens", source, slice(None), tokens * shape.row_bytes)
+    acc.add("token_dispatch", "probs", source, slice(None),
+            tokens * num_experts * shape.probs_bytes)
+    acc.add("token_dispatch", "metadata", source, slice(None), tokens * num_experts)
+    acc.m[("token_combine", "tokens")][:, source] += tokens * shape.width * shape.probs_bytes
+
+
+def add_expert_tp_collectives(acc: LinkMatrices, etp_peers_RR: torch.Tensor,
+                              shape: PayloadShape) -> None:
+    """Megatron's alltoall dispatcher at expert TP > 1, on [R, R] matrices over its TP x EP
+    group whose EP all-to-alls `acc` already holds (etp_peers_RR[r, j]: j is in r's expert
+    TP group, r itself included): after the all-to-all a rank all-gathers the rows and probs
+    it received over its expert TP group (phase dispatch_postprocess); before the combine
+    all-to-all it reduce-scatters its expert outputs, cast to the probs' dtype, back to
+    the rank that received each row (combine_preprocess). Their backward swaps the two
+    (the transposes)."""
+    peers = etp_peers_RR.long()
+    received_rows = acc.m[("token_dispatch", "tokens")].sum(0)
+    received_probs = acc.m[("token_dispatch", "probs")].sum(0)
+    acc.m[("dispatch_postprocess", "tokens")] = peers * received_rows.unsqueeze(1)
+    acc.m[("dispatch_postprocess", "probs")] = peers * received_probs.unsqueeze(1)
+    outputs = received_rows // shape.row_bytes * shape.width * shape.probs_bytes
+    acc.m[("combine_preprocess", "tokens")] = (peers * outputs.unsqueeze(1)).T.contiguous()
 
 
 def payload_and_bookkeeping(matrices: Dict[Key, torch.Tensor],

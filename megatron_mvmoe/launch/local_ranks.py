@@ -52,7 +52,7 @@ def _from_bytes(data: bytes) -> Any:
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[Any],
-            results: mp.Queue, timeout_s: float) -> None:
+            results: mp.Queue, timeout_s: float, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
@@ -60,13 +60,14 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
 
     torch.set_num_threads(1)
     try:
-        from megatron_mvmoe.platform import apply_cpu_patches
+        from megatron_mvmoe import platform
 
-        apply_cpu_patches()
-        from megatron_mvmoe.platform import reset_megatron_process_state
-
-        reset_megatron_process_state()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":  # one device per rank, bound before the group exists
+            platform.set_local_device(rank)
+        else:
+            platform.apply_cpu_patches()
+        platform.reset_megatron_process_state()
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}",
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
@@ -94,19 +95,22 @@ def _default_start_method() -> str:
 
 def run_distributed(fn: Callable, world_size: int, timeout_s: float = 180.0,
                     args: Sequence[Any] = (), start_method: Optional[str] = None,
-                    daemon: bool = True) -> List[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
+                    daemon: bool = True, backend: str = "gloo") -> List[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks (backend="nccl": one GPU
+    each, fresh interpreters); return results by rank.
 
     `fn` must be a module-level function (picklable under `spawn`). `daemon=False` lets a
     rank start processes of its own (Megatron's async dist-checkpoint writer starts a
     multiprocessing Manager, which a daemonic process may not do). Raises
     LocalRanksError on an exception in any rank, a dead rank, or a timeout.
     """
-    ctx = mp.get_context(start_method or _default_start_method())
+    ctx = mp.get_context(start_method or ("spawn" if backend == "nccl"
+                                          else _default_start_method()))
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, daemon=daemon,
-                         args=(fn, rank, world_size, port, args, results, timeout_s))
+                         args=(fn, rank, world_size, port, args, results, timeout_s,
+                               backend))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()

@@ -16,9 +16,10 @@ group_size, dtype, shape (of the input), layer (module name of the MoE layer, or
 the call happened outside a dispatcher), phase (the dispatcher method: dispatch_preprocess,
 token_dispatch, dispatch_postprocess, combine_preprocess, token_combine), direction ("fwd" or
 "bwd"), payload ("tokens" float rows; "probs": a float vector, or the allgather
-dispatcher's dense [T, E] probs; "metadata": int/bool), and for all_to_all_single
-peer_bytes (input bytes for each rank of the group) with group_ranks, from which
-analysis.a2a.volume splits a rank's bytes into self / intra-node / inter-node.
+dispatcher's dense [T, E] probs; "metadata": int/bool), and peer_bytes (input bytes for each
+rank of the group: an all-to-all's splits, an all-gather's input to every rank, a
+reduce-scatter's chunks) with group_ranks, from which analysis.a2a.volume splits a rank's
+bytes into self / intra-node / inter-node.
 
 Design choices:
 - Counting happens at torch.distributed itself (the functions are wrapped for the duration of
@@ -110,7 +111,7 @@ class CollectiveCounter:
             if op == "all_to_all_single" else 0
         layer, phase, direction = self._label()
         hint = self._hints.get((layer, phase))
-        peers = _peer_bytes(first, size, input_splits) if op == "all_to_all_single" else ()
+        peers = _peer_bytes(op, inp, in_bytes, size, input_splits)
         group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None \
             else tuple(range(size))
         self.records.append(CollectiveRecord(
@@ -155,10 +156,19 @@ def _self_bytes(inp: torch.Tensor, size: int, rank: int, splits) -> int:
     return rows * row_bytes
 
 
-def _peer_bytes(inp: torch.Tensor, size: int, splits) -> Tuple[int, ...]:
-    row_bytes = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
-    rows = [inp.shape[0] // size] * size if splits is None else [int(x) for x in splits]
-    return tuple(r * row_bytes for r in rows)
+def _peer_bytes(op: str, inp, in_bytes: int, size: int, splits) -> Tuple[int, ...]:
+    """Input bytes this rank hands over for each rank of the group: an all-to-all's splits,
+    an all-gather's whole input to every rank, a reduce-scatter's chunks (list elements, or
+    equal parts of one tensor)."""
+    if op == "all_to_all_single":
+        row_bytes = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
+        rows = [inp.shape[0] // size] * size if splits is None else [int(x) for x in splits]
+        return tuple(r * row_bytes for r in rows)
+    if "gather" in op:
+        return (in_bytes,) * size
+    if isinstance(inp, (list, tuple)):
+        return tuple(_nbytes(x) for x in inp)
+    return (in_bytes // size,) * size
 
 
 def _payload(t: torch.Tensor, hint) -> str:

@@ -146,6 +146,21 @@ def peer_counts(records) -> Dict[str, Dict[PeerKey, List[int]]]:
     return dict(out)
 
 
+def sent_to_ranks(records) -> Dict[str, Dict[PeerKey, Dict[int, int]]]:
+    """layer -> {(phase, direction, payload): {global rank: bytes this rank handed to the
+    collective for it}} over every collective of the dispatchers (all-to-alls, all-gathers
+    and reduce-scatters, whatever their group: EP, expert TP or both), so groups of
+    different ranks add up per destination."""
+    out: Dict[str, Dict[PeerKey, Dict[int, int]]] = defaultdict(dict)
+    for r in records:
+        if r.layer is None:
+            continue
+        per_rank = out[r.layer].setdefault((_phase_kind(r.phase), r.direction, r.payload), {})
+        for rank, sent in zip(r.group_ranks, r.peer_bytes):
+            per_rank[rank] = per_rank.get(rank, 0) + sent
+    return dict(out)
+
+
 def _phase_kind(phase: str) -> str:
     """The per-row dispatcher's `dispatch_preprocess_rows` / `_permuted` entry points run
     Megatron's preprocess too: one phase for the analytic model."""
