@@ -66,14 +66,16 @@ def plot(records, path: str) -> str:
         ax.plot(steps, series("dispatch_fwd_received_max_over_mean"), label="received max/mean")
         ax.plot(steps, series("expert_max_over_mean"), label="tokens per expert max/mean")
         ax.set_ylabel("max / mean", fontsize=8)
+        own = records[-1][1][layer]["semantics"]
+        shown = SEMANTICS if own in SEMANTICS else (*SEMANTICS, own)  # allgather: its own
         ax = axes[2][col]
-        for semantics in SEMANTICS:  # the run's own semantic is one of them
+        for semantics in shown:
             ax.plot(steps, [100 * v for v in series(f"{semantics}_inter_node_share",
                                                     "would_send")], label=semantics)
         ax.set_ylabel("inter-node share of\nbytes between ranks (%)", fontsize=8)
         ax.set_ylim(0, 100)
         ax = axes[3][col]
-        for semantics in SEMANTICS:
+        for semantics in shown:
             ax.plot(steps, [v / 1e6 for v in series(semantics, "would_send")], label=semantics)
         ax.set_ylabel("would send, MB / rank / step", fontsize=8)
         ax.set_xlabel("step")

@@ -307,7 +307,8 @@ class A2AMonitor:
                 stats.add((number, f"{key}_{side}_mean"), per_rank.double().mean())
                 stats.top((number, f"{key}_{side}_max"), per_rank.double().max())
         bookkeeping = sum((v for (p, d, pl), v in matrices.items() if d == "fwd"
-                           and pl == "metadata"), torch.zeros(state.ranks, state.ranks, dtype=torch.long))
+                           and pl == "metadata"),
+                          torch.zeros(state.ranks, state.ranks, dtype=torch.long))
         stats.add((number, "bookkeeping"), bookkeeping.sum(1).double().mean())
         for semantics in state.semantics:
             m = _dispatch_fwd(full[(number, semantics)], state.ranks)

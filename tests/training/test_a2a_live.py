@@ -149,6 +149,14 @@ def test_live_metrics_equal_counted_bytes_everywhere(tmp_path, text_tokens, case
     ranks, record = _train(tmp_path, text_tokens, parallel, world, **copy.deepcopy(model))
     _check_equal_to_counted(ranks, record)
     assert {e["semantics"] for e in record["a2a"].values()} == {semantics}
+    if semantics == "allgather":  # its own figure beside what row / rank / node would send
+        import plot_a2a_metrics
+
+        entry = record["a2a"]["layer_1"]
+        assert entry["would_send"]["allgather"] == pytest.approx(
+            entry["dispatch_fwd_sent_mean"])
+        png = tmp_path / "a2a.png"
+        assert plot_a2a_metrics.main([str(tmp_path / "metrics.jsonl"), "--out", str(png)]) == 0
 
 
 @pytest.mark.gpu
