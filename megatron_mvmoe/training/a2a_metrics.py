@@ -84,6 +84,8 @@ class _Layer:
         self.me = self.members.index(dist.get_rank())
         self.ep_positions = _positions(dispatcher.ep_group, self.members)
         self.etp_positions = _positions(dispatcher.tp_group, self.members)
+        # at ETP = 1 the TP x EP group is the EP group in EP order: no embedding needed
+        self.embed = not torch.equal(self.ep_positions, torch.arange(len(self.members)))
         nodes = torch.tensor([node_of(g) for g in self.members])
         self.cross = nodes.unsqueeze(1) != nodes.unsqueeze(0)  # [R, R]: crosses a node
         self.between = ~torch.eye(len(self.members), dtype=torch.bool)  # not to itself
@@ -151,19 +153,24 @@ class _Layer:
             return acc
         placement = self.placements[semantics]
         if self.hist is not None:
-            on_ep = LinkMatrices(self.ep)
+            on_ep = LinkMatrices(self.ep) if self.embed else acc
             add_source_histogram(on_ep, self.hist.cpu(), self.ep_rank, placement,
                                  self.payload, semantics)
-            at = self.ep_positions
-            for key, matrix in on_ep.m.items():
-                acc.m.setdefault(key, torch.zeros(self.ranks, self.ranks, dtype=torch.long))
-                acc.m[key][at.unsqueeze(1), at.unsqueeze(0)] += matrix
+            if self.embed:
+                self._embed(on_ep, acc)
         # Megatron's counts go to the TP x EP group, the dedup split counts to the EP group
         dests = slice(None) if semantics == "row" else self.ep_positions
         acc.add("dispatch_preprocess" if semantics == "row" else "token_dispatch", "metadata",
                 self.me, dests, self.calls * per_call_bookkeeping(
                     placement, semantics, padded=self.padded and semantics == self.own))
         return acc
+
+    def _embed(self, on_ep: LinkMatrices, acc: LinkMatrices) -> None:
+        """Adds [P, P] EP matrices into the [R, R] TP x EP ones at the EP ranks' places."""
+        at = self.ep_positions
+        for key, matrix in on_ep.m.items():
+            acc.m.setdefault(key, torch.zeros(self.ranks, self.ranks, dtype=torch.long))
+            acc.m[key][at.unsqueeze(1), at.unsqueeze(0)] += matrix
 
 
 def skip_reason(layer) -> Optional[str]:
@@ -274,7 +281,9 @@ class A2AMonitor:
                 acc = state.source_matrices(semantics)
                 pieces.append(sorted(acc.m))
                 flat += [acc.m[k].flatten() for k in pieces[-1]]
-            flat += [state.expert_counts(), state.etp_peers().flatten()]
+            flat.append(state.expert_counts())
+            if state.etp > 1:
+                flat.append(state.etp_peers().flatten())
         buffer = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
         buffer = _all_reduced(buffer, layers[0][1].group if layers else self.pgs.ep,
                               self.device)
@@ -292,8 +301,8 @@ class A2AMonitor:
                 total.m = {key: take(ranks * ranks).view(ranks, ranks) for key in next(piece)}
                 full[(number, semantics)] = total
             experts[number] = take(state.num_experts).double()
-            peers = take(ranks * ranks).view(ranks, ranks)
             if state.etp > 1:  # only Megatron's rows have an expert-TP path
+                peers = take(ranks * ranks).view(ranks, ranks)
                 add_expert_tp_collectives(full[(number, "row")], peers, state.payload)
             for semantics in state.semantics:
                 full[(number, semantics)] = full[(number, semantics)].with_backward()
