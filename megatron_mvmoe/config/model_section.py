@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Mapping, Optional
+from typing import Annotated, Any, Dict, Literal, Mapping, Optional
 
 from megatron_mvmoe.config.dispatchers import DEFAULT_DISPATCHER, DISPATCHER_NAMES
 from megatron_mvmoe.config.presets import PRESETS, preset_names
 from megatron_mvmoe.config.transformer_config import (BitNetConfig, MultiHeadConfig,
                                                       MultiViewConfig)
-from megatron_mvmoe.config.typed_config import dataclass_from_dict, deep_merge
-from megatron_mvmoe.config.variants import VARIANT_NAMES, Variant, get_variant
+from megatron_mvmoe.config.typed_config import OneOf, dataclass_from_dict, deep_merge
+from megatron_mvmoe.config.variants import VARIANTS, Variant, get_variant
 from megatron_mvmoe.errors import require
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "fused", "unfused", "local")
@@ -56,7 +56,7 @@ class ModelSection:
 
     preset: Optional[str] = None
     """Name in megatron_mvmoe.config.presets.PRESETS this model started from (recorded)."""
-    moe_variant: Optional[Literal[VARIANT_NAMES]] = None
+    moe_variant: Optional[Annotated[str, OneOf(VARIANTS)]] = None
     """What the MLPs are (config/variants.py: dense, smoe, latent, multi_router, multi_view,
     mh_moe); the values are the variant registry's names."""
     moe_dispatcher: Literal[DISPATCHER_NAMES] = DEFAULT_DISPATCHER
@@ -297,7 +297,8 @@ def resolve_raw(raw: Mapping[str, Any]) -> Dict[str, Any]:
     if merged.get("num_experts") and merged.get("moe_router_topk") is None:
         merged["moe_router_topk"] = 2  # Megatron-LM's --moe-router-topk default
     views = dict(merged.get("multi_view") or {})
-    if merged.get("moe_variant") == "multi_view" and views.get("num_views", 1) == 1:
+    variant = VARIANTS.get(merged.get("moe_variant"))
+    if variant is not None and variant.multi_view and views.get("num_views", 1) == 1:
         views["num_views"] = views.get("num_routers", 1)  # views pair with heads (R = K)
         merged["multi_view"] = views
     return {name: value for name, value in merged.items() if value is not None}

@@ -12,7 +12,9 @@ Design choices:
 - An enum-like field is annotated `Literal[...]` (e.g. `precision: Literal["auto", "bf16",
   "fp32"]`): the annotation is the one list of allowed values, the loader refuses any
   other naming the field and the values, and `check_literals` re-checks a loaded config
-  whose fields were set in code.
+  whose fields were set in code. A field whose values are a registry's keys is annotated
+  `Annotated[str, OneOf(registry)]`: checked the same way against the keys the registry has
+  when it is read (a model variant registered at run time is accepted).
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ from __future__ import annotations
 import dataclasses
 import typing
 from typing import Any, Dict, Mapping
+
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: typing hashes hints
+class OneOf:
+    """`Annotated[str, OneOf(registry)]`: the value is one of `registry`'s keys now."""
+
+    registry: Mapping[str, Any]
+
+
+def _allowed_values(hint: Any):
+    """The values an enum-like hint allows (a tuple), or None for any other hint."""
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    one_of = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, OneOf)]
+    return tuple(one_of[0].registry) if one_of else None
+
 
 _TYPE_NAMES = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
 
@@ -42,8 +61,9 @@ def checked_value(where: str, value: Any, hint: Any) -> Any:
     hint, is_none = _unwrap_optional(where, value, hint)
     if is_none:
         return None
-    if typing.get_origin(hint) is typing.Literal:
-        return _checked_literal(where, value, typing.get_args(hint))
+    allowed = _allowed_values(hint)
+    if allowed is not None:
+        return _checked_literal(where, value, allowed)
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
@@ -77,15 +97,16 @@ def _checked_literal(where: str, value: Any, allowed: tuple) -> Any:
 def check_literals(config: Any, where: str) -> None:
     """Every `Literal[...]` field of a config dataclass (nested ones included) holds one of
     its values; for configs changed in code after loading (ValueError naming the field)."""
-    hints = typing.get_type_hints(type(config))
+    hints = typing.get_type_hints(type(config), include_extras=True)
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]
         if dataclasses.is_dataclass(value):
             check_literals(value, f"{where}.{f.name}")
             continue
         hint, is_none = _unwrap_optional(f"{where}.{f.name}", value, hint)
-        if not is_none and typing.get_origin(hint) is typing.Literal:
-            _checked_literal(f"{where}.{f.name}", value, typing.get_args(hint))
+        allowed = None if is_none else _allowed_values(hint)
+        if allowed is not None:
+            _checked_literal(f"{where}.{f.name}", value, allowed)
 
 
 def dataclass_from_dict(cls, values: Mapping[str, Any], where: str):
@@ -98,7 +119,7 @@ def dataclass_from_dict(cls, values: Mapping[str, Any], where: str):
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}. Fix: use one of {sorted(known)}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     return cls(**{name: checked_value(f"{where}.{name}", value, hints[name])
                   for name, value in values.items()})
 

@@ -15,9 +15,15 @@ Legend: D hidden, L latent, E experts, F expert width, k top-k, R routing heads,
 H MH-MoE sub-tokens, S shared-expert width.
 
 Design choices:
-- A record names its MoE layer builder (`layer`) and router (`router`); models/specs.py
-  dispatches on those names, models/provider.py takes `routing_defaults`. A new variant is
-  one row here plus its builder (see docs/architecture.md, "Adding a variant").
+- A record carries what callers ask instead of comparing names (torchtitan's TrainSpec: the
+  registered object carries its callables): its MoE slot builder `moe_layer` (a callable;
+  the shipped ones are `BuilderRef`s, imported on first call so this module stays pure
+  Python), whether it mixes views (`multi_view`, `views_per_token`) and has a gamma ramp,
+  the dispatchers that can carry it (`dispatchers`; config/dispatchers.py derives its lists
+  from them), the remote-code MoE structure an HF export writes (`hf_structure`, None:
+  refused) and `routing_defaults` (models/provider.py). A new variant is one record,
+  `register_variant(...)`, plus its layer (docs/architecture.md, "Adding a variant";
+  tests/models/test_throwaway_variant.py registers one from a temporary module).
 - Costs per MoE layer and token come from `MoEDims` (a ModelSection's sizes): parameters
   (functional.parity's `LayerParams`: SMoE and MH-MoE ARE the parity shapes, the latent
   family adds its projections, views and R router heads), the planner's matmul FLOPs
@@ -29,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Dict, Mapping, Optional, Tuple
+from importlib import import_module
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.functional.parity import LayerParams, MoELayerShape, layer_params
@@ -40,12 +47,29 @@ SWIGLU_MATRICES = 3
 GELU_MATRICES = 2
 """A GeLU expert (Megatron-LM without --swiglu): fc1 [F, d_in] + fc2 [d_in, F]."""
 
-LAYER_BUILDERS = ("dense", "stock", "latent", "multi_view", "multi_head")
-"""`Variant.layer`: dense MLP, Megatron's own MoELayer, LatentMoELayer, MultiViewMoELayer,
-MultiHeadMoELayer (models/specs.py maps each name to its builder)."""
+ALL_DISPATCHERS = ("alltoall", "dedup_rank", "dedup_node")
+"""`Variant.dispatchers` of a routed variant every dispatcher carries (config/dispatchers.py
+holds the dispatcher records under these names)."""
 
-ROUTERS = ("none", "topk", "multi_router")
-"""`Variant.router`: no router, Megatron's TopKRouter, our MultiRouter (R heads)."""
+HF_STRUCTURES = ("dense", "smoe", "latent", "multi_router", "multi_view", "mh_moe")
+"""`Variant.hf_structure`: the MLPs hf/remote/modeling_mvmoe.py builds (its `MOE_STRUCTURES`
+rows, written as the exported config's `moe_variant`)."""
+
+
+@dataclass(frozen=True)
+class BuilderRef:
+    """A builder named by module and attribute, imported on first call (config/ imports
+    no torch or Megatron; the builders do)."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(import_module(self.module), self.name)(*args, **kwargs)
+
+
+def _spec_builder(name: str) -> BuilderRef:
+    return BuilderRef("megatron_mvmoe.models.specs", name)
 
 SIGMOID_ROUTING: Mapping[str, Any] = MappingProxyType(dict(
     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
@@ -118,19 +142,35 @@ class Variant:
     """Each selected expert gets its own blended row of K views (per-row dispatch)."""
     multi_head: bool = False
     """Tokens split into H sub-tokens routed on their own (MH-MoE)."""
-    layer: str = "stock"
-    """The MoE layer builder models/specs.py dispatches on (one of LAYER_BUILDERS)."""
-    router: str = "topk"
-    """The router models/specs.py builds (one of ROUTERS)."""
+    moe_layer: Optional[Callable[..., Any]] = None
+    """`(config, moe_spec, variant) -> the MoE slot's builder` (models/specs.py calls it with
+    Megatron's MoE builder for the slot); None: Megatron's own MoELayer, the slot as is."""
+    dispatchers: Tuple[str, ...] = ALL_DISPATCHERS
+    """The token dispatchers (config/dispatchers.py names) that can carry its rows."""
+    hf_structure: Optional[str] = None
+    """The remote-code MoE structure that computes it (one of HF_STRUCTURES, the exported
+    `moe_variant`); None: the HF export refuses the variant."""
     routing_defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Megatron routing fields models/provider.py sets for the variant (a run's `extra`
     overrides them)."""
 
     def __post_init__(self) -> None:
-        require(self.layer in LAYER_BUILDERS, "Variant.layer", f"unknown {self.layer!r}",
-                f"use one of {LAYER_BUILDERS}")
-        require(self.router in ROUTERS, "Variant.router", f"unknown {self.router!r}",
-                f"use one of {ROUTERS}")
+        require(self.hf_structure is None or self.hf_structure in HF_STRUCTURES,
+                "Variant.hf_structure", f"unknown {self.hf_structure!r}",
+                f"use one of {HF_STRUCTURES}, or None to refuse the export")
+        require(self.routed_experts or not self.dispatchers, "Variant.dispatchers",
+                f"{self.name!r} has no routed experts to dispatch", "leave it ()")
+
+    @property
+    def has_gamma_ramp(self) -> bool:
+        """Its layers own a gamma ramp the trainer advances once per optimizer step (the
+        layers implement views.protocols.GammaRamped)."""
+        return self.multi_view
+
+    def views_per_token(self, config) -> int:
+        """K: the views the dispatcher carries per token (config.multi_view.num_views for a
+        variant that mixes views, else 1)."""
+        return config.multi_view.num_views if self.multi_view else 1
 
     @property
     def sigmoid_routing(self) -> bool:
@@ -228,25 +268,45 @@ def _with_biases(params: LayerParams, d: MoEDims) -> LayerParams:
 
 
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (
-    Variant("dense", routed_experts=False, layer="dense", router="none"),
-    Variant("smoe", routed_experts=True, routing_defaults=SOFTMAX_ROUTING),
-    Variant("latent", routed_experts=True, latent=True, layer="latent",
+    Variant("dense", routed_experts=False, dispatchers=(), hf_structure="dense"),
+    Variant("smoe", routed_experts=True, hf_structure="smoe",
+            routing_defaults=SOFTMAX_ROUTING),
+    Variant("latent", routed_experts=True, latent=True,
+            moe_layer=_spec_builder("latent_layer"), hf_structure="latent",
             routing_defaults=SIGMOID_ROUTING),
     Variant("multi_router", routed_experts=True, latent=True, multi_router=True,
-            layer="latent", router="multi_router", routing_defaults=SIGMOID_ROUTING),
-    Variant("multi_view", routed_experts=True, latent=True, multi_router=True,
-            multi_view=True, layer="multi_view", router="multi_router",
+            moe_layer=_spec_builder("multi_router_layer"), hf_structure="multi_router",
             routing_defaults=SIGMOID_ROUTING),
-    Variant("mh_moe", routed_experts=True, multi_head=True, layer="multi_head",
-            routing_defaults=SOFTMAX_ROUTING),
+    Variant("multi_view", routed_experts=True, latent=True, multi_router=True,
+            multi_view=True, moe_layer=_spec_builder("multi_view_layer"),
+            hf_structure="multi_view", routing_defaults=SIGMOID_ROUTING),
+    Variant("mh_moe", routed_experts=True, multi_head=True,
+            moe_layer=_spec_builder("multi_head_layer"), dispatchers=("alltoall",),
+            hf_structure="mh_moe", routing_defaults=SOFTMAX_ROUTING),  # dedup: no sub-tokens
 )}
+"""The registry: every lookup reads it live, so a variant registered later is known to
+the config, the dispatchers, the block spec and the export alike."""
 VARIANT_NAMES: Tuple[str, ...] = tuple(VARIANTS)
+"""The shipped variants (docs, tables); `variant_names()` includes registered ones."""
 ROUTED_VARIANT_NAMES: Tuple[str, ...] = tuple(n for n, v in VARIANTS.items()
                                               if v.routed_experts)
+
+
+def variant_names() -> Tuple[str, ...]:
+    """Every variant known now, registered ones included."""
+    return tuple(VARIANTS)
+
+
+def register_variant(variant: Variant) -> Variant:
+    """Add `variant` to the registry (a new name only); returns it."""
+    require(variant.name not in VARIANTS, "Variant.name", f"{variant.name!r} is taken",
+            "register the variant under a new name")
+    VARIANTS[variant.name] = variant
+    return variant
 
 
 def get_variant(name: str) -> Variant:
     """The variant called `name`; a ValueError naming `moe_variant` otherwise."""
     require(name in VARIANTS, "moe_variant", f"unknown variant {name!r}",
-            f"use one of {VARIANT_NAMES}")
+            f"use one of {variant_names()}")
     return VARIANTS[name]

@@ -153,7 +153,7 @@ def _why_not_stock(config, types: List[str]) -> Optional[str]:
     variant = get_variant(config.moe_variant)
     if not variant.routed_experts:
         return None
-    if variant.layer != "stock":  # our own MoE layers have no stock HF class
+    if variant.moe_layer is not None:  # our own MoE layers have no stock HF class
         return f"variant {config.moe_variant}"
     if "dense" in types:
         return "a mix of dense and MoE layers"
@@ -218,10 +218,20 @@ def hf_config(hf_class: str, config, model, types: List[str], vocab_size: int,
     return dict(out, **_ours(config, model, types, gamma or [0, 0]))
 
 
+def hf_structure(moe_variant: str) -> str:
+    """The remote code's MoE structure that computes `moe_variant` (its record's
+    `hf_structure`, written as the exported `moe_variant`); refused without one."""
+    structure = get_variant(moe_variant).hf_structure
+    require(structure is not None, "moe_variant", f"no exported model class computes "
+            f"variant {moe_variant!r} (its record has no hf_structure)",
+            "give the variant's record the remote-code structure that computes it")
+    return structure
+
+
 def _ours(config, model, types: List[str], gamma: List[int]) -> Dict[str, Any]:
     mv, mh, bitnet = config.multi_view, config.multi_head, config.bitnet
     return dict(
-        rope_theta=float(model.rotary_base), moe_variant=config.moe_variant,
+        rope_theta=float(model.rotary_base), moe_variant=hf_structure(config.moe_variant),
         mlp_layer_types=types, num_experts=config.num_moe_experts,
         moe_intermediate_size=config.moe_ffn_hidden_size,
         num_experts_per_tok=config.moe_router_topk,

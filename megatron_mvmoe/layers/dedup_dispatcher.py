@@ -26,9 +26,11 @@ counts (int64, metadata), the rows (tokens), the probs followed by the mixing we
 (floats), the expert ids and per-pair (n, mode) (int64, metadata). Floats go through
 Megatron's autograd `all_to_all`, so the backward sends their gradients back.
 
-Refused (ValueError): TP / ETP > 1, capacity / drop-and-pad, padding for quantization,
-fused permute, shared-expert overlap (as `PerRowAlltoAllTokenDispatcher`), and a node size
-that does not divide EP.
+Refused (ValueError at construction, config/dispatchers.py's dedup records): TP / ETP > 1,
+capacity / drop-and-pad, padding for quantization, fused permute, shared-expert overlap (as
+`PerRowAlltoAllTokenDispatcher`), and a node size that does not divide EP. It implements the
+per-row contract (`PerRowDispatch`, "views"); the views per token come from the variant's
+record (`Variant.views_per_token`), so any variant that mixes views sends views.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import all_to_all
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_mvmoe.errors import require
-from megatron_mvmoe.layers.per_row_dispatcher import validate_per_row_config
+from megatron_mvmoe.config.dispatchers import DISPATCHERS, check_refusals
+from megatron_mvmoe.config.variants import get_variant
 from megatron_mvmoe.functional.mixing import blend_views, views_are_cheaper
+from megatron_mvmoe.layers.per_row_dispatcher import PerRowDispatch
 
 SHARED, VIEWS, BLEND = 0, 1, 2
 DEDUP_SEMANTICS = ("rank", "node")
@@ -103,7 +106,7 @@ def selection_rows(items: _Items, num_views: int) -> torch.Tensor:
     return rows_JW
 
 
-class DedupAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+class DedupAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher, PerRowDispatch):
     """One copy per (token, destination rank or node); Multi-View sends views or blends."""
 
     counted_phases = ("dispatch_preprocess", "dispatch_preprocess_views", "token_dispatch",
@@ -111,26 +114,22 @@ class DedupAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Phase methods the collective counter labels (analysis.a2a.counter)."""
 
     multi_view_input = "views"
-    """What MultiViewMoELayer hands this dispatcher: the K views + mixing weights
+    """A view-mixing layer hands this dispatcher the K views + mixing weights
     (`dispatch_preprocess_views`), blended per (token, destination) or on arrival."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None,
                  semantics: str = "rank", ranks_per_node: Optional[int] = None) -> None:
-        validate_per_row_config(config)
+        assert semantics in DEDUP_SEMANTICS, f"the registry builds {DEDUP_SEMANTICS} only"
+        check_refusals(config, DISPATCHERS[f"dedup_{semantics}"])
         super().__init__(num_local_experts, local_expert_indices, config=config,
                          pg_collection=pg_collection)
-        require(semantics in DEDUP_SEMANTICS, "semantics",
-                f"unknown dispatch semantics {semantics!r}", f"use one of {DEDUP_SEMANTICS}")
-        require(self.tp_size == 1, "expert_tensor_parallel_size",
-                "the dedup dispatcher has no TP all-gather / reduce-scatter",
-                "use expert_tensor_parallel_size=1")
         self.semantics = semantics
         self.ranks_per_node = ranks_per_node or self.ep_size
-        require(self.ep_size % self.ranks_per_node == 0, "ranks_per_node",
-                f"{self.ranks_per_node} does not divide EP {self.ep_size}",
-                "pick a node size that divides the EP size")
-        mv = getattr(config, "multi_view", None)
-        self.num_views = mv.num_views if config_is_multi_view(config) else 1
+        assert self.ep_size % self.ranks_per_node == 0, (
+            f"ranks_per_node {self.ranks_per_node} does not divide EP {self.ep_size} (the "
+            "config refuses moe_dispatch_ranks_per_node)")
+        self.num_views = get_variant(getattr(config, "moe_variant", "smoe")).views_per_token(
+            config)
         self._source: Optional[_Items] = None
         self._hops: List[_Hop] = []
         self._final: Optional[_Items] = None
@@ -143,8 +142,10 @@ class DedupAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return self._start(rows_TW, torch.arange(rows_TW.shape[0]), SHARED, None,
                            routing_map, probs, hidden_states.shape)
 
-    def dispatch_preprocess_views(self, views_TRL, mix_TSR, routing_map, probs, token_shape):
-        """One VIEWS item per token (K view rows, K weights per selection); one view: SHARED."""
+    def dispatch_preprocess_views(self, layer, views_TRL, mix_TSR, topk_idx_TS, routing_map,
+                                  probs, token_shape):
+        """One VIEWS item per token (K view rows, K weights per selection); one view: SHARED
+        (the slots are the routing map's: `topk_idx_TS` is not needed)."""
         num_tokens, num_views, latent = views_TRL.shape
         if mix_TSR is None or num_views == 1:
             return self._start(views_TRL[:, 0], torch.arange(num_tokens), SHARED, None,
@@ -295,6 +296,3 @@ class DedupAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._hops = []
         return tokens_TW.view(self.hidden_shape)
 
-
-def config_is_multi_view(config) -> bool:
-    return getattr(config, "moe_variant", None) == "multi_view"

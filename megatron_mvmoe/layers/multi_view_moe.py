@@ -24,7 +24,8 @@ Design choices:
   `gamma_ramp_state` = [ramp_steps, step] (int64), so checkpoints carry it and a resume
   continues the ramp (from another ramp length: at the saved step, with this run's length;
   the trainer's resume line names the change). The
-  training loop advances it once per optimizer step (`advance_gamma_ramps(model)`).
+  training loop advances it once per optimizer step (training/gamma_ramp.py; callers find
+  the layer by its `views.protocols.GammaRamped` / `ViewMixing` methods, not by this class).
 - Kernel choice: `multi_view.kernels` "auto" defers to MVMOE_KERNELS (default: Triton on
   CUDA, the torch path elsewhere); "triton" / "reference" force one. Both paths compute
   v_0 + sum_{m>0} a_m (v_m - v_0) (the kernel as mix weights [1, a_1, ..] over views
@@ -133,15 +134,13 @@ class MultiViewMoELayer(LatentMoELayer):
         hidden_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
         views_TRL = self.fc1_latent_proj(hidden_TD, self.gamma())
         token_shape = (*hidden_states.shape[:-1], self.latent_size)
-        if self.token_dispatcher.multi_view_input == "views":  # dedup (layers/dispatchers.py)
-            return self.token_dispatcher.dispatch_preprocess_views(
-                views_TRL, mix_TSR, routing_map, probs, token_shape)
-        return self.dispatch_rows(views_TRL, mix_TSR, topk_idx_TS, routing_map, probs,
-                                  token_shape)
+        return self.token_dispatcher.dispatch_preprocess_views(
+            self, views_TRL, mix_TSR, topk_idx_TS, routing_map, probs, token_shape)
 
     def dispatch_rows(self, views_TRL, mix_TSR, topk_idx_TS, routing_map, probs, token_shape):
-        """The per-row dispatcher's entry: one blended row per (token, expert), built by the
-        capacity path, the fused kernel or the torch blend."""
+        """What a rows dispatcher asks of the layer (`PerRowDispatch`, "rows"): one blended
+        row per (token, expert), built by the capacity path, the fused kernel or the torch
+        blend, handed to its row entries."""
         if self.config.moe_expert_capacity_factor is not None:
             rows_NL, row_token_N = self.capacity_rows(views_TRL, mix_TSR, topk_idx_TS,
                                                       routing_map)
@@ -206,14 +205,3 @@ def _backbone_offsets(views_TRL: torch.Tensor, mix_TSR: Optional[torch.Tensor],
     offsets_TRL = torch.cat([backbone_T1L, views_TRL[:, 1:] - backbone_T1L], dim=1)
     return offsets_TRL, torch.cat([ones_TS1, mix_TSR[..., 1:].float()], dim=-1)
 
-
-def advance_gamma_ramps(model: torch.nn.Module, num_steps: int = 1) -> Optional[float]:
-    """Advance every Multi-View layer's gamma ramp (call once per optimizer step).
-
-    Returns the last gamma (None when the model has no Multi-View layer), for logging.
-    """
-    gamma = None
-    for module in model.modules():
-        if isinstance(module, MultiViewMoELayer):
-            gamma = module.advance_gamma(num_steps)
-    return gamma

@@ -16,22 +16,58 @@ the wire equal the latent baseline's exactly.
 Capacity / token dropping and drop-and-pad: the router drops the pairs, the layer builds one
 row per pair left in the routing map (`dispatch_preprocess_permuted`, MultiViewMoELayer's
 `capacity_rows`), and the parent's preprocess / all-to-all / combine run Megatron's
-capacity paths unchanged. Refused (ValueError at construction): padding for quantization,
-fused permute (TE kernels), shared-expert overlap.
+capacity paths unchanged. Refused (ValueError at construction, config/dispatchers.py's
+records): padding for quantization, fused permute (TE kernels), shared-expert overlap.
+
+`PerRowDispatch` is the one entry a layer that mixes views dispatches through, whatever
+carries the rows (this class, or the dedup dispatcher): the layer calls
+`dispatch_preprocess_views` and the dispatcher decides what crosses, so no caller asks
+which dispatcher it holds.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Tuple
 
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_mvmoe.errors import require
+from megatron_mvmoe.config.dispatchers import DISPATCHERS, check_refusals
 from megatron_mvmoe.functional.permute import permute_rows  # noqa: F401 (re-exported)
 
 
-class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+class PerRowDispatch(ABC):
+    """The per-row dispatcher contract: the entry a view-mixing layer dispatches through.
+
+    Notation (as Megatron's token_dispatcher.py):
+        T: tokens of this rank (flattened [S, B] order), E: experts, S: selected slots per
+        token (top-k), R: views per token (= K, `Variant.views_per_token`), L: row width
+        (latent size), N: rows handed to the all-to-all.
+
+    `dispatch_preprocess_views(layer, views_TRL, mix_TSR, topk_idx_TS, routing_map_TE,
+    probs_TE, token_shape)` takes every token's R views and each selection's R mixing
+    weights (mix_TSR None: one view, every selection sees view 0) and returns what the
+    inherited `token_dispatch` sends. An implementation sends one of:
+    - "rows": one blended row per (token, expert) (`PerRowAlltoAllTokenDispatcher`: it asks
+      the layer for them, `layer.dispatch_rows`, which has the capacity path and the fused
+      kernel);
+    - "views": the R views and R weights per selection, blended per (token, destination) or
+      on arrival (`DedupAlltoAllTokenDispatcher`).
+    Construction refuses what config/dispatchers.py's record of the dispatcher refuses.
+    """
+
+    multi_view_input: str
+    """"rows" or "views": what crosses the wire (reports and tests; the layer never asks)."""
+
+    @abstractmethod
+    def dispatch_preprocess_views(self, layer, views_TRL: torch.Tensor, mix_TSR,
+                                  topk_idx_TS: torch.Tensor, routing_map_TE: torch.Tensor,
+                                  probs_TE: torch.Tensor, token_shape: torch.Size):
+        """What `token_dispatch` sends, from the views and mixing weights."""
+
+
+class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher, PerRowDispatch):
     """MoEAlltoAllTokenDispatcher whose permute gathers per-(token, slot) rows."""
 
     counted_phases = ("dispatch_preprocess_rows", "dispatch_preprocess_permuted")
@@ -42,9 +78,15 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """What MultiViewMoELayer hands this dispatcher: one blended row per (token, expert)."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
-        validate_per_row_config(config, dropless=False)
+        check_refusals(config, DISPATCHERS["alltoall"])
         super().__init__(num_local_experts, local_expert_indices, config=config,
                          pg_collection=pg_collection)
+
+    def dispatch_preprocess_views(self, layer, views_TRL, mix_TSR, topk_idx_TS,
+                                  routing_map_TE, probs_TE, token_shape):
+        """Rows: the layer blends one row per (token, expert) and hands them back."""
+        return layer.dispatch_rows(views_TRL, mix_TSR, topk_idx_TS, routing_map_TE, probs_TE,
+                                   token_shape)
 
     def dispatch_preprocess_rows(
         self, rows_TSL: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor,
@@ -88,21 +130,3 @@ class PerRowAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             "before_permutation_1", self.tokens_per_expert)
         self.hidden_shape_before_permute = torch.Size((num_tokens, latent))
 
-
-def validate_per_row_config(config, dropless: bool = True) -> None:
-    """The unfused, unpadded dispatch both per-row dispatchers need; `dropless` also
-    refuses the expert capacity (the dedup dispatcher sends per (token, destination))."""
-    if dropless:
-        require(config.moe_expert_capacity_factor is None, "moe_expert_capacity_factor",
-                "the dedup dispatcher sends one copy per (token, destination) and has no "
-                "capacity path", "leave moe_expert_capacity_factor None, or use the per-row "
-                "alltoall dispatcher (dedup off), which supports it")
-    require(not config.moe_router_padding_for_quantization,
-            "moe_router_padding_for_quantization",
-            "padding the routing map would shift the slot order of the rows",
-            "set moe_router_padding_for_quantization=False")
-    require(not config.moe_permute_fusion, "moe_permute_fusion",
-            "the fused (TE) permute gathers replicated tokens, not per-slot rows",
-            "set moe_permute_fusion=False")
-    require(not config.moe_shared_expert_overlap, "moe_shared_expert_overlap",
-            "the overlap hooks see latent rows", "set moe_shared_expert_overlap=False")

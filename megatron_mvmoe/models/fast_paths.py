@@ -103,7 +103,7 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
     no_te = _no_te_reason(target, bitnet)
     record = get_variant(variant)
     moe, per_row = record.routed_experts, record.multi_view  # per-(token, expert) rows
-    heads_router = record.router == "multi_router"
+    heads_router = record.multi_router
     return [
         _path("transformer_engine_specs", te, "TE layer specs (fused LN+linear, TE linears)",
               no_te),

@@ -5,12 +5,11 @@ Design choices:
   slices the layers of this pipeline stage / virtual stage) and swap ONLY the MoE MLP slots
   for the variant's layer. Spec objects are shared between layers (and module-level in
   Megatron): every change builds new objects with `dataclasses.replace`, nothing is mutated.
-- Variants: the record's `layer` and `router` names (config/variants.py) pick the slot's
-  builder (`_LAYER_BUILDERS`, `_ROUTERS`): dense (no experts; Megatron's dense spec), smoe
-  (stock MoELayer), latent
-  (LatentMoELayer + Megatron's TopKRouter), multi_router (LatentMoELayer + MultiRouter),
-  multi_view (MultiViewMoELayer + MultiRouter), mh_moe (the MH-MoE engineer's
-  `megatron_mvmoe.layers.multi_head_moe.mh_moe_spec(config)`).
+- Variants: the record's `moe_layer` callable (config/variants.py) builds the slot; no
+  table here. dense (no experts; Megatron's dense spec) and smoe (stock MoELayer) keep
+  Megatron's slot; the shipped builders are below: latent (LatentMoELayer + Megatron's
+  TopKRouter), multi_router (LatentMoELayer + MultiRouter), multi_view (MultiViewMoELayer +
+  MultiRouter), mh_moe (`megatron_mvmoe.layers.multi_head_moe.mh_moe_spec(config)`).
 - Megatron 0.19.2 describes MLP slots as builders (`functools.partial`), called by
   TransformerLayer with `config=, pg_collection=, is_mtp_layer=, name=` whatever the class:
   our layers receive their process groups from it like Megatron's own MoELayer does. Specs
@@ -50,7 +49,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_mvmoe.config.variants import Variant, get_variant
+from megatron_mvmoe.config.variants import get_variant
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.layers.bitnet import maybe_bitnet_spec
 from megatron_mvmoe.layers.builders import build, module_of, parts, rebuilt
@@ -134,45 +133,35 @@ def moe_mlp_spec(config, moe_spec):
     (a builder or a ModuleSpec; the result has the same form)."""
     variant = get_variant(getattr(config, "moe_variant", "smoe"))
     moe_spec = with_grouped_experts(moe_spec, config)  # the CPU grouped-GEMM experts rule
-    return _LAYER_BUILDERS[variant.layer](config, moe_spec, variant)
+    if variant.moe_layer is None:
+        return moe_spec  # Megatron's own MoELayer and TopKRouter (smoe)
+    return variant.moe_layer(config, moe_spec, variant)
 
 
-def _stock_layer(config, moe_spec, variant: Variant):
-    return moe_spec  # Megatron's own MoELayer and TopKRouter (smoe)
-
-
-def _latent_layer(config, moe_spec, variant: Variant, layer=None):
-    """LatentMoELayer (or `layer`) around the variant's router."""
+def latent_layer(config, moe_spec, variant, layer=LatentMoELayer, router=None):
+    """`layer` (LatentMoELayer) around `router` (None: Megatron's TopKRouter of the slot,
+    sigmoid via the config)."""
     submodules = parts(moe_spec).submodules
-    router = _ROUTERS[variant.router](submodules.router)
-    return rebuilt(moe_spec, module=layer or LatentMoELayer,
-                   submodules=replace(submodules, router=router))
+    return rebuilt(moe_spec, module=layer,
+                   submodules=replace(submodules, router=router or submodules.router))
 
 
-def _multi_view_layer(config, moe_spec, variant: Variant):
-    return _latent_layer(config, moe_spec, variant, layer=MultiViewMoELayer)
+def multi_router_layer(config, moe_spec, variant):
+    from megatron_mvmoe.routing.router import MultiRouter
+
+    return latent_layer(config, moe_spec, variant, router=MultiRouter)
 
 
-def _multi_head_layer(config, moe_spec, variant: Variant):
+def multi_view_layer(config, moe_spec, variant):
+    from megatron_mvmoe.routing.router import MultiRouter
+
+    return latent_layer(config, moe_spec, variant, layer=MultiViewMoELayer, router=MultiRouter)
+
+
+def multi_head_layer(config, moe_spec, variant):
     from megatron_mvmoe.layers.multi_head_moe import mh_moe_spec
 
     return mh_moe_spec(config, moe_spec=moe_spec)
-
-
-def _multi_router(stock_router):
-    from megatron_mvmoe.routing.router import MultiRouter
-
-    return MultiRouter
-
-
-_LAYER_BUILDERS = {"stock": _stock_layer, "latent": _latent_layer,
-                   "multi_view": _multi_view_layer, "multi_head": _multi_head_layer}
-"""Variant.layer -> the MoE slot's builder (config/variants.py names them; "dense" has no
-MoE slot)."""
-
-_ROUTERS = {"topk": lambda stock_router: stock_router,  # TopKRouter (sigmoid via the config)
-            "multi_router": _multi_router}
-"""Variant.router -> the router class of the slot."""
 
 
 def build_moe_layer(config, pg_collection, layer_number: int = 1, use_te: bool = False):

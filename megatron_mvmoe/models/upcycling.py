@@ -34,6 +34,7 @@ from typing import Dict, List
 import torch
 
 from megatron_mvmoe.config.variants import get_variant
+from megatron_mvmoe.views.protocols import restart_gamma_ramps
 
 _FC1, _FC2 = "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
 _EXPERT = "mlp.experts.local_experts."
@@ -189,14 +190,10 @@ def upcycle_chunk(moe_chunk: torch.nn.Module, dense_chunk: torch.nn.Module, vari
     sum to 1, so the first forward is the dense model's."""
     if not get_variant(variant).latent:
         return megatron_upcycle(moe_chunk, dense_chunk)
-    from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
-
     merged, report = latent_upcycle_state_dict(dense_chunk.state_dict(),
                                                moe_chunk.state_dict())
     if new_heads == "copy":
         copy_router_heads(merged, moe_chunk.config.num_moe_experts)
     moe_chunk.load_state_dict(merged, strict=True)
-    for module in moe_chunk.modules():
-        if isinstance(module, MultiViewMoELayer):
-            module.restart_gamma()
+    restart_gamma_ramps(moe_chunk)
     return report

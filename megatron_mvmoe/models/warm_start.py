@@ -35,6 +35,7 @@ from typing import Dict, List
 import torch
 
 from megatron_mvmoe.config.run_config import WARM_START_NEW_HEADS
+from megatron_mvmoe.views.protocols import restart_gamma_ramps
 
 NEW_HEADS = WARM_START_NEW_HEADS
 _KEEP_TARGET_SUFFIXES = ("view_perturbations", "gamma_ramp_state", "gate_scale",
@@ -95,13 +96,9 @@ def warm_start_state_dict(baseline: Dict[str, torch.Tensor], target: Dict[str, t
 def warm_start_multi_view(model: torch.nn.Module, baseline: Dict[str, torch.Tensor],
                           new_heads: str = "fresh") -> WarmStartReport:
     """Load `baseline` into `model` in place and restart every gamma ramp at step 0."""
-    from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
-
     merged, report = warm_start_state_dict(baseline, model.state_dict(), new_heads)
     model.load_state_dict(merged)
-    for module in model.modules():
-        if isinstance(module, MultiViewMoELayer):
-            module.restart_gamma()
+    restart_gamma_ramps(model)
     return report
 
 

@@ -206,7 +206,7 @@ def warm_start_lines(reports: List[WarmStartReport], training, model: ModelSecti
     lines = [f"warm start from {training.warm_start_from} (new heads: "
              f"{training.warm_start_new_heads}): {copied} tensors copied, {heads} routers "
              f"extended, {kept} kept at init; step 0, fresh optimizer"]
-    if model.variant.multi_view and model.multi_view.gamma_ramp_steps == 0:
+    if model.variant.has_gamma_ramp and model.multi_view.gamma_ramp_steps == 0:
         lines.append("warning: gamma_ramp_steps = 0, so gamma is 1 from the first step and "
                      "the views are not inert at the warm start (set --gamma-ramp-steps > 0 "
                      "to start from the baseline's function)")

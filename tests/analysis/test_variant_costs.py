@@ -1,16 +1,16 @@
 """The variant records' costs (config/variants.py) against naive references: per variant,
 the record's MoE-layer parameters equal a hand count AND the parameters of the layer the
 trainer builds (models/specs.build_moe_layer through provider.transformer_config); FLOPs and
-all-to-all bytes per token equal their hand formulas; the records name builders and routers
-models/specs.py knows."""
+all-to-all bytes per token equal their hand formulas; the records' builders are callables,
+their dispatchers and HF structures known names."""
 
 import dataclasses
 
 import pytest
 
 from megatron_mvmoe.config.model_section import model_from_preset
-from megatron_mvmoe.config.variants import (LAYER_BUILDERS, ROUTERS, VARIANTS, MoEDims,
-                                            get_variant)
+from megatron_mvmoe.config.dispatchers import DISPATCHER_NAMES
+from megatron_mvmoe.config.variants import VARIANTS, MoEDims, get_variant
 from megatron_mvmoe.testing.spawn import run_distributed
 
 D, L, E, F, k, S, R, H = 64, 16, 8, 32, 2, 24, 3, 4
@@ -69,14 +69,15 @@ def test_mh_moe_and_smoe_are_the_parity_shapes():
         2 * D * D + H * k * 3 * (D // H) * F + 3 * D * S)
 
 
-def test_records_name_known_builders_and_routers_and_dense_has_no_costs():
+def test_records_carry_builders_known_dispatchers_and_dense_has_no_costs():
     for record in VARIANTS.values():
-        assert record.layer in LAYER_BUILDERS and record.router in ROUTERS
-        assert (record.router == "multi_router") == record.multi_router
+        assert record.moe_layer is None or callable(record.moe_layer)
+        assert (record.moe_layer is None) == (record.name in ("dense", "smoe")), record.name
+        assert set(record.dispatchers) <= set(DISPATCHER_NAMES), record.name
     with pytest.raises(ValueError, match="moe_variant: 'dense' has no MoE layer"):
         get_variant("dense").layer_params(DIMS)
-    with pytest.raises(ValueError, match="Variant.layer: unknown 'mlp'"):
-        dataclasses.replace(get_variant("smoe"), layer="mlp")
+    with pytest.raises(ValueError, match="Variant.hf_structure: unknown 'mlp'"):
+        dataclasses.replace(get_variant("smoe"), hf_structure="mlp")
 
 
 def test_head_counts_give_each_variant_its_heads():

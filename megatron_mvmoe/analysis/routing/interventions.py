@@ -29,6 +29,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Sequence, 
 
 import torch
 
+from megatron_mvmoe.views.protocols import ViewMixing
+
 POLICIES = ("identity", "view1", "view2", "uniform", "swapped")
 
 
@@ -84,11 +86,9 @@ def override_mixing(layer, policy: str) -> Iterator[RoutingLog]:
 
 
 def _require_multi_view(layer) -> None:
-    from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
-
-    if not isinstance(layer, MultiViewMoELayer):
+    if not isinstance(layer, ViewMixing):
         raise ValueError(f"layer: {type(layer).__name__} mixes no views. Fix: pick a "
-                         "MultiViewMoELayer (moe_variant='multi_view')")
+                         "layer of a variant that mixes views (moe_variant='multi_view')")
     if layer.config.multi_view.num_views < 2:
         raise ValueError("layer: num_views = 1, nothing to intervene on. Fix: use a "
                          "Multi-View model with num_views = num_routers >= 2")

@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_mvmoe.analysis.routing.alignment import forced_gates, toggle_signs
 from megatron_mvmoe.views import mix_views, mixing_weights
+from megatron_mvmoe.views.protocols import ViewMixing
 
 
 @dataclass
@@ -150,11 +151,9 @@ def _slots(routing_map_TE: torch.Tensor, k: int) -> torch.Tensor:
 def expert_inputs(layer: MoELayer, hidden: torch.Tensor, probe: RoutingProbe) -> torch.Tensor:
     """What every expert would receive for every token: [T, E, L]."""
     from megatron_mvmoe.layers.latent_moe import LatentMoELayer
-    from megatron_mvmoe.layers.multi_view_moe import MultiViewMoELayer
-
     hidden_TD = _flat(hidden)
     num_experts = layer.config.num_moe_experts
-    if isinstance(layer, MultiViewMoELayer):
+    if isinstance(layer, ViewMixing):
         views_TRL = layer.fc1_latent_proj(hidden_TD, layer.gamma())
         if views_TRL.shape[1] == 1:
             return views_TRL.expand(-1, num_experts, -1)

@@ -294,24 +294,29 @@ class ViewProjection(nn.Module):
         return torch.cat([backbone_T1L, backbone_T1L + gamma * perturb_TML], dim=-2)
 
 
+MOE_STRUCTURES = {"smoe": (False, False, False), "latent": (True, False, False),
+                  "multi_router": (True, True, False), "multi_view": (True, True, True)}
+"""moe_variant -> (experts on a latent, Multi-Router heads, views mixed) of `MoE`; "mh_moe"
+is `MultiHeadMoE` around an smoe `MoE`, "dense" has no MoE layer. The exporter writes one
+of these (the variant record's hf_structure); any other is refused by `build_mlp`."""
+
+
 class MoE(nn.Module):
     """Routed experts on D (smoe), on a latent L (latent, multi_router) or on Multi-View
     blends (multi_view), plus the optional shared expert on the full hidden state."""
 
     def __init__(self, config: MVMoEConfig, width_in: Optional[int] = None,
-                 shared: bool = True) -> None:
+                 shared: bool = True, structure: Optional[str] = None) -> None:
         super().__init__()
-        variant = config.moe_variant
         width_in = width_in or config.hidden_size
-        self.latent = variant in ("latent", "multi_router", "multi_view")
-        self.multi_view = variant == "multi_view"
+        self.latent, multi_router, self.multi_view = MOE_STRUCTURES[
+            structure or config.moe_variant]
         self.gamma = config.gamma
         bits, norm = _bits(config), config.bitnet_input_norm
         if self.multi_view:
             self.register_buffer("gamma_ramp_state", torch.tensor(
                 [config.gamma_ramp_steps, config.gamma_step], dtype=torch.int64))
-        self.router = (MultiRouter(config) if variant in ("multi_router", "multi_view")
-                       else TopKRouter(width_in, config))
+        self.router = MultiRouter(config) if multi_router else TopKRouter(width_in, config)
         expert_width = config.latent_size if self.latent else width_in
         self.experts = Experts(expert_width, config)
         if self.latent:
@@ -352,7 +357,7 @@ class MultiHeadMoE(nn.Module):
         self.heads = config.mh_num_heads
         bits, norm, d = _bits(config), config.bitnet_input_norm, config.hidden_size
         self.head = Linear(d, d, bits, norm) if config.mh_head_projection else None
-        self.moe = MoE(config, width_in=d // self.heads, shared=False)
+        self.moe = MoE(config, width_in=d // self.heads, shared=False, structure="smoe")
         self.merge = Linear(d, d, bits, norm) if config.mh_merge_projection else None
         self.shared_experts = (SharedExpert(config)
                                if config.shared_expert_intermediate_size else None)
@@ -368,12 +373,19 @@ class MultiHeadMoE(nn.Module):
         return y_TD
 
 
+MOE_LAYERS = {"mh_moe": MultiHeadMoE, **{name: MoE for name in MOE_STRUCTURES}}
+"""moe_variant -> the MoE layer class of an "moe" layer."""
+
+
 def build_mlp(config: MVMoEConfig, layer_idx: int) -> nn.Module:
     if config.mlp_layer_types[layer_idx] == "dense":
         return SwiGLU(config.hidden_size, config.intermediate_size, config)
-    if config.moe_variant == "mh_moe":
-        return MultiHeadMoE(config)
-    return MoE(config)
+    build = MOE_LAYERS.get(config.moe_variant)
+    if build is None:
+        raise ValueError(f"moe_variant: this code builds {sorted(MOE_LAYERS)}, not "
+                         f"{config.moe_variant!r}. Fix: export the checkpoint with the "
+                         "megatron_mvmoe version that knows the variant")
+    return build(config)
 
 
 class DecoderLayer(nn.Module):
