@@ -8,8 +8,10 @@ Design choices:
 - The dedup dispatchers replace a layer's alltoall dispatcher right after the model is built
   (models/build.py), with the same groups, experts and config: they hold no parameters, so
   the seeded init is the same and checkpoints do not depend on the dispatcher.
-- Multi-View asks the dispatcher what it takes (`multi_view_input`: "rows" = one blended
-  row per (token, expert), "views" = the K views + weights, blended on arrival).
+- A layer that mixes views calls the one per-row contract both dispatchers implement
+  (layers/per_row_dispatcher.py `PerRowDispatch.dispatch_preprocess_views`); each decides
+  what crosses (`multi_view_input`: "rows" = one blended row per (token, expert), "views" =
+  the K views + weights, blended on arrival).
 """
 
 from __future__ import annotations

@@ -95,6 +95,10 @@ class MultiViewMoELayer(LatentMoELayer):
         """K views: view 0 is the backbone P (`fc1_latent_proj.weight`), others P + gamma dP_m."""
         return MultiViewProjection(config)
 
+    def views_of(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """views_TRL of the tokens at the current gamma (what preprocess blends)."""
+        return self.fc1_latent_proj(hidden_TD, self.gamma())
+
     # ---- gamma ramp -------------------------------------------------------------------
     def gamma(self) -> float:
         return self.gamma_ramp.value()

@@ -46,11 +46,17 @@ from megatron_mvmoe.models.upcycling import upcycle_chunk, upcycle_problems
 from megatron_mvmoe.models.warm_start import WarmStartReport, warm_start_multi_view
 from megatron_mvmoe.training.build import Trainer
 
-TARGET_VARIANTS = tuple(n for n, v in VARIANTS.items() if v.multi_router)
-"""("multi_router", "multi_view"): the variants whose extra router heads (and views) start
-from a baseline checkpoint."""
-UPCYCLE_VARIANTS = tuple(n for n, v in VARIANTS.items() if v.routed_experts and not v.multi_head)
-"""("smoe", "latent", "multi_router", "multi_view"): experts that can hold the dense MLP."""
+def target_variants() -> tuple:
+    """("multi_router", "multi_view", and any registered like them): the variants whose
+    extra router heads (and views) start from a baseline checkpoint (read from the records
+    when asked, so a registered variant counts)."""
+    return tuple(n for n, v in VARIANTS.items() if v.multi_router)
+
+
+def upcycle_variants() -> tuple:
+    """("smoe", "latent", "multi_router", "multi_view", ...): experts that can hold the
+    dense MLP."""
+    return tuple(n for n, v in VARIANTS.items() if v.routed_experts and not v.multi_head)
 # A dense checkpoint and its upcycled MoE model share everything but the MLPs.
 _UPCYCLE_SHARED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads",
                           "num_query_groups", "vocab_size", *ARCHITECTURE_FIELDS)
@@ -66,17 +72,17 @@ def check_target(model: ModelSection, upcycling: bool = False) -> None:
     """The run's own model must have routers to warm start, or (upcycling) be an MoE variant
     a dense model can be upcycled into (checked before building)."""
     if upcycling:
-        if model.moe_variant not in UPCYCLE_VARIANTS:
+        if model.moe_variant not in upcycle_variants():
             raise ValueError(
                 f"training.moe_use_upcycling: this run's model.moe_variant is "
                 f"{model.moe_variant!r}; a dense model upcycles into one of "
-                f"{UPCYCLE_VARIANTS} (mh_moe experts see D/H-wide sub-tokens, so none can "
+                f"{upcycle_variants()} (mh_moe experts see D/H-wide sub-tokens, so none can "
                 "hold the dense MLP). Fix: choose one of those variants")
         return
-    if model.moe_variant not in TARGET_VARIANTS:
+    if model.moe_variant not in target_variants():
         raise ValueError(f"training.warm_start_from: this run's model.moe_variant is "
                          f"{model.moe_variant!r}; the warm start maps a latent baseline into "
-                         f"one of {TARGET_VARIANTS}. Fix: use --moe-variant multi_view (or "
+                         f"one of {target_variants()}. Fix: use --moe-variant multi_view (or "
                          "multi_router), or drop --warm-start-from")
 
 

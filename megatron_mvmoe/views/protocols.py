@@ -8,8 +8,11 @@ Legend: T tokens, D hidden, L latent, R views, S selected slots.
   step, the warm start and upcycling restart it (training/gamma_ramp.py,
   models/warm_start.py, models/upcycling.py).
 - `ViewMixing`: a GammaRamped layer whose experts see blends of views: the routing probe
-  recomputes its views (`fc1_latent_proj(hidden_TD, gamma) -> views_TRL`) and the mixing
-  interventions transform its mixing weights (`mix_transforms`: mix_TSR -> mix_TSR).
+  recomputes its views (`views_of(hidden_TD) -> views_TRL` at the current gamma) and the
+  mixing interventions transform its mixing weights (`mix_transforms`: mix_TSR -> mix_TSR).
+
+Members are methods or plain attributes: isinstance on a runtime protocol looks attributes
+up statically, so a submodule (held in nn.Module's `_modules`) would never be found.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ class GammaRamped(Protocol):
 class ViewMixing(GammaRamped, Protocol):
     mix_transforms: List[Callable[[torch.Tensor], torch.Tensor]]
 
-    def fc1_latent_proj(self, hidden_TD: torch.Tensor, gamma: float) -> torch.Tensor:
-        """views_TRL."""
+    def views_of(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """views_TRL at the current gamma."""
 
 
 def gamma_ramped(model: torch.nn.Module) -> Iterator[GammaRamped]:

@@ -1,15 +1,16 @@
 """The dispatcher registry (config/dispatchers.py records, layers/dispatchers.py builders):
 every dispatcher is listed and built for each variant it supports, an unsupported
 (dispatcher, variant / feature) pair fails at config build with one line naming both and the
-alternative, and Multi-View asks the dispatcher what it takes instead of probing methods."""
+alternative (the dispatchers' constructors refuse with the very same line: one list), and
+Multi-View dispatches through the one per-row contract both dispatchers implement."""
 
 import pytest
 
-from megatron_mvmoe.config.dispatchers import DISPATCHER_NAMES, DISPATCHERS
+from megatron_mvmoe.config.dispatchers import DISPATCHER_NAMES, DISPATCHERS, check_dispatcher
 from megatron_mvmoe.config.variants import VARIANTS
 from megatron_mvmoe.layers.dedup_dispatcher import DedupAlltoAllTokenDispatcher
 from megatron_mvmoe.layers.dispatchers import BUILDERS, install_dispatchers
-from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher
+from megatron_mvmoe.layers.per_row_dispatcher import PerRowAlltoAllTokenDispatcher, PerRowDispatch
 from megatron_mvmoe.models.build import validate_run
 
 from megatron_mvmoe.testing.spawn import run_distributed
@@ -61,6 +62,25 @@ def test_unsupported_pair_is_one_line_naming_both(dispatcher, variant, overrides
     assert "\n" not in message and message.count("Fix:") == 1, message
     assert message.startswith("model.moe_dispatcher:"), message
     assert all(name in message for name in names), message
+
+
+@pytest.mark.parametrize("cls, dispatcher, field, value", [
+    (PerRowAlltoAllTokenDispatcher, "alltoall", "moe_permute_fusion", True),
+    (PerRowAlltoAllTokenDispatcher, "alltoall", "moe_router_padding_for_quantization", True),
+    (DedupAlltoAllTokenDispatcher, "dedup_rank", "moe_expert_capacity_factor", 1.0),
+    (DedupAlltoAllTokenDispatcher, "dedup_rank", "expert_tensor_parallel_size", 2),
+])
+def test_constructors_refuse_with_the_records_line(cls, dispatcher, field, value):
+    """The refusals are written once (config/dispatchers.py): a dispatcher built outside a
+    run config refuses with the line the config check gives (refused before any group)."""
+    config = mv_config(moe_dispatcher=dispatcher)
+    setattr(config, field, value)  # after the config's own checks, as code could
+    with pytest.raises(ValueError) as built:
+        cls(1, [0], config)
+    with pytest.raises(ValueError) as loaded:
+        check_dispatcher(config)
+    assert str(built.value) == str(loaded.value) and f"{field}=" in str(built.value)
+    assert issubclass(cls, PerRowDispatch)  # the contract the Multi-View layer calls
 
 
 def test_flags_select_the_dispatcher():

@@ -154,7 +154,7 @@ def expert_inputs(layer: MoELayer, hidden: torch.Tensor, probe: RoutingProbe) ->
     hidden_TD = _flat(hidden)
     num_experts = layer.config.num_moe_experts
     if isinstance(layer, ViewMixing):
-        views_TRL = layer.fc1_latent_proj(hidden_TD, layer.gamma())
+        views_TRL = layer.views_of(hidden_TD)
         if views_TRL.shape[1] == 1:
             return views_TRL.expand(-1, num_experts, -1)
         all_TE = torch.arange(num_experts).expand(hidden_TD.shape[0], num_experts)
