@@ -3,7 +3,8 @@ under another name, with its builder as a callable) registered from ONE temporar
 builds, trains, ramps gamma, dedups as views and exports to Hugging Face, and that module
 imports only what docs/architecture.md "Adding a variant" names, whose file count it states.
 
-Measured (2 cores, loaded): ~25 s (3 training steps, one export, one HF forward)."""
+Measured: 45 s on the shared 2-core machine under load (3 training steps, one export, one
+HF forward; the session token set shared with the other training tests)."""
 
 import ast
 import copy
