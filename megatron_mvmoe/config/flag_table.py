@@ -251,6 +251,8 @@ FLAGS: List[Flag] = [
     Flag("--muon-momentum", "optimizer", "muon_momentum", float),
     Flag("--muon-scale-mode", "optimizer", "muon_scale_mode", str),
     Flag("--muon-extra-scale-factor", "optimizer", "muon_extra_scale_factor", float),
+    Flag("--no-use-layer-wise-param-layout", "optimizer", "use_layer_wise_param_layout", None,
+         "Megatron-LM's switch for optimizer.use_layer_wise_param_layout false", const=False),
     Flag("--accumulate-allreduce-grads-in-fp32", "optimizer", "grad_reduce_in_fp32", None,
          "Megatron-LM's switch for optimizer.grad_reduce_in_fp32 true", const=True),
     # --- data

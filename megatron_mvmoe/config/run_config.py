@@ -49,7 +49,7 @@ class RunConfig:
     def validate(self, world_size: Optional[int] = None,
                  num_layers: Optional[int] = None, num_experts: Optional[int] = None) -> None:
         """Field checks; with world_size also the layout and batch divisibility."""
-        _check_muon(self.optimizer)
+        _check_muon(self.optimizer, self.training.precision)
         for section in dataclasses.fields(self):  # enum-like fields set in code after loading
             check_literals(getattr(self, section.name), section.name)
         t, o = self.training, self.optimizer

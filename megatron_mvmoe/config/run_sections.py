@@ -78,28 +78,42 @@ class OptimizerSection:
     """Shape of the decay after warmup (Megatron's OptimizerParamScheduler)."""
     optimizer: Literal["adam", "muon", "dist_muon"] = "adam"
     """adam, or muon: Megatron-Core's Muon (emerging-optimizers) on the 2-D weight matrices,
-    Adam on embeddings, biases and norms (Megatron-LM's --optimizer). dist_muon (Megatron-LM's
-    deprecated layer-wise spelling) is refused naming the fix."""
+    Adam on embeddings, biases and norms (Megatron-LM's --optimizer). With
+    use_distributed_optimizer, Muon runs as Megatron-LM runs it: Megatron-Core's
+    LayerWiseDistributedOptimizer (each data-parallel rank owns whole matrices); dist_muon is
+    Megatron-LM's deprecated spelling of that."""
     muon_momentum: float = 0.9
     """Muon's momentum (Megatron-LM's --muon-momentum and its default)."""
     muon_scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
     """How Muon scales the orthogonalised update (Megatron-LM's --muon-scale-mode)."""
     muon_extra_scale_factor: float = 1.0
     """Extra factor on Muon's update (Megatron-LM's --muon-extra-scale-factor)."""
+    use_layer_wise_param_layout: bool = True
+    """Layer-wise Muon only: True, Muon's matrices in shard-aligned DDP buffers and the other
+    parameters under a separate distributed optimizer; False (Megatron-LM's
+    --no-use-layer-wise-param-layout), the legacy path: one unsharded DDP buffer, every
+    parameter in the layer-wise optimizer, updated parameters all-gathered."""
+
+    @property
+    def layer_wise(self) -> bool:
+        """Muon with a distributed optimizer: Megatron-LM's arguments.py turns that into
+        use_layer_wise_distributed_optimizer (and --optimizer dist_muon into muon + that)."""
+        return self.optimizer == "dist_muon" or (self.optimizer == "muon"
+                                                 and self.use_distributed_optimizer)
 
 
-def _check_muon(o: OptimizerSection) -> None:
-    """Megatron-LM turns Muon with a distributed optimizer (--use-distributed-optimizer, or the
-    deprecated --optimizer dist_muon) into Megatron-Core's LayerWiseDistributedOptimizer, whose
-    parameter layout the DDP wrapper must be built with; that wiring is not here."""
-    _require(o.optimizer != "dist_muon" and not (o.optimizer == "muon" and
-                                                 o.use_distributed_optimizer),
-             "optimizer.use_distributed_optimizer",
-             f"--optimizer {o.optimizer} with a distributed optimizer is Megatron-Core's "
-             "LayerWiseDistributedOptimizer, which this trainer does not wire",
-             "--optimizer muon without --use-distributed-optimizer (YAML: "
-             "optimizer.use_distributed_optimizer false): Muon's state is then replicated on "
-             "each data-parallel rank, as in Megatron-LM without the flag")
+def _check_muon(o: OptimizerSection, precision: str) -> None:
+    """Megatron-Core 0.19.2's LayerWiseDistributedOptimizer wraps its Muon and Adam in
+    Megatron's mixed-precision optimizer only under bf16; in fp32 it chains the raw torch
+    optimizers, whose step Megatron's ChainedOptimizer cannot drive (no prepare_grads), and
+    with the parameter layout it fails its own config assertion. Megatron-LM's Muon lines
+    give --bf16 (tests/training/test_muon.py)."""
+    _require(not o.layer_wise or precision == "bf16", "training.precision",
+             f"--optimizer {o.optimizer} with a distributed optimizer runs as Megatron-Core "
+             f"0.19.2's LayerWiseDistributedOptimizer, which trains only in bf16 (got "
+             f"{precision})", "add --bf16, or drop --use-distributed-optimizer (YAML: "
+             "optimizer.use_distributed_optimizer false) for Muon replicated on each "
+             "data-parallel rank")
 
 
 @dataclass

@@ -48,7 +48,9 @@ from megatron_mvmoe.platform import (cpu_copies, expert_bias_fix, group_pool,
                                      upstream_router_fixes)
 from megatron_mvmoe.platform.cpu_embedding_copy import embedding_copy_breaks, embedding_copy_on_cpu
 from megatron_mvmoe.platform.cpu_rng_tracker import cpu_rng_tracker, rng_tracker_breaks
-from megatron_mvmoe.platform.cpu_uneven_gather import uneven_gather_breaks, uneven_gather_on_gloo
+from megatron_mvmoe.platform.cpu_uneven_gather import (layer_wise_gather_breaks,
+                                                       layer_wise_gather_on_gloo,
+                                                       uneven_gather_breaks, uneven_gather_on_gloo)
 from megatron_mvmoe.platform.patch import Patch, rebind
 
 MEGATRON_VERSION_PATCHED = "0.19.2"
@@ -184,6 +186,8 @@ _CUDA_FACTORY_MODULES = (
     # structure) and the fully-parallel load's exchange buffers
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.exchange_utils",
+    # 0.19.2: layer-wise Muon's grad-norm-group flag (has_grad_norm_group), issue 36
+    "megatron.core.optimizer.layer_wise_optimizer",
 )
 
 
@@ -468,6 +472,10 @@ PATCHES: List[Patch] = [
           "_gather_along_first_dim all-gathers unequal token counts (the alltoall "
           "dispatcher at ETP > 1 with EP) as a list, which gloo refuses.",
           uneven_gather_on_gloo, uneven_gather_breaks),
+    Patch("layer-wise Muon's uneven all-gather on gloo",
+          "LayerWiseDistributedOptimizer.allgather_params (--no-use-layer-wise-param-layout) "
+          "all-gathers each rank's flattened matrices, unequal in size, which gloo refuses.",
+          layer_wise_gather_on_gloo, layer_wise_gather_breaks),
 ]
 
 # Upstream fixes of 0.19.2 bugs, applied on every platform (GPU runs included).

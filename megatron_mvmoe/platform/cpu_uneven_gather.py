@@ -56,3 +56,54 @@ def uneven_gather_breaks() -> bool:
     refuses it: test_gloo_still_refuses_an_uneven_all_gather shows it on 2 ranks)."""
     gather = importlib.import_module(_MAPPINGS)._gather_along_first_dim
     return "torch.distributed.all_gather(output_tensor_list" in inspect.getsource(gather)
+
+
+# Layer-wise Muon's legacy path (--no-use-layer-wise-param-layout): after each step every
+# data-parallel rank all-gathers the flattened matrices it owns, sizes differing per rank;
+# Megatron-Core 0.19.2 relies on NCCL taking a list of unequal tensors, gloo refuses it.
+_LAYER_WISE = "megatron.core.optimizer.layer_wise_optimizer"
+
+
+def all_gather_uneven(tensor_list, tensor, group=None, async_op=False):
+    """torch.distributed.all_gather for 1-D tensors of unequal lengths: one all-gather of
+    equal, padded blocks, each rank's real elements copied into its slot."""
+    sizes = [t.numel() for t in tensor_list]
+    if len(set(sizes)) == 1:
+        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    padded = tensor.new_zeros(max(sizes))
+    padded[: tensor.numel()] = tensor.reshape(-1)
+    blocks = tensor.new_empty(len(sizes) * padded.numel())
+    dist.all_gather_into_tensor(blocks, padded, group=group)
+    for slot, block, n in zip(tensor_list, blocks.split(padded.numel()), sizes):
+        slot.view(-1).copy_(block[:n])
+    return None
+
+
+class _DistributedWithUnevenAllGather:
+    def __getattr__(self, name: str):
+        return all_gather_uneven if name == "all_gather" else getattr(dist, name)
+
+
+class _TorchWithUnevenAllGather:
+    """`torch` as the layer-wise optimizer's module sees it (over any earlier CPU proxy)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        if name == "distributed":
+            return _DistributedWithUnevenAllGather()
+        return getattr(self._inner, name)
+
+
+def layer_wise_gather_on_gloo() -> None:
+    module = importlib.import_module(_LAYER_WISE)
+    if not isinstance(module.torch, _TorchWithUnevenAllGather):
+        module.torch = _TorchWithUnevenAllGather(module.torch)
+
+
+def layer_wise_gather_breaks() -> bool:
+    """Unpatched, allgather_params still hands all_gather per-rank buffers of each rank's
+    own size (tests/training/test_muon.py trains the legacy path at DP 2)."""
+    cls = importlib.import_module(_LAYER_WISE).LayerWiseDistributedOptimizer
+    return "torch.distributed.all_gather(gather_list" in inspect.getsource(cls.allgather_params)

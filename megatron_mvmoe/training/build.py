@@ -21,6 +21,8 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.layer_wise_optimizer import (LayerWiseDistributedOptimizer,
+                                                          tag_params_for_buffer_routing)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe import platform
@@ -75,17 +77,43 @@ def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
     step) does what Megatron-LM's --check-for-nan-in-loss-and-grad does, and more."""
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=run.optimizer.grad_reduce_in_fp32,
-        use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
+        use_distributed_optimizer=_ddp_shards(run.optimizer),
         num_distributed_optimizer_instances=run.parallel.distributed_optimizer_instances,
         check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run)))
 
 
-def _wrap_ddp(config, chunks, run: RunConfig) -> List[DistributedDataParallel]:
+def _ddp_shards(o) -> bool:
+    """Whether DDP reduce-scatters into a sharded layout: the distributed optimizer's, or
+    layer-wise Muon's shard-aligned one; layer-wise Muon's legacy path all-reduces one
+    unsharded buffer (Megatron-LM's wrap_model_chunks_with_ddp)."""
+    if o.layer_wise:
+        return o.use_layer_wise_param_layout
+    return o.use_distributed_optimizer
+
+
+def _wrap_ddp(config, chunks, run: RunConfig, pg_collection) -> List[DistributedDataParallel]:
     ddp = ddp_config(run)
+    layouts = [None] * len(chunks)
+    if run.optimizer.layer_wise and run.optimizer.use_layer_wise_param_layout:
+        layouts = _layer_wise_layouts(chunks, ddp, pg_collection)
     # Bucketing is pointless for non-first virtual chunks (Megatron does the same).
     return [DistributedDataParallel(config=config, ddp_config=ddp, module=chunk,
-                                    disable_bucketing=index > 0)
-            for index, chunk in enumerate(chunks)]
+                                    disable_bucketing=index > 0, full_param_layout=layout)
+            for index, (chunk, layout) in enumerate(zip(chunks, layouts))]
+
+
+def _layer_wise_layouts(chunks, ddp, pg_collection) -> list:
+    """Layer-wise Muon's shard-aligned parameter layout per chunk, as Megatron-LM's
+    wrap_model_chunks_with_ddp computes it: Muon's matrices tagged into their own buffer,
+    each whole matrix in one data-parallel rank's shard."""
+    tag_params_for_buffer_routing(chunks)
+    dp = pg_collection.intra_dp_cp.size()
+    expert_dp = pg_collection.intra_expt_dp.size()
+    pp_rank = pg_collection.pp.rank()
+    return [LayerWiseDistributedOptimizer.compute_full_param_layout(
+        [p for p in chunk.parameters() if p.requires_grad],
+        None if index > 0 or pp_rank > 0 else ddp.bucket_size, dp, ddp,
+        expert_data_parallel_world_size=expert_dp) for index, chunk in enumerate(chunks)]
 
 
 def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
@@ -93,13 +121,14 @@ def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
     config). Muon's fields reach OptimizerConfig as Megatron-LM's arguments.py passes them."""
     o = run.optimizer
     return OptimizerConfig(
-        optimizer=o.optimizer, muon_momentum=o.muon_momentum, muon_scale_mode=o.muon_scale_mode,
+        optimizer="muon" if o.optimizer == "dist_muon" else o.optimizer,
+        use_layer_wise_distributed_optimizer=o.layer_wise, muon_momentum=o.muon_momentum, muon_scale_mode=o.muon_scale_mode,
         muon_extra_scale_factor=o.muon_extra_scale_factor, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         clip_grad=o.clip_grad, bf16=config.bf16, fp16=config.fp16,
         initial_loss_scale=o.initial_loss_scale,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=o.use_distributed_optimizer)
+        use_distributed_optimizer=o.use_distributed_optimizer and not o.layer_wise)
 
 
 def _optimizer(run: RunConfig, config, model) -> object:
@@ -126,7 +155,7 @@ def build_trainer(run: RunConfig, pg_collection,
     """Build this rank's model chunks, DDP wrappers, optimizer and scheduler."""
     chunks = build_model(run, pg_collection, config)  # seeded, on the device
     config = chunks[0].config
-    model = _wrap_ddp(config, chunks, run)
+    model = _wrap_ddp(config, chunks, run, pg_collection)
     # The schedule calls this after the last backward: DP grad sync, TP/PP embedding and
     # layer-norm grad reductions, and the expert-bias update.
     config.finalize_model_grads_func = partial(finalize_model_grads)
