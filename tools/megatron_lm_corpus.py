@@ -157,8 +157,6 @@ REASONS = (
         "cuda-graph", "cuda graph", "CUDA", "offload", "--delay-wgrad-compute",
         "--overlap-moe-expert")),
     ("Megatron-FSDP", ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
-    ("Muon with a distributed optimizer (Megatron-Core's LayerWiseDistributedOptimizer)", (
-        "--optimizer", "--muon-", "--no-use-layer-wise-param-layout")),
     ("YaRN rotary embedding of standard attention (window and sinks are built)", ("yarn",)),
     ("checkpoint integrity / async strategy / fault tolerance", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",

@@ -105,5 +105,7 @@ def layer_wise_gather_on_gloo() -> None:
 def layer_wise_gather_breaks() -> bool:
     """Unpatched, allgather_params still hands all_gather per-rank buffers of each rank's
     own size (tests/training/test_muon.py trains the legacy path at DP 2)."""
-    cls = importlib.import_module(_LAYER_WISE).LayerWiseDistributedOptimizer
-    return "torch.distributed.all_gather(gather_list" in inspect.getsource(cls.allgather_params)
+    module = importlib.import_module(_LAYER_WISE)
+    source = inspect.getsource(module.LayerWiseDistributedOptimizer.allgather_params)
+    return ("torch.distributed.all_gather(gather_list" in source
+            and not isinstance(module.torch, _TorchWithUnevenAllGather))

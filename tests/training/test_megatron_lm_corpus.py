@@ -13,7 +13,7 @@ import megatron_lm_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-RESOLVING = {  # docs/megatron_lm.md: the 33 lines that resolve as written
+RESOLVING = {  # docs/megatron_lm.md: the 37 lines that resolve as written
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances",
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances"
     "_1node",
@@ -24,6 +24,12 @@ RESOLVING = {  # docs/megatron_lm.md: the 33 lines that resolve as written
     # Muon (replicated, as written) with --check-weight-hash-across-dp-replicas-interval 1
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon",
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon_1node",
+    # Muon with the distributed optimizer: Megatron-Core's LayerWiseDistributedOptimizer
+    # (test_muon.py), with and without the layer-wise parameter layout
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon",
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_1node",
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout",
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout_1node",
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
     "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic_dp_last",
     "gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel_dp_last",
@@ -56,7 +62,6 @@ REASON_COUNTS = {
     "CUDA graphs / GPU streams / offloading": 9,
     "checkpoint integrity / async strategy / fault tolerance": 1,
     "FP8 / TransformerEngine": 7,
-    "Muon with a distributed optimizer (Megatron-Core's LayerWiseDistributedOptimizer)": 4,
     "bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)": 5,
     "Megatron-FSDP": 4,
     "YaRN rotary embedding of standard attention (window and sinks are built)": 1,
