@@ -16,7 +16,8 @@ def test_muon_flags_reach_megatron_core_optimizer_config_as_in_megatron_lm():
     from megatron_mvmoe.training.build import optimizer_config
 
     run = config_from_args(MUON_LINE + ["--use-distributed-optimizer", "false"])
-    got = optimizer_config(run, SimpleNamespace(bf16=False, params_dtype=torch.float32))
+    got = optimizer_config(run, SimpleNamespace(bf16=False, fp16=False,
+                                                params_dtype=torch.float32))
     assert (got.optimizer, got.muon_momentum, got.muon_extra_scale_factor,
             got.muon_scale_mode) == ("muon", 0.9, 0.2, "spectral")
 
@@ -34,7 +35,8 @@ def test_muon_with_a_distributed_optimizer_is_megatron_cores_layer_wise_optimize
 
     run = config_from_args(line + ["--bf16"])
     run.validate()
-    got = optimizer_config(run, SimpleNamespace(bf16=True, params_dtype=torch.float32))
+    got = optimizer_config(run, SimpleNamespace(bf16=True, fp16=False,
+                                                params_dtype=torch.float32))
     assert (got.optimizer, got.use_layer_wise_distributed_optimizer,
             got.use_distributed_optimizer) == ("muon", True, False)
     assert ddp_config(run).use_distributed_optimizer is layout
