@@ -122,7 +122,8 @@ def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
     o = run.optimizer
     return OptimizerConfig(
         optimizer="muon" if o.optimizer == "dist_muon" else o.optimizer,
-        use_layer_wise_distributed_optimizer=o.layer_wise, muon_momentum=o.muon_momentum, muon_scale_mode=o.muon_scale_mode,
+        use_layer_wise_distributed_optimizer=o.layer_wise,
+        muon_momentum=o.muon_momentum, muon_scale_mode=o.muon_scale_mode,
         muon_extra_scale_factor=o.muon_extra_scale_factor, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         clip_grad=o.clip_grad, bf16=config.bf16, fp16=config.fp16,
