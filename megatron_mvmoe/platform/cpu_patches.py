@@ -27,7 +27,8 @@ Design choices:
   load repairs (platform/torch_adam_fixes.py), and the in-place expert-bias add of
   platform/expert_bias_fix.py (not fixed upstream yet); they apply with CUDA too. The group pool
   (platform/group_pool.py), the one-rank collectives (platform/one_rank_collectives.py) and
-  the copies that compute nothing (platform/cpu_copies.py) are CPU patches in own modules.
+  the copies that compute nothing (platform/cpu_copies.py) and RoPE without concatenations
+  (platform/cpu_rope.py) are CPU patches in own modules.
 - MVMOE_CPU_PATCHES_SKIP="name,name" leaves patches out, to show what breaks without them.
 """
 
@@ -43,7 +44,7 @@ from typing import List
 import numpy as np
 import torch
 
-from megatron_mvmoe.platform import (cpu_copies, expert_bias_fix, group_pool,
+from megatron_mvmoe.platform import (cpu_copies, cpu_rope, expert_bias_fix, group_pool,
                                      one_rank_collectives, torch_adam_fixes,
                                      upstream_router_fixes)
 from megatron_mvmoe.platform.cpu_embedding_copy import embedding_copy_breaks, embedding_copy_on_cpu
@@ -447,6 +448,7 @@ PATCHES: List[Patch] = [
     group_pool.POOLED_GROUPS,
     one_rank_collectives.ONE_RANK_COLLECTIVES,
     *cpu_copies.CPU_COPIES,
+    *cpu_rope.CPU_ROPE,
     Patch("fused_indices_to_multihot on CPU",
           "fusions.fused_indices_converter (imported by the flex dispatcher and by callers "
           "of the fusion) allocates on device='cuda' and launches a Triton kernel.",
