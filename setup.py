@@ -42,8 +42,10 @@ setup(
         # Hugging Face export / import (tools/export_hf.py, tools/import_hf.py); accelerate:
         # lm-eval's `hf` model type imports it (examples/results/hf_export.md).
         "hf": ["transformers==5.23.0", "safetensors==0.8.0", "accelerate==1.16.0"],
-        # DALI runs its CPU pipelines here, so the test suite exercises the real loader.
-        "dev": ["pytest", "pytest-timeout", "triton", "mpi4py", "nvidia-dali-cuda120",
+        # DALI runs its CPU pipelines here, so the test suite exercises the real loader;
+        # pytest-xdist: scripts/run_tests.sh runs most of the suite on two workers.
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "triton", "mpi4py",
+                "nvidia-dali-cuda120",
                 "lm-eval==0.4.13", "sentencepiece==0.2.3", "wandb==0.31.0",
                 "transformers==5.23.0", "safetensors==0.8.0", "accelerate==1.16.0"],
     },

@@ -49,10 +49,10 @@ def test_a_failing_stage_says_why_in_one_line_and_the_budget_skips_the_rest(tmp_
     next stages still start (and fail) until the budget is spent, which skips the rest."""
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named megatron' >&2\n"
-                    "sleep 4\nexit 1\n")
+                    "sleep 1\nexit 1\n")
     fake.chmod(0o755)
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(fake),
-               GPU_CHECK_BUDGET_S="18")
+               GPU_CHECK_BUDGET_S="13")  # 1 s stages: about 4 run, the rest are skipped
     proc = subprocess.run(["bash", SCRIPT, "--cpu-smoke"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     rows = [line.split("\t") for line in
