@@ -6,7 +6,8 @@
 #    (--dist loadfile: a file's module fixtures are built once). Most of a test's wall time
 #    is one process (imports, a tiny model, a forked rank waiting on the other), so two
 #    workers keep both CI cores busy. Every port is picked free (launch.local_ranks.free_port)
-#    and every path is a tmp_path, so two files can run side by side.
+#    and every path is a tmp_path, so two files can run side by side. A failure stops both
+#    workers once the other has finished the file it holds (pytest-xdist: exit status 2).
 # 2. SERIAL, alone: real launchers (torchrun / mpirun / a Slurm cluster the tests start, with
 #    fixed daemon state and a veth pair) and tests that time a rank's exit or a signal's
 #    effect against a deadline.
