@@ -149,7 +149,8 @@ REASONS = (
         "--max-tokens-to-oom", "--prompt-file", "--flash-decode", "--enable-chunked-prefill",
         "--perform-rl-step", "--use-checkpoint-args", "--tiktoken-pattern",
         "--no-use-tokenizer-model-from-checkpoint-args", "--empty-unused-memory-level",
-        "--moe-enable-routing-replay")),
+        "--moe-enable-routing-replay",
+        "--suspend-")),  # --suspend-resume-interval/-timeout: the dynamic-inference engine's
     ("FP8 / TransformerEngine", ("fp8", "FP8", "TransformerEngine", "--te-", "--fp4",
                                  "--use-transformer-engine-op-fuser")),
     ("DeepEP / HybridEP", ("DeepEP", "flex")),
@@ -158,9 +159,9 @@ REASONS = (
         "--overlap-moe-expert")),
     ("Megatron-FSDP", ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
     ("YaRN rotary embedding of standard attention (window and sinks are built)", ("yarn",)),
-    ("checkpoint integrity / async strategy / fault tolerance", (
+    ("checkpoint integrity / async strategy", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
-        "--check-weight-hash", "--suspend-")),
+        "--check-weight-hash")),
     ("bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)", (
         "--recompute-modules",)),
 )

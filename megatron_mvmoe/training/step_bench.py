@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 
 SHAPES: Dict[str, Dict] = {
     "issue": dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_experts=8,
@@ -171,8 +172,9 @@ class TrainerStep:
 
     def __init__(self, run, pgs, clock: Callable[[], float] = time.perf_counter):
         from megatron_mvmoe.training import pretrain
+        from megatron_mvmoe.training.startup import start_up
 
-        self.loop = pretrain._Loop(run, pgs, None, None)
+        self.loop = pretrain._Loop(start_up(run, dist.get_world_size()), pgs, None)
         self.clock = PhaseClock(clock)
         self.iterators = [_timed_iterator(it, self.clock) for it in self.loop.iterators()]
         trainer = self.loop.trainer
@@ -252,8 +254,6 @@ def ratio_summary(top: List[float], bottom: List[float]) -> Dict[str, float]:
 def rank_setup(run):
     """(config, pgs) on an initialised default group, as the launcher's `run_config` does:
     tokenizer resolved, the run validated, the layout's groups built."""
-    import torch.distributed as dist
-
     from megatron_mvmoe.data.run_data import resolve_tokenizer
     from megatron_mvmoe.models.build import validate_run
     from megatron_mvmoe.parallel import initialize_layout
