@@ -52,11 +52,11 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> Dict:
     torch.set_num_threads(args.threads)
     run = sb.run_config(sb.raw_run(args.shape, args.variant, ep=args.ep, world=world,
                                    log_interval=args.log_interval))
-    _, pgs = sb.rank_setup(run)
+    config, pgs = sb.rank_setup(run)
     bare = sb.BareStep(run, pgs, adam_foreach=None)  # the Adam the trainer runs
     batch = sb.one_batch(run, seed=rank)
     clock = sb.CLOCKS[args.clock]
-    trainer = sb.TrainerStep(run, pgs, clock)
+    trainer = sb.TrainerStep(run, pgs, config, clock)
     try:
         times = sb.interleaved({"bare": lambda: bare(batch), "trainer": trainer},
                                args.rounds, args.steps, clock=clock,

@@ -71,7 +71,7 @@ def measure(rank: int, world: int, args) -> Dict:
     if args.experts != "built":
         config.cpu_grouped_experts = args.experts == "grouped"
     if args.step == "trainer":
-        trainer = sb.TrainerStep(run, pgs)
+        trainer = sb.TrainerStep(run, pgs, config)
         model, step = trainer.loop.trainer.unwrapped()[0], trainer
     else:
         bare, batch = sb.BareStep(run, pgs, config=config), sb.one_batch(run)

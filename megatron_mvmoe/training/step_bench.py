@@ -170,11 +170,13 @@ class TrainerStep:
     """The pretrain loop's iteration (`_Loop.one_step`, the progress report when due) with
     its phases timed through the loop's seams."""
 
-    def __init__(self, run, pgs, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, run, pgs, config, clock: Callable[[], float] = time.perf_counter):
+        """`run`, `config`: as `rank_setup` left and returned them (the start-up is done
+        there once; the loop reads with a tokenizer built when the data needs one)."""
         from megatron_mvmoe.training import pretrain
-        from megatron_mvmoe.training.startup import start_up
+        from megatron_mvmoe.training.startup import Start
 
-        self.loop = pretrain._Loop(start_up(run, dist.get_world_size()), pgs, None)
+        self.loop = pretrain._Loop(Start(run, None, config), pgs, None)
         self.clock = PhaseClock(clock)
         self.iterators = [_timed_iterator(it, self.clock) for it in self.loop.iterators()]
         trainer = self.loop.trainer

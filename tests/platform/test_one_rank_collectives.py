@@ -25,8 +25,8 @@ def _collectives_in_a_step(rank, world):
     raw["data"]["null_vocab_size"] = 255  # NullTokenizer: 255 + EOD = vocab_size
     raw["training"].update(micro_batch_size=2, global_batch_size=2)
     run = sb.run_config(raw)
-    _, pgs = sb.rank_setup(run)
-    step = sb.TrainerStep(run, pgs)
+    config, pgs = sb.rank_setup(run)
+    step = sb.TrainerStep(run, pgs, config)
     try:
         step()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
