@@ -23,6 +23,7 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import contextmanager
 from typing import Iterator
@@ -30,8 +31,14 @@ from typing import Iterator
 
 def step_reads_own_grad_norm(optimizer) -> bool:
     """True when `optimizer.step()` takes its clipping norm from `self.get_grad_norm()`."""
+    return _step_reads_own_grad_norm(type(optimizer))
+
+
+@functools.lru_cache(maxsize=None)
+def _step_reads_own_grad_norm(optimizer_type: type) -> bool:
+    """Per class, once: reading the source every step would put it on the step's path."""
     try:
-        return "self.get_grad_norm()" in inspect.getsource(type(optimizer).step)
+        return "self.get_grad_norm()" in inspect.getsource(optimizer_type.step)
     except (OSError, TypeError):
         return False
 
