@@ -40,8 +40,11 @@ def _tool(*args) -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster():
+    """Up once per session: test_two_node_stops.py imports this fixture, and its copy finds
+    the cluster running (already_running) and leaves the stop to this one (a bring-up and a
+    tear-down are ~4 s each in CI)."""
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("slurmctld", "slurmd",
                                                               "munged", "nsenter", "ip")):
         pytest.skip("the 2-node cluster needs root, slurm-wlm, munge, util-linux, iproute2")
