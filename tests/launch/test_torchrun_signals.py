@@ -136,13 +136,14 @@ def reference(tmp_path_factory, text_tokens):
     return config, found
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
-def test_signal_to_the_launcher_group_saves_and_resumes_exactly(tmp_path, reference, signum):
-    config, expected = reference
-    save, run_dir, out = tmp_path / "ck", tmp_path / "run", tmp_path / "out.txt"
-    proc = launch([PACED_JOB, *trainer(config, save, run_dir)[2:]], out)
+def stop_with(signum, config, save: Path, run_dir: Path, after_step: int, out: Path,
+              *extra) -> int:
+    """Launch (resuming with extra = --load), send `signum` to the launcher's group two
+    steps after `after_step`: the launcher exits 3 having saved, naming the signal last,
+    and leaves no process behind. Returns the step saved at."""
+    proc = launch([PACED_JOB, *trainer(config, save, run_dir, *extra)[2:]], out)
     try:
-        wait_for(out, r"step +2/", 240)
+        wait_for(out, rf"step +{after_step + 2}/", 240)
         os.killpg(proc.pid, signum)
     finally:
         status = finish(proc, 120)
@@ -157,10 +158,25 @@ def test_signal_to_the_launcher_group_saves_and_resumes_exactly(tmp_path, refere
     assert f"stopped early ({name} received) at step {step}" in last, text[-2000:]
     time.sleep(1)
     assert processes_mentioning(str(save)) == []  # no worker (or agent) left behind
+    return step
 
-    resume_exactly(config, save, run_dir, step, expected, tmp_path / "resumed.txt")
-    print(f"{name}: stopped and saved at step {step}, resumed to {STEPS}: all {STEPS} "
-          "losses equal the uninterrupted run's")
+
+def test_usr1_then_term_to_the_launcher_group_each_save_and_the_resume_is_exact(tmp_path,
+                                                                                 reference):
+    """One chain (a launch per signal costs ~16 s in CI): USR1 stops the first launch, TERM
+    the run resumed from its save; the last resume's per-step losses equal the
+    uninterrupted run's."""
+    config, expected = reference
+    save, run_dir = tmp_path / "ck", tmp_path / "run"
+    by_usr1 = stop_with(signal.SIGUSR1, config, save, run_dir, 0, tmp_path / "usr1.txt")
+    by_term = stop_with(signal.SIGTERM, config, save, run_dir, by_usr1, tmp_path / "term.txt",
+                        "--load", save)
+    resumed = (tmp_path / "term.txt").read_text(errors="replace")
+    assert f"resumed from {save}/iter_{by_usr1:07d} at step {by_usr1}" in resumed, \
+        resumed[-3000:]
+    resume_exactly(config, save, run_dir, by_term, expected, tmp_path / "resumed.txt")
+    print(f"USR1: stopped and saved at step {by_usr1}; resumed, TERM: saved at step "
+          f"{by_term}; resumed to {STEPS}: all {STEPS} losses equal the uninterrupted run's")
 
 
 def test_usr1_to_a_plain_torchrun_group_saves_and_leaves_no_orphan(tmp_path, reference):
