@@ -5,7 +5,9 @@ Source: NVIDIA/Megatron-LM core_r0.19.0 (commit f8837c04ef6cbef6cdefb8de001aad63
 (`key: true` a bare switch, `false` left out, as tools/gen_megatron_lm_parity.py's
 line_from_config). `--generate` writes them to tests/assets/megatron_lm_corpus.json with one
 change, the size rule SHRINK below (applied to a flag's value wherever the line gives it);
-the `${...}` paths become placeholders. Nothing else of a line is changed.
+the `${...}` paths become placeholders. A value wrapped in brackets, `"[moe_act]"`, becomes
+the words inside, as Megatron-LM's launcher passes it (`launcher_words`). Nothing else of a
+line is changed.
 
 At run time (`runnable_line`) the launcher and the paths are replaced: the data and
 tokenizer flags (--data-path, --vocab-file, --merge-file, --tokenizer-type,
@@ -76,6 +78,20 @@ def _shrunk(flag: str, value):
     return value
 
 
+BRACKETED = re.compile(r"^\[[^]]+\]$")
+
+
+def launcher_words(value) -> List[str]:
+    """The words Megatron-LM's launcher makes of a MODEL_ARGS value: a string wrapped in
+    brackets (`"[layernorm mlp moe_act]"`) loses them and is split on whitespace, so
+    `--recompute-modules` gets one module per word (core_r0.19.0
+    tests/functional_tests/shell_test_utils/_run_training.sh: "Case: value is wrapped in
+    [ ]" strips them with sed and appends the value unquoted to the string that
+    `eval "TRAINING_PARAMS_ARRAY=(...)"` splits); any other value stays one word."""
+    text = str(value).strip()
+    return text[1:-1].split() if BRACKETED.match(text) else [str(value)]
+
+
 def line_from_config(text: str) -> List[str]:
     """MODEL_ARGS of a model_config.yaml as a command line, shrunk by SHRINK."""
     import yaml
@@ -85,7 +101,7 @@ def line_from_config(text: str) -> List[str]:
         if value is True:
             line.append(flag)
         elif value is not False:
-            values = value if isinstance(value, list) else [value]
+            values = value if isinstance(value, list) else launcher_words(value)
             line += [flag, *(PLACEHOLDER.sub(lambda m: m.group(0)[2:-1],
                                              str(_shrunk(flag, v))) for v in values)]
     return line
@@ -138,8 +154,13 @@ def runnable_line(line: List[str], scratch: str) -> List[str]:
 
 
 # A refusal's reason, by what it names (first match): what this CPU platform cannot run or
-# what this trainer does not build; counted in docs/megatron_lm.md.
+# what this trainer does not build; counted in docs/megatron_lm.md. CUDA graphs come before
+# inference: Megatron-LM files --cuda-graph-modules under its inference arguments, so its
+# refusal says "inference serving", but the scoped-CUDA-graph lines are pretraining.
 REASONS = (
+    ("CUDA graphs / GPU streams / offloading", (
+        "cuda-graph", "cuda graph", "CUDA", "offload", "--delay-wgrad-compute",
+        "--overlap-moe-expert")),
     ("GPT-3 architecture (item 2: GeLU / LayerNorm / learned positions / tied)",
      ("--swiglu", "--normalization", "--position-embedding-type", "--untie-embeddings",
       "--disable-bias-linear")),
@@ -152,18 +173,16 @@ REASONS = (
         "--moe-enable-routing-replay",
         "--suspend-")),  # --suspend-resume-interval/-timeout: the dynamic-inference engine's
     ("FP8 / TransformerEngine", ("fp8", "FP8", "TransformerEngine", "--te-", "--fp4",
-                                 "--use-transformer-engine-op-fuser")),
+                                 "--use-transformer-engine-op-fuser",
+                                 "--first-last-layers-bf16")),  # FP8's bf16 ends
     ("DeepEP / HybridEP", ("DeepEP", "flex")),
-    ("CUDA graphs / GPU streams / offloading", (
-        "cuda-graph", "cuda graph", "CUDA", "offload", "--delay-wgrad-compute",
-        "--overlap-moe-expert")),
     ("Megatron-FSDP", ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
     ("YaRN rotary embedding of standard attention (window and sinks are built)", ("yarn",)),
     ("checkpoint integrity / async strategy", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
         "--check-weight-hash")),
-    ("bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)", (
-        "--recompute-modules",)),
+    ("pipeline layout string (--pipeline-model-parallel-layout, not built)", (
+        "--pipeline-model-parallel-layout",)),
 )
 
 

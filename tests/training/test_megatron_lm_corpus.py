@@ -58,11 +58,11 @@ RESOLVING = {  # docs/megatron_lm.md: the 37 lines that resolve as written
     "gpt3_mcore_tp2_pp2_resume_torch_dist_te_2experts"}
 # reason: refused lines that name it (docs/megatron_lm.md, "The functional-test corpus")
 REASON_COUNTS = {
-    "inference / RL test, not pretraining": 13,
-    "CUDA graphs / GPU streams / offloading": 9,
-    "FP8 / TransformerEngine": 7,
-    "bracketed --recompute-modules (Megatron-LM's TransformerConfig refuses it too)": 5,
+    "CUDA graphs / GPU streams / offloading": 14,
+    "inference / RL test, not pretraining": 12,
+    "FP8 / TransformerEngine": 9,
     "Megatron-FSDP": 4,
+    "pipeline layout string (--pipeline-model-parallel-layout, not built)": 4,
     "YaRN rotary embedding of standard attention (window and sinks are built)": 1,
 }
 
@@ -117,6 +117,30 @@ def test_corpus_is_megatron_lms_files_with_only_the_size_rule():
         pytest.skip(f"the Megatron-LM mirror is not on this machine ({MIRROR})")
     fresh = corpus.generate(MIRROR)
     assert fresh["cases"] == corpus.load_cases() and len(fresh["cases"]) == 63
+
+
+def test_bracketed_values_reach_the_parser_as_megatron_lms_launcher_passes_them():
+    """`--recompute-modules: "[moe_act]"` in a model_config.yaml reaches Megatron-LM's parser
+    as `--recompute-modules moe_act` (its launcher strips the brackets and splits the words),
+    so the corpus line carries the words and this trainer's parser takes them."""
+    assert corpus.launcher_words("[layernorm mla_up_proj mlp moe_act]") == [
+        "layernorm", "mla_up_proj", "mlp", "moe_act"]
+    assert corpus.launcher_words("([0]*3+[1]*13)") == ["([0]*3+[1]*13)"]
+    assert corpus.launcher_words("Et*3|(tt|)*6tmL") == ["Et*3|(tt|)*6tmL"]
+    line = corpus.load_cases()["gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph"]
+    at = line.index("--recompute-modules")
+    assert line[at + 1:at + 3] == ["moe_act", "--cuda-graph-impl"]
+    _, refusals = corpus.resolve(line)
+    assert refusals and not any("--recompute-modules" in r for r in refusals), refusals
+
+
+def test_the_bracket_rule_is_megatron_lms_launchers():
+    if not os.path.isdir(MIRROR):
+        pytest.skip(f"the Megatron-LM mirror is not on this machine ({MIRROR})")
+    script = corpus._git(MIRROR, "show", f"{corpus.COMMIT}:tests/functional_tests/"
+                         "shell_test_utils/_run_training.sh")
+    assert "grep -Eq '^\\[[^]]+\\]$'" in script and "sed 's/^\\[//;s/\\]$//'" in script
+    assert 'TRAINING_PARAMS_FROM_CONFIG+="$key $value "' in script  # unquoted: eval splits
 
 
 TRAINED_IN_CI = ("gpt3_mcore_te_tp1_pp2_resume_torch_dist_reshard_2x1x4_te_8experts2parallel_"
