@@ -72,8 +72,20 @@ class OptimizerSection:
     them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off by default there)."""
     initial_loss_scale: float = 2.0 ** 32
     """fp16 only: the dynamic loss scale's start (Megatron-LM's --initial-loss-scale); it
-    halves on an overflow (after 2 in a row, Megatron's hysteresis) and doubles after 1000
+    halves on an overflow (after `hysteresis` of them) and doubles after `loss_scale_window`
     clean steps."""
+    loss_scale: Optional[float] = None
+    """A static loss scale (Megatron-LM's --loss-scale): Megatron-Core's ConstantGradScaler
+    instead of the dynamic one, in fp16, in bf16 and under the distributed optimizer (its
+    mixed-precision optimizers; fp32's plain optimizer has no scaler). None = dynamic."""
+    min_loss_scale: float = 1.0
+    """fp16: the dynamic scale never halves below this (Megatron-LM's --min-loss-scale)."""
+    loss_scale_window: float = 1000
+    """fp16: clean steps before the dynamic scale doubles (Megatron-LM's
+    --loss-scale-window, a float there too)."""
+    hysteresis: int = 2
+    """fp16: overflows in a row before the dynamic scale halves (Megatron-LM's
+    --hysteresis)."""
     lr_decay_style: LrDecayStyle = "cosine"
     """Shape of the decay after warmup (Megatron's OptimizerParamScheduler)."""
     optimizer: Literal["adam", "muon", "dist_muon"] = "adam"

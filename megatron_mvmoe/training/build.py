@@ -127,7 +127,9 @@ def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
         muon_extra_scale_factor=o.muon_extra_scale_factor, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         clip_grad=o.clip_grad, bf16=config.bf16, fp16=config.fp16,
-        initial_loss_scale=o.initial_loss_scale,
+        initial_loss_scale=o.initial_loss_scale, loss_scale=o.loss_scale,
+        min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
+        hysteresis=o.hysteresis,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=o.use_distributed_optimizer and not o.layer_wise)
 
@@ -163,7 +165,9 @@ def build_trainer(run: RunConfig, pg_collection,
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     optimizer = _optimizer(run, config, model)
-    if config.fp16:  # the schedule scales each loss before its backward (Megatron-LM's rule)
+    if config.fp16 or run.optimizer.loss_scale:
+        # the schedule scales each loss before its backward by the optimizer's grad scaler
+        # (Megatron-LM's rule; without a scaler, as fp32's plain optimizer, the scale is 1)
         config.grad_scale_func = optimizer.scale_loss
     scheduler = _scheduler(run, optimizer)
     return Trainer(run=run, config=config, pg_collection=pg_collection,
