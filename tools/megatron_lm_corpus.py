@@ -177,7 +177,6 @@ REASONS = (
                                  "--first-last-layers-bf16")),  # FP8's bf16 ends
     ("DeepEP / HybridEP", ("DeepEP", "flex")),
     ("Megatron-FSDP", ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
-    ("YaRN rotary embedding of standard attention (window and sinks are built)", ("yarn",)),
     ("checkpoint integrity / async strategy", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
         "--check-weight-hash")),

@@ -13,6 +13,8 @@ Megatron-LM does:
 - `--distributed-timeout-minutes` is the collective timeout in minutes.
 - `--num-virtual-stages-per-pipeline-rank N` is the virtual-pipeline size N (Megatron-LM's
   validate_args; N = 1 means no interleaving).
+- `--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim` on a YaRN model without MLA
+  are its yarn_* fields (config/yarn.py), as Megatron-LM's argument_utils maps them.
 - `--moe-use-upcycling --load D --save S` upcycles the dense checkpoint D: it becomes
   --warm-start-from D --load S (a relaunch resumes S).
 
@@ -38,6 +40,7 @@ from typing import Any, Dict, List, Optional
 
 from megatron_mvmoe.config import megatron_lm_defaults
 from megatron_mvmoe.config.run_config import TrainingSection
+from megatron_mvmoe.config.yarn import respell_mla_flags
 
 CONVERTED = {
     "--train-samples": (int, "training samples; steps = samples / --global-batch-size"),
@@ -104,6 +107,7 @@ def apply_conversions(raw: Dict[str, Any], args: argparse.Namespace) -> List[str
         _section(raw, "parallel")["distributed_timeout_seconds"] = 60.0 * minutes
     problems += _virtual_stages(raw, args)
     _upcycling_source(training)
+    respell_mla_flags(_section(raw, "model"))  # --rotary-scaling-factor on a YaRN model
     return problems
 
 

@@ -29,6 +29,7 @@ from megatron_mvmoe.config.transformer_config import (BitNetConfig, MultiHeadCon
                                                       MultiViewConfig)
 from megatron_mvmoe.config.typed_config import OneOf, dataclass_from_dict, deep_merge
 from megatron_mvmoe.config.variants import VARIANTS, Variant, get_variant
+from megatron_mvmoe.config.yarn import check_yarn
 from megatron_mvmoe.errors import require
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "fused", "unfused", "local")
@@ -103,10 +104,11 @@ class ModelSection:
     --activation-func-clamp-value). Not with swiglu (Megatron-LM asserts the same)."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     """Every norm of the model (Megatron-LM's --normalization; LayerNorm has a bias)."""
-    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    position_embedding_type: Literal["rope", "learned_absolute", "yarn"] = "rope"
     """RoPE, or a learned table of max_position_embeddings positions added to the token
     embedding (Megatron-LM's --position-embedding-type; learned_absolute is its default,
-    GPT-3)."""
+    GPT-3), or YaRN-scaled RoPE of standard attention (Megatron-Core's YarnRotaryEmbedding,
+    its parameters the extra.yarn_* fields: config/yarn.py)."""
     untie_embeddings_and_output_weights: bool = True
     """Separate LM head; False = the output layer reuses the word embedding (Megatron-LM's
     --untie-embeddings-and-output-weights; tied is its default, GPT-3)."""
@@ -172,6 +174,7 @@ class ModelSection:
             raise ValueError(run_field_names(str(err))) from None
         self._check_sdpa()
         self._check_activation()
+        check_yarn(self.position_embedding_type, self.extra)
 
     def _check_activation(self) -> None:
         require(not (self.swiglu and self.quick_geglu), "model.quick_geglu",

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mvmoe.config.dispatchers import DEFAULT_DISPATCHER, check_dispatcher
 from megatron_mvmoe.config.variants import VARIANT_NAMES, get_variant
+from megatron_mvmoe.config.yarn import YARN_DEFAULTS
 from megatron_mvmoe.errors import require as _require
 
 MOE_VARIANTS = VARIANT_NAMES
@@ -163,6 +164,28 @@ class MVMoETransformerConfig(TransformerConfig):
     """Core attention on torch's scaled_dot_product_attention instead of Megatron's local
     DotProductAttention (layers/sdpa_attention.py: same weights and checkpoints); set by the
     fast-path rule `sdpa_attention` from the run's model.attention_backend."""
+
+    # YaRN of standard attention: GPTModel's yarn branch reads these attributes, which
+    # TransformerConfig does not declare (config/yarn.py; Megatron-LM's defaults).
+    yarn_rotary_scaling_factor: float = YARN_DEFAULTS["yarn_rotary_scaling_factor"]
+    """YaRN's context-extension factor (Megatron-LM's --rotary-scaling-factor on a YaRN
+    model without MLA)."""
+    yarn_original_max_position_embeddings: int = \
+        YARN_DEFAULTS["yarn_original_max_position_embeddings"]
+    """The pre-extension context YaRN corrects the frequencies for
+    (--yarn-original-max-position-embeddings)."""
+    yarn_beta_fast: float = YARN_DEFAULTS["yarn_beta_fast"]
+    """YaRN's fast correction bound (--yarn-beta-fast)."""
+    yarn_beta_slow: float = YARN_DEFAULTS["yarn_beta_slow"]
+    """YaRN's slow correction bound (--yarn-beta-slow)."""
+    yarn_mscale: float = YARN_DEFAULTS["yarn_mscale"]
+    """YaRN's mscale (Megatron-LM's --mscale on a YaRN model without MLA)."""
+    yarn_mscale_all_dim: float = YARN_DEFAULTS["yarn_mscale_all_dim"]
+    """YaRN's mscale_all_dim (Megatron-LM's --mscale-all-dim on a YaRN model without MLA)."""
+    yarn_correction_range_round_to_int: bool = \
+        YARN_DEFAULTS["yarn_correction_range_round_to_int"]
+    """Round YaRN's correction range to whole dimensions
+    (--[no-]yarn-correction-range-round-to-int)."""
 
     multi_view: MultiViewConfig = field(default_factory=MultiViewConfig)
     multi_head: MultiHeadConfig = field(default_factory=MultiHeadConfig)

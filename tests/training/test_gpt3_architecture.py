@@ -153,6 +153,56 @@ def test_gpt_oss_window_and_sinks_train_as_megatron_lm_stock_gpt_model():
     _assert_same_step(run_distributed(_ours_and_stock, 1, timeout_s=240, args=(line,))[0])
 
 
+YARN = ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4", "--mscale", "0.9",
+        "--mscale-all-dim", "0.5", "--yarn-original-max-position-embeddings", "4",
+        "--yarn-beta-fast", "8", "--yarn-beta-slow", "2",
+        "--no-yarn-correction-range-round-to-int"]
+"""YaRN of standard attention with every parameter off its default (an original context of
+4 < the 16-token sequence, so the correction acts); the factor and the mscales are MLA's
+flags, which Megatron-LM's argument_utils maps to config.yarn_* on a model without MLA."""
+
+
+def test_yarn_of_standard_attention_trains_as_megatron_lm_stock_gpt_model():
+    from megatron_mvmoe.models.build import model_config
+
+    config = model_config(flags.config_from_args(LINE + YARN))
+    assert (config.yarn_rotary_scaling_factor, config.yarn_mscale, config.yarn_mscale_all_dim,
+            config.yarn_original_max_position_embeddings, config.yarn_beta_fast,
+            config.yarn_beta_slow, config.yarn_correction_range_round_to_int) == (
+        4.0, 0.9, 0.5, 4, 8.0, 2.0, False)
+    _assert_same_step(run_distributed(_ours_and_stock, 1, timeout_s=240,
+                                      args=(LINE + YARN,))[0])
+
+
+def test_yarn_fields_are_refused_where_nothing_reads_them():
+    from megatron_mvmoe.models.build import model_config
+
+    with pytest.raises(ValueError, match=r"model.extra.yarn_beta_fast: .* act only with YaRN"):
+        model_config(flags.config_from_args(LINE + ["--yarn-beta-fast", "8"]))
+    with pytest.raises(ValueError, match=r"position_embedding_type: yarn with multi-latent"):
+        model_config(flags.config_from_args(LINE + YARN + ["--multi-latent-attention"]))
+
+
+def test_checkpoints_record_yarn_and_older_ones_still_load():
+    """A YaRN model's fingerprint (run_state.json) records its yarn_* fields: another scaling
+    factor is another model; a checkpoint from before YaRN (no yarn_* in extra) resumes a
+    RoPE run as before."""
+    from megatron_mvmoe.checkpointing.errors import CheckpointError
+    from megatron_mvmoe.checkpointing.fingerprint import check_fingerprint, model_fingerprint
+
+    yarn = flags.config_from_args(LINE + YARN).model
+    saved = model_fingerprint(yarn)
+    assert saved["position_embedding_type"] == "yarn"
+    assert saved["extra"]["yarn_rotary_scaling_factor"] == 4.0
+    other = flags.config_from_args(LINE + YARN[:-1] + ["--rotary-scaling-factor", "2"]).model
+    with pytest.raises(CheckpointError, match="yarn_rotary_scaling_factor"):
+        check_fingerprint(saved, model_fingerprint(other), "ckpt")
+    rope = _model("tiny_smoe", {})
+    before_yarn = {k: v for k, v in model_fingerprint(rope).items()}
+    assert not any(k.startswith("yarn") for k in before_yarn["extra"])
+    check_fingerprint(before_yarn, model_fingerprint(rope), "ckpt")
+
+
 def test_clamp_and_offset_without_a_gated_unit_are_refused():
     from megatron_mvmoe.models.build import model_config
 

@@ -63,7 +63,6 @@ REASON_COUNTS = {
     "FP8 / TransformerEngine": 9,
     "Megatron-FSDP": 4,
     "pipeline layout string (--pipeline-model-parallel-layout, not built)": 4,
-    "YaRN rotary embedding of standard attention (window and sinks are built)": 1,
 }
 
 
