@@ -42,6 +42,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="cpu: each rank's process CPU time (the cores are shared); wall")
     p.add_argument("--log-interval", type=int,
                    help="the run's logging.log_interval (default: the config's default)")
+    p.add_argument("--torch-adam-impl", choices=["default", "for_loop", "foreach", "fused"],
+                   default="default", help="optimizer.torch_adam_impl of the trainer; the "
+                   "bare step runs the same AdamW")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -50,10 +53,12 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> Dict:
     from megatron_mvmoe.training import step_bench as sb
 
     torch.set_num_threads(args.threads)
-    run = sb.run_config(sb.raw_run(args.shape, args.variant, ep=args.ep, world=world,
-                                   log_interval=args.log_interval))
+    raw = sb.raw_run(args.shape, args.variant, ep=args.ep, world=world,
+                     log_interval=args.log_interval)
+    raw.setdefault("optimizer", {})["torch_adam_impl"] = args.torch_adam_impl
+    run = sb.run_config(raw)
     config, pgs = sb.rank_setup(run)
-    bare = sb.BareStep(run, pgs, adam_foreach=None)  # the Adam the trainer runs
+    bare = sb.BareStep(run, pgs, adam_impl=args.torch_adam_impl)  # the Adam the trainer runs
     batch = sb.one_batch(run, seed=rank)
     clock = sb.CLOCKS[args.clock]
     trainer = sb.TrainerStep(run, pgs, config, clock)
@@ -66,6 +71,7 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> Dict:
     steps = trainer.steps_timed()
     return {"rank": rank, "world": world, "ep": args.ep, "shape": args.shape,
             "variant": args.variant, "log_interval": run.logging.log_interval,
+            "torch_adam_impl": args.torch_adam_impl,
             "clock": args.clock, "threads": args.threads, "rounds": args.rounds,
             "steps_per_round": args.steps,
             "seconds_per_step": times,

@@ -258,6 +258,7 @@ FLAGS: List[Flag] = [
     Flag("--adam-beta1", "optimizer", "adam_beta1", float),
     Flag("--adam-beta2", "optimizer", "adam_beta2", float),
     Flag("--adam-eps", "optimizer", "adam_eps", float),
+    Flag("--torch-adam-impl", "optimizer", "torch_adam_impl", str),
     Flag("--use-distributed-optimizer", "optimizer", "use_distributed_optimizer", parse_bool),
     Flag("--lr-decay-style", "optimizer", "lr_decay_style", str),
     Flag("--initial-loss-scale", "optimizer", "initial_loss_scale", float),

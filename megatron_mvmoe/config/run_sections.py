@@ -65,6 +65,13 @@ class OptimizerSection:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    torch_adam_impl: Literal["default", "for_loop", "foreach", "fused"] = "default"
+    """Which implementation of torch's AdamW steps the run where Megatron-Core builds torch's
+    (no TE/Apex: every CPU run): default, torch's own choice as a Megatron-LM line runs it
+    (the per-tensor for-loop on CPU, foreach on CUDA); for_loop / foreach (bit-identical on
+    CPU); fused (faster on CPU, not bit-identical). Applied after the build and after every
+    checkpoint load, so a resume runs this one, never the checkpoint's (project-only:
+    training/adam_impl.py; tests/training/test_adam_impl.py)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer states over the data-parallel ranks (ZeRO-1)."""
     grad_reduce_in_fp32: bool = True

@@ -33,6 +33,7 @@ from megatron_mvmoe.models.build import build_model
 from megatron_mvmoe.models.fast_paths import (FastPath, choose_fast_paths, ddp_fields,
                                               expert_matrix_elements)
 from megatron_mvmoe.models.provider import target_for
+from megatron_mvmoe.training.adam_impl import apply_adam_impl
 from megatron_mvmoe.training.schedule_rule import scheduler_switches
 
 
@@ -135,7 +136,9 @@ def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
 
 
 def _optimizer(run: RunConfig, config, model) -> object:
-    return get_megatron_optimizer(optimizer_config(run, config), model)
+    optimizer = get_megatron_optimizer(optimizer_config(run, config), model)
+    apply_adam_impl(optimizer, run.optimizer.torch_adam_impl)  # checkpoint loads re-apply it
+    return optimizer
 
 
 def _scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:

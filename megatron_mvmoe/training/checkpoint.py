@@ -49,6 +49,7 @@ from megatron_mvmoe.checkpointing.weights import open_checkpoint, read_tensors
 from megatron_mvmoe import platform
 from megatron_mvmoe.config.model_section import model_section_from_dict
 from megatron_mvmoe.platform import dist_ckpt_writer_queue as writer_queue
+from megatron_mvmoe.training.adam_impl import apply_adam_impl
 from megatron_mvmoe.training.build import Trainer
 from megatron_mvmoe.training.checkpoint_parts import (EXCLUDE_FROM_LOADING, RANK_FILE,
                                                       TENSORS, WEIGHTS_ONLY_ABSENT, ModelPart,
@@ -333,6 +334,8 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
     loaded = read_tensors(tensor_state(_stored_in(parts, TENSORS), is_loading=True), directory)
     for part in parts.values():
         _load_part(trainer, part, loaded, meta, directory, saved, position.step)
+    # torch's load_state_dict restored the saved param groups' foreach/fused: the run's wins
+    apply_adam_impl(trainer.optimizer, trainer.run.optimizer.torch_adam_impl)
     if "optimizer" not in parts:
         # bf16 runs keep fp32 main copies in the optimizer, made from the initial weights:
         # refresh them, or the first step would write the initial weights back.

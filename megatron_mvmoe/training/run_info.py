@@ -34,6 +34,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from megatron_mvmoe import platform
+from megatron_mvmoe.training.adam_impl import adam_impl_line
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from NVIDIA's datasheets.
 GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12,
@@ -175,6 +176,7 @@ def banner(run, model, counts: Dict[str, int], world_size: int, peak: Dict,
         f"{t.micro_batch_size}, {t.train_iters} steps, precision {t.precision}",
         f"peak for MFU: {peak['flops'] / 1e9:.1f} GFLOP/s per rank ({peak['source']})",
         _attention_line(run),
+        *filter(None, [adam_impl_line(run.optimizer.torch_adam_impl)]),
         f"versions: python {info['python']}, torch {info['torch']}, megatron-core "
         f"{info['megatron_core']}, commit {str(git.get('commit'))[:12]}"
         + (" (uncommitted changes)" if git.get("dirty") else ""),

@@ -100,16 +100,21 @@ class BareStep:
     """The hand-written loop around the same GPTModel: forward, loss, backward, clip, AdamW."""
 
     def __init__(self, run, pgs, clip: float = 1.0, config=None,
-                 adam_foreach: Optional[bool] = True):
+                 adam_foreach: Optional[bool] = True, adam_impl: Optional[str] = None):
+        """`adam_impl` (optimizer.torch_adam_impl's names), when given, replaces
+        `adam_foreach`: the bare step then runs the AdamW the trainer is configured with."""
         from megatron_mvmoe.models.build import build_model
+        from megatron_mvmoe.training.adam_impl import IMPL_FLAGS
 
         self.model = build_model(run, pgs, config)[0]
         self.model.train()
         o = run.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        foreach, fused = (adam_foreach, None) if adam_impl is None else IMPL_FLAGS[adam_impl]
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.adam_beta1,
                                            o.adam_beta2), eps=o.adam_eps,
-                                           weight_decay=o.weight_decay, foreach=adam_foreach)
+                                           weight_decay=o.weight_decay, foreach=foreach,
+                                           fused=fused)
         self.clip = clip
 
     def __call__(self, batch: Dict[str, torch.Tensor]) -> float:
