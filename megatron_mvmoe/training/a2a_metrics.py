@@ -260,11 +260,14 @@ class A2AMonitor:
 
         layers = sorted(self.layers.items())
         full, experts = self._group_sums(layers)
+        phases = {number: _phase_matrices(full[(number, state.own)], state.ranks)
+                  for number, state in layers}
         stats = _Stats()
         for number, state in layers:
-            self._layer_stats(stats, number, state, full, experts[number])
+            self._layer_stats(stats, number, state, full, phases[number], experts[number])
         stats.reduce(self.pgs.expt_dp, self.device)
-        mine = {f"layer_{number}": self._layer_metrics(stats, number, state, full, steps)
+        mine = {f"layer_{number}": self._layer_metrics(stats, number, state, phases[number],
+                                                       steps)
                 for number, state in layers}
         for _, state in layers:
             state.reset()
@@ -308,43 +311,47 @@ class A2AMonitor:
                 full[(number, semantics)] = full[(number, semantics)].with_backward()
         return full, experts
 
-    def _layer_stats(self, stats, number: int, state: _Layer, full, experts) -> None:
-        """This TP x EP group's figures of one layer, to sum or max over the stage."""
+    def _layer_stats(self, stats, number: int, state: _Layer, full, phases, experts) -> None:
+        """This TP x EP group's figures of one layer, to sum or max over the stage. Stacked:
+        a few ops per layer, not a few per (phase, side) and semantics, since at the default
+        log_interval 1 this runs every step (integer-valued doubles: the sums are exact, so
+        the figures equal the per-matrix ones)."""
+        per_rank = _sent_and_received(phases)  # [2 x phases, R]
+        stats.add((number, "phase_means"), per_rank.mean(1))
+        stats.top((number, "phase_maxes"), per_rank.max(1).values)
         matrices = full[(number, state.own)]
-        for key, m in _phase_matrices(matrices, state.ranks).items():
-            for side, per_rank in (("sent", m.sum(1)), ("received", m.sum(0))):
-                stats.add((number, f"{key}_{side}_mean"), per_rank.double().mean())
-                stats.top((number, f"{key}_{side}_max"), per_rank.double().max())
         bookkeeping = sum((v for (p, d, pl), v in matrices.items() if d == "fwd"
                            and pl == "metadata"),
                           torch.zeros(state.ranks, state.ranks, dtype=torch.long))
         stats.add((number, "bookkeeping"), bookkeeping.sum(1).double().mean())
-        for semantics in state.semantics:
-            m = _dispatch_fwd(full[(number, semantics)], state.ranks)
-            stats.add((number, semantics), m.sum(1).double().mean())
-            stats.add((number, semantics, "cross"), (m * state.cross).sum().double())
-            stats.add((number, semantics, "between"), (m * state.between).sum().double())
+        sends_SRR = torch.stack([_dispatch_fwd(full[(number, semantics)], state.ranks)
+                                 for semantics in state.semantics]).double()
+        stats.add((number, "would_send"), sends_SRR.sum(2).mean(1))
+        stats.add((number, "cross"), (sends_SRR * state.cross).sum((1, 2)))
+        stats.add((number, "between"), (sends_SRR * state.between).sum((1, 2)))
         stats.add((number, "experts"), experts)
 
-    def _layer_metrics(self, stats, number: int, state: _Layer, full, steps: int) -> dict:
+    def _layer_metrics(self, stats, number: int, state: _Layer, phases, steps: int) -> dict:
         groups = self.pgs.expt_dp.size()
+        means = stats.sums[(number, "phase_means")].reshape(-1).tolist()
+        tops = stats.maxes[(number, "phase_maxes")].reshape(-1).tolist()
         out = {"semantics": state.own, "per_rank": {}}
-        for key, m in _phase_matrices(full[(number, state.own)], state.ranks).items():
+        for index, (key, m) in enumerate(phases.items()):
             out["per_rank"][key] = {"sent": m.sum(1).tolist(), "received": m.sum(0).tolist()}
-            for side in ("sent", "received"):
-                mean = float(stats.sums[(number, f"{key}_{side}_mean")]) / groups
-                top = float(stats.maxes[(number, f"{key}_{side}_max")])
+            for offset, side in enumerate(("sent", "received")):
+                mean, top = means[2 * index + offset] / groups, tops[2 * index + offset]
                 out[f"{key}_{side}_mean"] = mean / steps
                 out[f"{key}_{side}_max"] = top / steps
                 out[f"{key}_{side}_max_over_mean"] = top / mean if mean else 0.0
         out["dispatch_fwd_bookkeeping_mean"] = float(stats.sums[(number, "bookkeeping")]) / (
             groups * steps)
         out["would_send"] = {}
-        for semantics in state.semantics:
-            between = float(stats.sums[(number, semantics, "between")])
-            share = float(stats.sums[(number, semantics, "cross")]) / between if between else 0.0
-            out["would_send"][semantics] = float(stats.sums[(number, semantics)]) / (
-                groups * steps)
+        sends, crosses, betweens = (stats.sums[(number, name)].reshape(-1).tolist()
+                                    for name in ("would_send", "cross", "between"))
+        for index, semantics in enumerate(state.semantics):
+            between = betweens[index]
+            share = crosses[index] / between if between else 0.0
+            out["would_send"][semantics] = sends[index] / (groups * steps)
             out["would_send"][f"{semantics}_inter_node_share"] = share
         out["inter_node_share"] = out["would_send"][f"{state.own}_inter_node_share"]
         counts = stats.sums[(number, "experts")]
@@ -398,6 +405,11 @@ def _phase_matrices(matrices, ranks: int) -> Dict[str, torch.Tensor]:
                 (v for (p, d, _), v in matrices.items() if p in phases and d == direction),
                 torch.zeros(ranks, ranks, dtype=torch.long))
     return out
+
+
+def _sent_and_received(phases: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """[2 x phases, R] doubles: each phase's bytes sent per rank, then received per rank."""
+    return torch.stack([m.sum(dim) for m in phases.values() for dim in (1, 0)]).double()
 
 
 def _dispatch_fwd(matrices, ranks: int) -> torch.Tensor:
