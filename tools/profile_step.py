@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python tools/profile_step.py --json --experts sequential
 
     OMP_NUM_THREADS=1 python tools/profile_step.py --step trainer     # the trainer's step
+    OMP_NUM_THREADS=1 python tools/profile_step.py --steps 1 --sites 30   # where the copies are
 
 Builds the model of training/step_bench.py (the trainer's build path, 1 gloo rank, 1 thread),
 runs --warmup steps, then profiles --steps bare steps (forward, loss, backward, clip, AdamW)
@@ -47,6 +48,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         "(training/step_bench.py's TrainerStep, the run's defaults)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--torch-adam-impl", choices=["foreach", "default", "for_loop", "fused"],
+                   help="the AdamW of the step (optimizer.torch_adam_impl); unset: the bare "
+                   "step's foreach, the trainer's configured default")
+    p.add_argument("--sites", type=int, default=0, metavar="N",
+                   help="also list the N busiest call sites (op <- its Python / autograd "
+                        "parents) of the glue ops and aten::mul (profiles with_stack: slower)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -54,6 +61,29 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 def op_table(prof) -> Dict[str, Dict[str, float]]:
     return {e.key: {"count": e.count, "self_s": e.self_cpu_time_total / 1e6}
             for e in prof.key_averages()}
+
+
+def _site_of(event, depth: int = 3) -> str:
+    """`op <- parent <- ...`: the op's nearest Python frames and autograd nodes, skipping
+    torch's own plumbing (aten ops, built-ins, Module.__call__)."""
+    chain, parent = [], event.cpu_parent
+    while parent is not None and len(chain) < depth:
+        name = parent.name
+        if not (name.startswith(("aten::", "<built-in", "torch/")) or "module.py" in name):
+            chain.append(name.replace("autograd::engine::evaluate_function: ", "")[:70])
+        parent = parent.cpu_parent
+    return " <- ".join([event.name, *chain])
+
+
+def call_sites(prof, names, top: int) -> Dict[str, Dict[str, float]]:
+    """The `top` call sites of `names` by call count, with their self CPU seconds."""
+    sites: Dict[str, Dict[str, float]] = {}
+    for event in prof.events():
+        if event.name in names:
+            site = sites.setdefault(_site_of(event), {"count": 0, "self_s": 0.0})
+            site["count"] += 1
+            site["self_s"] += event.self_cpu_time_total / 1e6
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1]["count"])[:top])
 
 
 def _pick(table, names):
@@ -66,7 +96,10 @@ def measure(rank: int, world: int, args) -> Dict:
     from megatron_mvmoe.training import step_bench as sb
 
     torch.set_num_threads(1)
-    run = sb.run_config(sb.raw_run(args.shape, args.variant))
+    raw = sb.raw_run(args.shape, args.variant)
+    if args.torch_adam_impl:
+        raw["optimizer"] = dict(torch_adam_impl=args.torch_adam_impl)
+    run = sb.run_config(raw)
     config, pgs = sb.rank_setup(run)
     if args.experts != "built":
         config.cpu_grouped_experts = args.experts == "grouped"
@@ -74,14 +107,15 @@ def measure(rank: int, world: int, args) -> Dict:
         trainer = sb.TrainerStep(run, pgs, config)
         model, step = trainer.loop.trainer.unwrapped()[0], trainer
     else:
-        bare, batch = sb.BareStep(run, pgs, config=config), sb.one_batch(run)
+        bare = sb.BareStep(run, pgs, config=config, adam_impl=args.torch_adam_impl)
+        batch = sb.one_batch(run)
         model, step = bare.model, lambda: bare(batch)
     experts = sorted({type(m).__name__ for m in model.modules()
                       if type(m).__name__ in ("SequentialMLP", "GroupedMatmulExperts",
                                               "TEGroupedMLP")})
     for _ in range(args.warmup):
         step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=args.sites > 0) as prof:
         for _ in range(args.steps):
             step()
     table = op_table(prof)
@@ -89,10 +123,13 @@ def measure(rank: int, world: int, args) -> Dict:
     if args.step == "trainer":
         trainer.close()
     return {"shape": args.shape, "variant": args.variant, "step": args.step, "experts": experts,
+            "torch_adam_impl": args.torch_adam_impl,
             "steps": args.steps, "self_cpu_s_total": total,
             "glue": _pick(table, GLUE_OPS), "matmul": _pick(table, MATMUL_OPS),
             "trainer": _pick(table, TRAINER_OPS),
-            "top": dict(sorted(table.items(), key=lambda kv: -kv[1]["self_s"])[:25])}
+            "top": dict(sorted(table.items(), key=lambda kv: -kv[1]["self_s"])[:25]),
+            "sites": call_sites(prof, set(GLUE_OPS) | {"aten::mul"}, args.sites)
+            if args.sites else {}}
 
 
 def _rank_entry(rank, world, args):
@@ -104,12 +141,15 @@ def _rank_entry(rank, world, args):
 
 def report(r: Dict) -> str:
     lines = [f"{r['variant']} at shape {r['shape']}, {r['step']} step, experts "
-             f"{r['experts']}: {r['steps']} "
+             f"{r['experts']}, AdamW {r['torch_adam_impl'] or 'unset'}: {r['steps']} "
              f"steps, self CPU total {r['self_cpu_s_total']:.3f} s"]
     for group in ("glue", "matmul", "trainer"):
         lines.append(f"{group}:")
         for name, v in sorted(r[group].items(), key=lambda kv: -kv[1]["self_s"]):
             lines.append(f"  {name:32s} {v['count']:7d} calls {v['self_s']:8.3f} s")
+    if r.get("sites"):
+        lines.append("call sites (calls, self s):")
+        lines += [f"  {v['count']:6d} {v['self_s']:7.3f}  {site}" for site, v in r["sites"].items()]
     return "\n".join(lines)
 
 
