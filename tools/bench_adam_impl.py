@@ -13,6 +13,7 @@ Not a test: a benchmark.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Dict, List
@@ -28,6 +29,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--shape", choices=["issue", "wide"], default="issue")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="print the measurement as JSON")
     return p.parse_args(argv)
 
 
@@ -76,6 +78,9 @@ def main(argv: List[str] = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     r = run_distributed(measure, 1, timeout_s=3600, args=(args,), daemon=False)[0]
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
     print(f"{r['parameters']:,} parameters in {r['tensors']} tensors, {args.steps} steps x "
           f"{args.rounds} rounds, CPU time")
     for impl in IMPLS:
