@@ -14,7 +14,10 @@ equal parameter counts (total and active) and forward FLOPs per token, and times
 bare loop on the same batch (forward, token-mean cross-entropy, backward, clip 1.0, torch
 AdamW foreach) in rounds, the order rotated each round, on this process's CPU time (the
 machine may be shared). It prints per-round ratios project tokens/s / torchtitan tokens/s,
-their median and spread; then Multi-View / latent baseline step time at the same shapes.
+their median and spread, against torchtitan eager (its default, `compile.enable` false) and
+against torchtitan with its own per-block torch.compile (inductor; --no-titan-compile skips
+it): the project side runs what the trainer builds (its fast-path defaults, the banner's
+fusions line). Then Multi-View / latent baseline step time at the same shapes.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="steps per model per round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--titan-dir", default=os.path.join(REPO, ".peer", "torchtitan-0.3.0"))
+    p.add_argument("--no-titan-compile", action="store_true",
+                   help="skip the row against torchtitan's per-block torch.compile")
     p.add_argument("--no-multi-view", action="store_true",
                    help="skip Multi-View against its latent baseline")
     p.add_argument("--json", action="store_true")
@@ -73,18 +78,32 @@ def peer_shape(shape: str, args, pgs_for) -> Dict:
 
     run = sb.run_config(sb.raw_run(shape, "smoe"))
     project = sb.BareStep(run, pgs_for(run))
-    titan = peer_titan.TitanStep(peer_titan.build_model(sb.SHAPES[shape]))
+    titans = {"torchtitan": peer_titan.TitanStep(peer_titan.build_model(sb.SHAPES[shape]))}
+    if not args.no_titan_compile:
+        titans["torchtitan compiled"] = peer_titan.TitanStep(
+            peer_titan.compile_blocks(peer_titan.build_model(sb.SHAPES[shape])))
     counts = {"project": _counts(project.model, sb.SHAPES[shape]),
-              "torchtitan": _counts(titan.model, sb.SHAPES[shape])}
+              "torchtitan": _counts(titans["torchtitan"].model, sb.SHAPES[shape])}
     assert counts["project"] == counts["torchtitan"], f"unequal work at {shape}: {counts}"
     batch = sb.one_batch(run)
-    times = sb.interleaved({"project": lambda: project(batch), "torchtitan": lambda: titan(batch)},
-                           args.rounds, args.steps, warmup=args.warmup, clock=sb.CLOCKS["cpu"])
+    steps = {"project": lambda: project(batch),
+             **{name: (lambda t=t: t(batch)) for name, t in titans.items()}}
+    times = sb.interleaved(steps, args.rounds, args.steps, warmup=args.warmup,
+                           clock=sb.CLOCKS["cpu"])
     # tokens/s ratio project / torchtitan = time ratio torchtitan / project
     return {"shape": shape, "fields": sb.SHAPES[shape], "counts": counts,
+            "project_fast_paths": _project_fusions(run),
             "seconds_per_step": times,
-            "project_over_torchtitan_tokens_per_s": sb.ratio_summary(times["torchtitan"],
-                                                                     times["project"])}
+            **{f"project_over_{name.replace(' ', '_')}_tokens_per_s":
+               sb.ratio_summary(times[name], times["project"]) for name in titans}}
+
+
+def _project_fusions(run) -> str:
+    """The banner's fusions line of the project's run (what the trainer builds)."""
+    from megatron_mvmoe.models.fast_paths import fusions_line
+    from megatron_mvmoe.training.build import run_fast_paths
+
+    return fusions_line(run_fast_paths(run))
 
 
 def multi_view_shape(shape: str, args, pgs_for) -> Dict:
@@ -114,7 +133,9 @@ def measure(rank: int, world: int, args) -> Dict:
             layouts["pgs"] = sb.rank_setup(run)[1]
         return layouts["pgs"]
     out = {"cpu": cpu_model(), "torch": torch.__version__, "threads": 1, "clock": "cpu",
-           "rounds": args.rounds, "steps_per_round": args.steps, "note": peer_titan.CPU_NOTE,
+           "rounds": args.rounds, "steps_per_round": args.steps,
+           "note": peer_titan.CPU_NOTE + ("" if args.no_titan_compile
+                                          else "; " + peer_titan.COMPILED_NOTE),
            "load_average": os.getloadavg(), "peer": [], "multi_view": []}
     for shape in args.shapes:
         out["peer"].append(peer_shape(shape, args, pgs_for))
@@ -146,10 +167,13 @@ def report(out: Dict) -> str:
         t = p["seconds_per_step"]
         lines.append(f"[{p['shape']}] {c['params']:,} params ({c['active_params']:,} active), "
                      f"{c['fwd_flops_per_token']:,} fwd FLOPs/token, equal on both sides")
-        lines.append(f"  s/step project {' '.join(f'{x:.3f}' for x in t['project'])}; "
-                     f"torchtitan {' '.join(f'{x:.3f}' for x in t['torchtitan'])}")
-        lines.append("  project / torchtitan tokens/s per round: " +
-                     _ratios(p["project_over_torchtitan_tokens_per_s"]))
+        lines.append(f"  project {p['project_fast_paths']}")
+        lines.append("  s/step " + "; ".join(f"{name} {' '.join(f'{x:.3f}' for x in ts)}"
+                                             for name, ts in t.items()))
+        for name in t:
+            if name != "project":
+                lines.append(f"  project / {name} tokens/s per round: " + _ratios(
+                    p[f"project_over_{name.replace(' ', '_')}_tokens_per_s"]))
     for m in out["multi_view"]:
         lines.append(f"[{m['shape']}] Multi-View / latent baseline (L = {m['latent_size']}) "
                      "step time per round: " + _ratios(m["multi_view_over_latent_time"]))

@@ -10,6 +10,12 @@ Design choices:
   document per sequence, as on the project's side); its `GroupedExperts` casts activations
   and weights to bf16 for torch._grouped_mm, so the experts run the same grouped GEMMs in
   fp32.
+- torchtitan's default is eager (`compile.enable` false); `compile_blocks` applies its
+  per-TransformerBlock torch.compile (what torchtitan.distributed.compile.apply_compile
+  does, inductor) for the compiled row, so the output compares eager with eager and
+  compiled with compiled. One difference, said in the output: apply_compile's
+  fullgraph=True fails on CPU in fp32 (the fake-tensor kernel of torch._grouped_mm accepts
+  only bf16), so the fp32 experts run eager inside the compiled blocks (a graph break).
 - Same architecture as the project's smoe: RMSNorm pre-norm, QK-norm, RoPE, softmax top-k
   routing with renormalised weights, SwiGLU experts, untied LM head, no biases.
 """
@@ -47,6 +53,12 @@ def ensure_installed(target: str) -> None:
         sys.path.insert(0, target)
 
 
+COMPILED_NOTE = ("torchtitan compiled: its per-block torch.compile (inductor), fullgraph off "
+                 "with the fp32 grouped experts eager (torch._grouped_mm's fake-tensor kernel "
+                 "takes only bf16)")
+
+
+@torch.compiler.disable
 def _fp32_grouped_experts(self, x_RD, num_tokens_per_expert_E):
     """torchtitan's GroupedExperts.forward without its bf16 casts (CPU, fp32)."""
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
@@ -83,6 +95,15 @@ def build_model(fields: Dict, seed: int = 0) -> torch.nn.Module:
     model = config.build()
     model.init_states()
     model.train()
+    return model
+
+
+def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """torchtitan's compile of each TransformerBlock (its `compile.enable`: apply_compile's
+    dynamo settings and per-block compile), in place, fullgraph off (COMPILED_NOTE)."""
+    torch._dynamo.config.capture_scalar_outputs = True  # as apply_compile: MoE dispatch
+    for block in model.layers.children():
+        block.compile(backend="inductor", fullgraph=False)
     return model
 
 

@@ -60,10 +60,12 @@ when --max-position-embeddings makes them other than the sequence length (every 
 table before it had seq_length rows, RoPE none)."""
 
 NOT_STRUCTURAL = ("preset", "moe_dispatcher", "moe_dispatch_ranks_per_node", "seq_length",
-                  "max_position_embeddings", "multi_view", "attention_backend")
+                  "max_position_embeddings", "multi_view", "attention_backend",
+                  "bias_swiglu_fusion")
 """ModelSection fields not compared as they are: the recorded preset name, the token
 dispatcher and its node size (they hold no parameters), the attention backend (SDPA and
-Megatron's DotProductAttention compute one function of the same weights), the sequence
+Megatron's DotProductAttention compute one function of the same weights) and the SwiGLU
+fusion (Megatron's compiled SwiGLU computes the eager one's function), the sequence
 length and the position-table size (RoPE is computed, not stored; a learned table's rows
 enter as `position_table_rows`) and multi_view (only R, K and learned alpha enter, flat; its
 gamma ramp, gate scale, kernels, init std do not). bitnet's activation bits and input norm are

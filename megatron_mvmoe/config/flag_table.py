@@ -173,6 +173,9 @@ FLAGS: List[Flag] = [
          "every N-th layer attends fully (or Megatron-LM's list form, 1 = full attention)"),
     Flag("--softmax-type", "model", "extra.softmax_type", str,
          "vanilla|off-by-one|learnable: attention sinks (Megatron's DotProductAttention)"),
+    Flag("--no-bias-swiglu-fusion", "model", "bias_swiglu_fusion", None,
+         "unfused SwiGLU (Megatron-LM's switch; the fusion runs on a GPU, and on CPU where "
+         "inductor compiles and it pays: models/fast_paths.py)", const=False),
     Flag("--attention-backend", "model", "attention_backend", str,
          "Megatron-LM's choices (flash, fused, unfused, local, auto) plus sdpa"),
     # --- Megatron TransformerConfig fields, passed through (Megatron's names and meaning)

@@ -43,7 +43,6 @@ ACCEPTED: Dict[str, Accepted] = {
     "--group-query-attention": Accepted("GQA follows --num-query-groups"),
     "--no-masked-softmax-fusion": Accepted("fusions are chosen per platform "
                                            "(models/fast_paths.py)"),
-    "--no-bias-swiglu-fusion": Accepted("bias/activation fusion is off"),
     "--no-bias-dropout-fusion": Accepted("bias/dropout fusion is off"),
     "--no-rope-fusion": Accepted("RoPE fusion is off"),
     "--no-gradient-accumulation-fusion": Accepted("gradient-accumulation fusion is off"),

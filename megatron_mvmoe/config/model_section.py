@@ -117,6 +117,13 @@ class ModelSection:
     --disable-bias-linear gives False). Refused with the variants whose own projections are
     defined without biases (latent, multi_router, multi_view, mh_moe), BitNet and a shared
     expert (MVMoETransformerConfig.validate_mvmoe)."""
+    bias_swiglu_fusion: bool = True
+    """Megatron-Core's fused SwiGLU (bias_swiglu_impl, torch.compile) in the experts and the
+    dense MLP, Megatron-LM's default (--no-bias-swiglu-fusion gives False). On a GPU it
+    runs (Triton); on CPU where inductor's C++ compile works and the model is big enough
+    for it to pay (models/fast_paths.py SWIGLU_FUSION_MIN_ELEMENTS; the banner's fusions
+    line says which). Not structural: the weights are the same, so a resume may switch it
+    (tests/layers/test_compiled_fusions.py)."""
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Core attention (Megatron-LM's --attention-backend, plus sdpa). Without
     TransformerEngine: auto, sdpa, flash and fused run torch's scaled_dot_product_attention

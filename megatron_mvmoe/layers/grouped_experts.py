@@ -26,7 +26,9 @@ Design choices:
 - Anything this path does not reproduce falls back to SequentialMLP's own forward for that
   call (`grouped_unsupported` says why): expert TP > 1 (row-parallel all-reduce), fp8/fp4,
   expert biases (the project runs bias-free; SequentialMLP's own expert-bias add fails on
-  CPU at TP = 1, in place on a custom Function's view), fused or TE activations, delayed
+  CPU at TP = 1, in place on a custom Function's view), TE activations and fused ones other
+  than SwiGLU (Megatron's fused SwiGLU runs here as in its MLP: `weighted_bias_swiglu_impl`
+  with the routing probs), delayed
   weight grads, non-local linears (BitNet, TE), CUDA tensors. The fast-path rule
   (models/fast_paths.py, `cpu_grouped_experts`) only turns it on where none of these apply
   and where it is faster: one expert's I x F at most GROUPED_MM_MAX_EXPERT_ELEMENTS.
@@ -48,6 +50,8 @@ import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -105,7 +109,8 @@ class GroupedMatmulExperts(SequentialMLP):
                                                       f"{rows_NI.dtype} on CPU"),
             (self.tp_group is not None and self.tp_group.size() > 1, "expert TP > 1"),
             (bool(c.fp8 or c.fp4), "fp8/fp4 padding"),
-            (c.use_te_activation_func or c.bias_activation_fusion, "fused activation"),
+            (c.use_te_activation_func or (c.bias_activation_fusion and not _fused_swiglu(c)),
+             "a fused activation other than SwiGLU"),
             (getattr(c, "delay_wgrad_compute", False), "delayed weight grads"),
             (c.gradient_accumulation_fusion, "gradient-accumulation fusion"),
             (not self._local_linears(), "not Megatron's local linears (BitNet/TE)"),
@@ -133,8 +138,12 @@ class GroupedMatmulExperts(SequentialMLP):
         fc1 = [e.linear_fc1 for e in self.local_experts]
         fc2 = [e.linear_fc2 for e in self.local_experts]
         hidden_NG = _grouped_linear(rows_NI, fc1, offsets_E)
-        hidden_NF = self._activation(hidden_NG)
-        hidden_NF = (hidden_NF * probs_N.unsqueeze(-1)).to(hidden_NF.dtype)
+        if self.config.bias_activation_fusion:  # Megatron's MLP.forward with per_token_scale
+            hidden_NF = weighted_bias_swiglu_impl(hidden_NG, None, probs_N.unsqueeze(-1),
+                                                  self.config.activation_func_fp8_input_store)
+        else:
+            hidden_NF = self._activation(hidden_NG)
+            hidden_NF = (hidden_NF * probs_N.unsqueeze(-1)).to(hidden_NF.dtype)
         return _grouped_linear(hidden_NF, fc2, offsets_E), None
 
     def _activation(self, x_NG: torch.Tensor) -> torch.Tensor:
@@ -147,6 +156,12 @@ class GroupedMatmulExperts(SequentialMLP):
             x_glu = x_glu.clamp(min=None, max=val)
             x_linear = x_linear.clamp(min=-val, max=val)
         return c.activation_func(x_glu) * (x_linear + c.glu_linear_offset)
+
+
+def _fused_swiglu(c) -> bool:
+    """The activation Megatron's MLP fuses as SwiGLU (bias_swiglu_impl)."""
+    return (c.gated_linear_unit and c.activation_func is F.silu
+            and c.activation_func_clamp_value is None and not c.glu_linear_offset)
 
 
 def _grouped_linear(x_NI: torch.Tensor, linears, offsets_E: torch.Tensor) -> torch.Tensor:

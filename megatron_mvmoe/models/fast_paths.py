@@ -25,6 +25,13 @@ Design choices:
   (`sdpa_attention`, layers/sdpa_attention.py) unless model.attention_backend asks for
   Megatron's unfused / local module or SDPA cannot serve the model (then the reason is the
   banner's attention line).
+- Megatron-Core's own elementwise fusions (`bias_swiglu_impl`: SwiGLU of the experts and the
+  dense MLP) are its `jit_fuser`, torch.compile: Triton on a GPU, inductor's C++ backend on
+  CPU. On CPU they run where Megatron-LM's --bias-swiglu-fusion (model.bias_swiglu_fusion)
+  asks, inductor compiles here (platform/inductor_probe.py) and one SwiGLU call is big
+  enough for the fused kernel to beat eager despite its per-call dispatch
+  (SWIGLU_FUSION_MIN_ELEMENTS, measured); smaller models (the tests', and issue 42's
+  benchmark shapes) stay eager, so they never compile.
 - BitNet quantizes Megatron's local Column/RowParallelLinear: TE linears (and so TE grouped
   experts, fused RoPE, TE attention) are off under BitNet, with that reason.
 - Multi-View's per-row dispatcher gathers (token, slot) rows itself: TE's fused permute
@@ -48,6 +55,13 @@ round 1.9-3.3 at I x F = 512 and 0.84-1.53 (median 1.06-1.24) at 32768; 0.54-0.9
 131072 (two shapes) and 0.62-0.86 at the 10B-A1B's 1015808 (256 x 3968, 4096 tokens).
 The threshold sits between the last point where grouped wins and the first where it loses."""
 
+SWIGLU_FUSION_MIN_ELEMENTS = 1 << 18
+"""Smallest SwiGLU call (rows x F output elements, `swiglu_elements`) for which Megatron's
+compiled SwiGLU runs on CPU. Measured (examples/results/peer_benchmark.md, "SwiGLU on
+CPU"; one thread, forward + backward, CPU time): eager / compiled 0.39 at 2^10 elements,
+0.55 at 2^15, 0.82 at 2^17, 1.31 at 2^18, 1.4-1.5 at 2^20-2^21. Each compiled call pays
+a fixed dispatch (dynamo guards, AOT-autograd wrappers, Megatron's autograd.Function) that
+eager's three kernels undercut until the tensors are large."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,9 @@ class Target:
     cuda: bool
     te: bool
     """TransformerEngine importable (Megatron's `HAVE_TE`)."""
+    inductor_blocker: str = "not probed for this target"
+    """Why torch.compile's inductor cannot build CPU code here ('' = it can:
+    platform/inductor_probe.py). Only CPU fusions read it; a GPU compiles with Triton."""
 
     @classmethod
     def here(cls) -> "Target":
@@ -65,6 +82,16 @@ class Target:
         from megatron_mvmoe import platform
 
         return cls(cuda=platform.is_cuda(), te=bool(gpt_layer_specs.HAVE_TE))
+
+    @classmethod
+    def cpu(cls, probe_inductor: bool = False) -> "Target":
+        """This process's CPU; `probe_inductor`: compile once to learn whether inductor
+        works here (only where a CPU fusion would run: the probe compiles)."""
+        from megatron_mvmoe.platform.inductor_probe import inductor_blocker
+
+        return cls(cuda=False, te=False,
+                   inductor_blocker=inductor_blocker() if probe_inductor else
+                   "not probed for this target")
 
 
 @dataclass(frozen=True)
@@ -89,15 +116,31 @@ def expert_matrix_elements(section, etp: int = 1) -> Optional[int]:
     return width * (section.moe_ffn_hidden_size // max(1, etp))
 
 
+def swiglu_elements(section) -> int:
+    """Output elements of the smallest typical SwiGLU call of a ModelSection, one sequence
+    per micro-batch: seq x ffn_hidden_size in a dense model; in a MoE model one expert's
+    share, seq x top-k / experts rows x moe_ffn_hidden_size (SequentialMLP calls each
+    expert's MLP on its own rows). A lower bound: more sequences per micro-batch, or the
+    CPU grouped path's one call over all experts, only make the calls larger."""
+    seq = section.seq_length or 0
+    if not (section.is_moe and section.moe_ffn_hidden_size):
+        return seq * (section.ffn_hidden_size or 0)
+    rows = seq * section.moe_router_topk // section.num_experts
+    return rows * section.moe_ffn_hidden_size
+
+
 def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
                       distributed_optimizer: bool = True,
                       expert_elements: Optional[int] = None,
                       attention_backend: str = "auto",
-                      sdpa_blocker: str = "") -> List[FastPath]:
+                      sdpa_blocker: str = "", swiglu_fusion: bool = True,
+                      swiglu_size: Optional[int] = None) -> List[FastPath]:
     """Every fast-path decision for one model variant on `target`; `expert_elements`:
     `expert_matrix_elements` of the model (None: not known, the CPU grouped path stays on);
     `attention_backend`: the model's (Megatron-LM's --attention-backend, or sdpa);
-    `sdpa_blocker`: why SDPA cannot serve the model (layers/sdpa_attention.sdpa_blocker)."""
+    `sdpa_blocker`: why SDPA cannot serve the model (layers/sdpa_attention.sdpa_blocker);
+    `swiglu_fusion`: Megatron-LM's --bias-swiglu-fusion; `swiglu_size`: `swiglu_elements`
+    of the model (None: not known, CPU stays eager)."""
     gpu = target.cuda
     te = gpu and target.te and not bitnet
     no_te = _no_te_reason(target, bitnet)
@@ -116,8 +159,7 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
               no_te + " (torch SDPA or Megatron's DotProductAttention: sdpa_attention)"),
         _sdpa_attention(te, attention_backend, sdpa_blocker),
         _path("rope_fusion", te, "TE fused RoPE", no_te, {"apply_rope_fusion": te}),
-        _path("bias_activation_fusion", gpu, "fused SwiGLU (bias_swiglu_impl)",
-              "CPU: unfused SwiGLU", {"bias_activation_fusion": gpu}),
+        _bias_activation_fusion(target, swiglu_fusion, swiglu_size),
         _path("bias_dropout_fusion", gpu, "fused bias-dropout-add", "CPU: unfused add",
               {"bias_dropout_fusion": gpu}),
         _path("masked_softmax_fusion", gpu, "fused scale-mask-softmax kernel",
@@ -174,6 +216,32 @@ def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool,
     return _path("cpu_grouped_experts", not why_off,
                  "CPU: all local experts as 2 grouped GEMMs (torch._grouped_mm), "
                  f"SequentialMLP's parameters{size}", why_off, {"cpu_grouped_experts": not why_off})
+
+
+def _bias_activation_fusion(target: Target, requested: bool,
+                            size: Optional[int]) -> FastPath:
+    """Megatron's fused SwiGLU (bias_swiglu_impl, its torch.compile'd jit_fuser)."""
+    if not requested:
+        why_off = "--no-bias-swiglu-fusion: unfused SwiGLU"
+    elif target.cuda:
+        why_off = ""
+    elif size is None or size < SWIGLU_FUSION_MIN_ELEMENTS:
+        why_off = (f"CPU: a SwiGLU call of {size} elements < {SWIGLU_FUSION_MIN_ELEMENTS}, "
+                   "where eager beats a compiled call (measured): unfused SwiGLU")
+    elif target.inductor_blocker:
+        why_off = f"CPU: {target.inductor_blocker}: unfused SwiGLU"
+    else:
+        why_off = ""
+    how = "Triton" if target.cuda else "inductor C++"
+    return _path("bias_activation_fusion", not why_off,
+                 f"fused SwiGLU (Megatron's bias_swiglu_impl, torch.compile: {how})", why_off,
+                 {"bias_activation_fusion": not why_off})
+
+
+def fusions_line(paths: List[FastPath]) -> str:
+    """The start-up banner's line: which elementwise fusions run, and why (not)."""
+    swiglu = next(p for p in paths if p.name == "bias_activation_fusion")
+    return f"fusions: SwiGLU {'on' if swiglu.on else 'off'} ({swiglu.why})"
 
 
 SDPA_BACKENDS = ("auto", "sdpa", "flash", "fused")

@@ -39,8 +39,9 @@ from megatron_mvmoe.config.model_section import (ModelSection, model_section_fro
                                                   sdpa_blocker)
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
-from megatron_mvmoe.models.fast_paths import (Target, choose_fast_paths, config_fields,
-                                              expert_matrix_elements)
+from megatron_mvmoe.models.fast_paths import (SWIGLU_FUSION_MIN_ELEMENTS, Target,
+                                              choose_fast_paths, config_fields,
+                                              expert_matrix_elements, swiglu_elements)
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 
@@ -56,9 +57,14 @@ def _numerics(use_bf16: bool, on_cpu: bool, use_fp16: bool = False) -> Dict[str,
     )
 
 
-def target_for(on_cpu: bool) -> Target:
-    """The machine a config is built for: the CPU, or this process's GPU (and its TE)."""
-    return Target(cuda=False, te=False) if on_cpu else Target.here()
+def target_for(on_cpu: bool, model: Optional[ModelSection] = None) -> Target:
+    """The machine a config is built for: the CPU, or this process's GPU (and its TE). On
+    CPU inductor is probed only where `model` would run a compiled fusion."""
+    if not on_cpu:
+        return Target.here()
+    return Target.cpu(probe_inductor=model is not None and model.swiglu and
+                      model.bias_swiglu_fusion and
+                      swiglu_elements(model) >= SWIGLU_FUSION_MIN_ELEMENTS)
 
 
 def _routing(model: ModelSection) -> Dict[str, Any]:
@@ -111,11 +117,12 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
     )
     kwargs.update(architecture_fields(model))
     kwargs.update(_numerics(use_bf16, on_cpu, use_fp16))
-    target = target_for(on_cpu)
+    target = target_for(on_cpu, model)
     kwargs.update(config_fields(choose_fast_paths(
         target, model.moe_variant, bitnet=model.bitnet.enabled,
         expert_elements=expert_matrix_elements(model, etp),
-        attention_backend=model.attention_backend, sdpa_blocker=sdpa_blocker(model.extra))))
+        attention_backend=model.attention_backend, sdpa_blocker=sdpa_blocker(model.extra),
+        swiglu_fusion=model.bias_swiglu_fusion, swiglu_size=swiglu_elements(model))))
     if target.te:  # Megatron-LM's meaning: it picks TE's kernel (LanguageModule env vars)
         kwargs["attention_backend"] = AttnBackend[model.attention_backend]
     if not model.swiglu:  # Megatron fuses GeLU only with a bias, and neither GeLU in experts

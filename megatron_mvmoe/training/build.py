@@ -31,7 +31,7 @@ from megatron_mvmoe.config.run_config import RunConfig
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.models.build import build_model
 from megatron_mvmoe.models.fast_paths import (FastPath, choose_fast_paths, ddp_fields,
-                                              expert_matrix_elements)
+                                              expert_matrix_elements, swiglu_elements)
 from megatron_mvmoe.models.provider import target_for
 from megatron_mvmoe.training.adam_impl import apply_adam_impl
 from megatron_mvmoe.training.schedule_rule import scheduler_switches
@@ -63,13 +63,16 @@ class Trainer:
 
 def run_fast_paths(run: RunConfig) -> List[FastPath]:
     """The fast-path decisions for this run on this machine (models/fast_paths.py)."""
-    return choose_fast_paths(target_for(not platform.is_cuda()), run.model.moe_variant,
+    return choose_fast_paths(target_for(not platform.is_cuda(), run.model),
+                             run.model.moe_variant,
                              bitnet=run.model.bitnet.enabled,
                              distributed_optimizer=run.optimizer.use_distributed_optimizer,
                              expert_elements=expert_matrix_elements(run.model,
                                                                     run.parallel.etp),
                              attention_backend=run.model.attention_backend,
-                             sdpa_blocker=sdpa_blocker(run.model.extra))
+                             sdpa_blocker=sdpa_blocker(run.model.extra),
+                             swiglu_fusion=run.model.bias_swiglu_fusion,
+                             swiglu_size=swiglu_elements(run.model))
 
 
 def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:

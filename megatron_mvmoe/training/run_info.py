@@ -29,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -175,7 +175,7 @@ def banner(run, model, counts: Dict[str, int], world_size: int, peak: Dict,
         f"batch: global {t.global_batch_size} x {model.seq_length} tokens, micro "
         f"{t.micro_batch_size}, {t.train_iters} steps, precision {t.precision}",
         f"peak for MFU: {peak['flops'] / 1e9:.1f} GFLOP/s per rank ({peak['source']})",
-        _attention_line(run),
+        *_fast_path_lines(run),
         *filter(None, [adam_impl_line(run.optimizer.torch_adam_impl)]),
         f"versions: python {info['python']}, torch {info['torch']}, megatron-core "
         f"{info['megatron_core']}, commit {str(git.get('commit'))[:12]}"
@@ -184,12 +184,14 @@ def banner(run, model, counts: Dict[str, int], world_size: int, peak: Dict,
     return "\n".join(lines)
 
 
-def _attention_line(run) -> str:
-    """Which core attention this run builds (the provider's fast-path rule, same inputs)."""
-    from megatron_mvmoe.models.fast_paths import attention_line
+def _fast_path_lines(run) -> List[str]:
+    """Which core attention and fusions this run builds (the provider's fast-path rule,
+    same inputs)."""
+    from megatron_mvmoe.models.fast_paths import attention_line, fusions_line
     from megatron_mvmoe.training.build import run_fast_paths
 
-    return attention_line(run_fast_paths(run))
+    paths = run_fast_paths(run)
+    return [attention_line(paths), fusions_line(paths)]
 
 
 class Efficiency:

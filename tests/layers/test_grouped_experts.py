@@ -59,8 +59,10 @@ def _experts_worker(rank, world_size):
     pgs = initialize_layout(ParallelLayout())
     gen = torch.Generator().manual_seed(1)
     results = []
-    for glu, act in ((True, F.silu), (False, F.gelu)):
-        sequential, grouped = _expert_pair(pgs, gated_linear_unit=glu, activation_func=act)
+    # the last: Megatron's compiled SwiGLU, SequentialMLP's MLPs against the grouped call
+    for glu, act, fused in ((True, F.silu, False), (False, F.gelu, False), (True, F.silu, True)):
+        sequential, grouped = _expert_pair(pgs, gated_linear_unit=glu, activation_func=act,
+                                           bias_activation_fusion=fused)
         counts = torch.tensor([3, 0, 5, 1])  # uneven, one expert without rows
         rows = torch.randn(9, 32, generator=gen)
         probs, grad = torch.rand(9, generator=gen), torch.randn(9, 32, generator=gen)

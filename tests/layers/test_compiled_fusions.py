@@ -1,0 +1,108 @@
+"""Megatron-Core's compiled SwiGLU on CPU (issue 42): `bias_swiglu_impl` and its weighted
+form (torch.compile, inductor C++) equal the naive SwiGLU forward and backward; the CPU rule
+(models/fast_paths.py `bias_activation_fusion`) runs it where Megatron-LM's
+--bias-swiglu-fusion asks, inductor compiles (platform/inductor_probe.py) and the model is
+big enough, and says why not elsewhere; the field is not structural; a resume with the
+fusion on is bit-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_mvmoe.models.fast_paths import (SWIGLU_FUSION_MIN_ELEMENTS, Target,
+                                              choose_fast_paths, fusions_line)
+from megatron_mvmoe.platform.inductor_probe import inductor_blocker
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+BASE = ["--model-preset", "tiny_smoe", "--vocab-size", "512"]
+BIG_ENOUGH = ["--seq-length", "512", "--moe-ffn-hidden-size", "1024"]
+"""One expert's SwiGLU call: 512 x 2 / 4 rows x 1024 = 2^18, the smallest the CPU rule
+fuses (tiny_smoe: 4 experts, top-2)."""
+
+
+def _naive_swiglu(y_NG: torch.Tensor) -> torch.Tensor:
+    gate_NF, linear_NF = torch.chunk(y_NG, 2, dim=-1)
+    return F.silu(gate_NF) * linear_NF
+
+
+def _value_and_grads(fn, *inputs):
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    out.backward(torch.linspace(-1.0, 1.0, out.numel()).reshape(out.shape))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def test_compiled_swiglu_equals_naive_forward_and_backward():
+    """Both of Megatron's fused forms, at a fixed and at changing row counts (the expert
+    loop's: dynamo recompiles once with a dynamic size, then reuses it)."""
+    from megatron.core.fusions.fused_bias_swiglu import (bias_swiglu_impl,
+                                                         weighted_bias_swiglu_impl)
+
+    assert inductor_blocker() == "", inductor_blocker()
+    gen = torch.Generator().manual_seed(0)
+    for rows in (7, 7, 300, 301):
+        y_NG, probs_N1 = torch.randn(rows, 96, generator=gen), torch.rand(rows, 1, generator=gen)
+        got = _value_and_grads(lambda y: bias_swiglu_impl(y, None), y_NG)
+        want = _value_and_grads(_naive_swiglu, y_NG)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **TOL)
+        got = _value_and_grads(lambda y, p: weighted_bias_swiglu_impl(y, None, p), y_NG, probs_N1)
+        want = _value_and_grads(lambda y, p: _naive_swiglu(y) * p, y_NG, probs_N1)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **TOL)
+
+
+def _swiglu_path(target, requested=True, size=SWIGLU_FUSION_MIN_ELEMENTS):
+    paths = choose_fast_paths(target, "smoe", swiglu_fusion=requested, swiglu_size=size)
+    return next(p for p in paths if p.name == "bias_activation_fusion"), fusions_line(paths)
+
+
+def test_cpu_rule_fuses_where_asked_compilable_and_big_enough():
+    cpu = Target(cuda=False, te=False, inductor_blocker="")
+    on, line = _swiglu_path(cpu)
+    assert on.on and on.fields == {"bias_activation_fusion": True} and "inductor" in line
+    small, _ = _swiglu_path(cpu, size=SWIGLU_FUSION_MIN_ELEMENTS - 1)
+    assert not small.on and "eager beats" in small.why
+    broken, _ = _swiglu_path(Target(cuda=False, te=False, inductor_blocker="no g++"))
+    assert not broken.on and "no g++" in broken.why
+    asked_off, line = _swiglu_path(Target(cuda=True, te=True), requested=False)
+    assert not asked_off.on and "--no-bias-swiglu-fusion" in line
+    gpu, _ = _swiglu_path(Target(cuda=True, te=False), size=None)
+    assert gpu.on and "Triton" in gpu.why
+
+
+def test_flag_default_and_not_structural():
+    """--no-bias-swiglu-fusion sets the field; the default fuses a big-enough CPU model and
+    leaves tiny ones eager (they never compile); a checkpoint loads across the switch."""
+    from megatron_mvmoe.checkpointing.fingerprint import check_fingerprint, model_fingerprint
+    from megatron_mvmoe.config.flags import config_from_args
+    from megatron_mvmoe.models.provider import transformer_config
+
+    tiny = config_from_args(BASE + ["--seq-length", "32"]).model
+    assert tiny.bias_swiglu_fusion and not transformer_config(tiny).bias_activation_fusion
+    big = config_from_args(BASE + BIG_ENOUGH).model
+    assert transformer_config(big).bias_activation_fusion
+    off = config_from_args(BASE + BIG_ENOUGH + ["--no-bias-swiglu-fusion"]).model
+    assert not off.bias_swiglu_fusion and not transformer_config(off).bias_activation_fusion
+    check_fingerprint(model_fingerprint(off), model_fingerprint(big), "ckpt")
+
+
+@pytest.mark.slow
+def test_resume_with_fused_swiglu_is_bit_identical(text_tokens, tmp_path):
+    """A run on the fused path (the same rule the provider applies) stopped at step 2 and
+    resumed continues with the uninterrupted run's losses, bit for bit."""
+    from harness import tiny_run, train
+
+    def raw(**training):
+        run = tiny_run(text_tokens, preset="tiny_smoe", eval_iters=0, global_batch_size=2,
+                       micro_batch_size=1, **training)
+        run["model"].update(seq_length=512, moe_ffn_hidden_size=1024)
+        return run
+    root = str(tmp_path / "ck")
+    full = train(raw(train_iters=4, save=root, save_interval=2), 1)
+    with open(f"{root}/latest", "w") as fh:
+        fh.write("iter_0000002\n")
+    resumed = train(raw(train_iters=4, load=root), 1)
+    assert resumed["first_step"] == 3 and resumed["losses"] == full["losses"][2:]
