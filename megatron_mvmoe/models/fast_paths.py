@@ -225,7 +225,9 @@ def _bias_activation_fusion(target: Target, requested: bool,
         why_off = "--no-bias-swiglu-fusion: unfused SwiGLU"
     elif target.cuda:
         why_off = ""
-    elif size is None or size < SWIGLU_FUSION_MIN_ELEMENTS:
+    elif size is None:
+        why_off = "CPU: the SwiGLU call's size is not known here: unfused SwiGLU"
+    elif size < SWIGLU_FUSION_MIN_ELEMENTS:
         why_off = (f"CPU: a SwiGLU call of {size} elements < {SWIGLU_FUSION_MIN_ELEMENTS}, "
                    "where eager beats a compiled call (measured): unfused SwiGLU")
     elif target.inductor_blocker:
