@@ -25,6 +25,7 @@ def test_run_dir_banner_versions_config_and_efficiency_figures(tmp_path, capfd, 
     banner = (run / "banner.txt").read_text()
     assert "parameters: total" in banner and "peak for MFU" in banner and "commit" in banner
     assert "attention: sdpa (torch " in banner  # the core attention that runs (issue 42)
+    assert "fusions: SwiGLU off (CPU: a SwiGLU call of" in banner  # tiny: eager, and why
     info = json.loads((run / "versions.json").read_text())
     assert info["megatron_core"] and info["torch"] and len(info["git"]["commit"]) == 40
     config = yaml.safe_load((run / "config.yaml").read_text())
