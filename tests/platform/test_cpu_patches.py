@@ -157,7 +157,7 @@ def test_indices_to_multihot_is_patched_where_it_is_defined():
 
 def test_indices_to_multihot_on_cpu_matches_a_loop():
     from megatron_mvmoe.platform import apply_cpu_patches
-    from megatron_mvmoe.platform.cpu_patches import _indices_to_multihot_torch
+    from megatron_mvmoe.platform.cpu_function_fixes import indices_to_multihot_torch
 
     apply_cpu_patches()
     from megatron.core.transformer.moe import token_dispatcher
@@ -181,7 +181,7 @@ def test_indices_to_multihot_on_cpu_matches_a_loop():
     torch.testing.assert_close(probs_TK.grad, local_TK.float())
     # the dispatcher's binding is the CPU stand-in, and that stand-in alone gives the loop's
     assert getattr(token_dispatcher.fused_indices_to_multihot, "_mvmoe_wrapped", False)
-    direct_TN, _ = _indices_to_multihot_torch(indices_TK, probs_TK.detach(), 4)
+    direct_TN, _ = indices_to_multihot_torch(indices_TK, probs_TK.detach(), 4)
     assert torch.equal(direct_TN, want_map)
 
 
