@@ -86,9 +86,18 @@ def write_tokenizer(directory: str, tokenizer, eod_token: Optional[str]) -> bool
     special = {"eos_token": eod_token, "bos_token": eod_token, "unk_token": eod_token}
     write_json(os.path.join(directory, "tokenizer_config.json"),
                dict(special, tokenizer_class="PreTrainedTokenizerFast",
-                    model_max_length=int(1e30), clean_up_tokenization_spaces=False))
+                    model_max_length=int(1e30), clean_up_tokenization_spaces=False,
+                    split_special_tokens=_eod_text_is_text(tokenizer, eod_token)))
     write_json(os.path.join(directory, "special_tokens_map.json"), special)
     return True
+
+
+def _eod_text_is_text(tokenizer, eod_token: Optional[str]) -> bool:
+    """Whether the run's tokenizer reads a literal end-of-document token in text as text: a
+    vocab.json + merges.txt tokenizer does (as Megatron-LM's GPT2BPETokenizer does), one from
+    a tokenizer.json declaring it special gives the EOD id. transformers gives the EOD id
+    unless told to split special tokens (tests/data/test_tokenizer_paths.py)."""
+    return eod_token is not None and tokenizer.tokenize(eod_token) != [tokenizer.eod]
 
 
 def copy_remote_code(directory: str) -> None:
