@@ -89,8 +89,8 @@ UNSUPPORTED: Dict[str, Tuple[str, str]] = {
     "--data-args-path": ("data arguments come from flags here", "--data-path"),
     "--dataloader-type": ("samples always follow Megatron's pretraining sampler order "
                           "('single')", "drop the flag"),
-    "--use-torch-fsdp2": ("FSDP is not wired", "--use-distributed-optimizer (ZeRO-1)"),
-    "--use-megatron-fsdp": ("FSDP is not wired", "--use-distributed-optimizer (ZeRO-1)"),
+    "--use-torch-fsdp2": ("torch FSDP2 is not wired (Megatron-FSDP is)",
+                          "--use-megatron-fsdp"),
     "--tp-comm-overlap": ("needs TransformerEngine userbuffers", "drop the flag"),
     "--squared-relu": ("MLPs are SwiGLU or GeLU", "drop the flag (GeLU) or --swiglu"),
     "--apply-layernorm-1p": ("norms are plain RMSNorm or LayerNorm", "drop the flag"),

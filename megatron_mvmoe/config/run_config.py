@@ -29,7 +29,8 @@ from megatron_mvmoe.config.model_section import (LEGACY_FIELDS, ModelSection,
                                                  model_section_from_dict)
 from megatron_mvmoe.config.run_sections import (  # noqa: F401 (importers' names)
     WARM_START_NEW_HEADS, DataSection, LoggingSection, LrDecayStyle, OptimizerSection,
-    ParallelSection, TrainingSection, WarmStartNewHeads, _check_muon)
+    ParallelSection, TrainingSection, WarmStartNewHeads, _check_muon,
+    check_megatron_fsdp)
 from megatron_mvmoe.config.typed_config import check_literals, dataclass_from_dict
 from megatron_mvmoe.errors import require as _require
 
@@ -50,6 +51,7 @@ class RunConfig:
                  num_layers: Optional[int] = None, num_experts: Optional[int] = None) -> None:
         """Field checks; with world_size also the layout and batch divisibility."""
         _check_muon(self.optimizer, self.training.precision)
+        check_megatron_fsdp(self.optimizer, self.training)
         for section in dataclasses.fields(self):  # enum-like fields set in code after loading
             check_literals(getattr(self, section.name), section.name)
         t, o = self.training, self.optimizer

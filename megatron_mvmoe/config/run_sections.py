@@ -74,6 +74,17 @@ class OptimizerSection:
     training/adam_impl.py; tests/training/test_adam_impl.py)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer states over the data-parallel ranks (ZeRO-1)."""
+    megatron_fsdp: bool = False
+    """Wrap the model in Megatron-Core's Megatron-FSDP instead of DDP (Megatron-LM's
+    --use-megatron-fsdp); it implies the distributed optimizer, as in Megatron-LM. Trains to
+    DDP's losses: tests/training/test_megatron_fsdp.py."""
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads",
+                                             "optim_grads_params"] = "optim_grads_params"
+    """Megatron-FSDP only: what is sharded over the data-parallel ranks (Megatron-LM's
+    --data-parallel-sharding-strategy and its default): no_shard shards nothing (data
+    parallelism as DDP does it), optim_grads shards optimizer states and gradients,
+    optim_grads_params also the parameters (gathered per layer for forward and backward).
+    optim is refused (check_megatron_fsdp)."""
     grad_reduce_in_fp32: bool = True
     """Reduce gradients over the data-parallel ranks in fp32 (bf16 runs otherwise reduce
     them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off by default there)."""
@@ -133,6 +144,41 @@ def _check_muon(o: OptimizerSection, precision: str) -> None:
              f"{precision})", "add --bf16, or drop --use-distributed-optimizer (YAML: "
              "optimizer.use_distributed_optimizer false) for Muon replicated on each "
              "data-parallel rank")
+
+
+FSDP_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
+"""The Megatron-FSDP sharding strategies this trainer runs (tests/training/test_megatron_fsdp.py
+checks them against DDP)."""
+
+
+def check_megatron_fsdp(o: OptimizerSection, t: "TrainingSection") -> None:
+    """Megatron-FSDP's requirements, as Megatron-LM's arguments.py states them where it
+    refuses, plus what this trainer does not run with it: the 'optim' strategy and
+    checkpoints (Megatron-LM writes them only as --ckpt-format fsdp_dtensor, not wired here;
+    this trainer's torch_dist checkpoints need the model's sharded_state_dict, which
+    Megatron-Core 0.19.2's MegatronFSDP does not have)."""
+    if not o.megatron_fsdp:
+        return
+    _require(t.save is None and t.load is None, "optimizer.megatron_fsdp",
+             "checkpoints of a Megatron-FSDP model are not written or read here (Megatron-LM "
+             "writes them as --ckpt-format fsdp_dtensor, which this trainer does not)",
+             "drop --save/--load, or train with --use-distributed-optimizer (ZeRO-1, torch_dist "
+             "checkpoints) instead of --use-megatron-fsdp")
+    _require(o.data_parallel_sharding_strategy in FSDP_STRATEGIES,
+             "optimizer.data_parallel_sharding_strategy",
+             f"{o.data_parallel_sharding_strategy} with Megatron-FSDP is not run here: on 2 "
+             "gloo ranks Megatron-Core 0.19.2's 'optim' trained to other losses and grad norms "
+             "than DDP's",
+             "--data-parallel-sharding-strategy optim_grads_params (or optim_grads)")
+    _require(o.optimizer == "adam", "optimizer.optimizer",
+             f"{o.optimizer} with Megatron-FSDP (Megatron-LM refuses it too)",
+             "--optimizer adam, or drop --use-megatron-fsdp")
+    _require(t.check_weight_hash_interval is None or
+             o.data_parallel_sharding_strategy != "optim_grads_params",
+             "training.check_weight_hash_interval",
+             "each rank holds only its shard of the weights under optim_grads_params "
+             "(Megatron-LM refuses it too)",
+             "drop --check-weight-hash-across-dp-replicas-interval")
 
 
 @dataclass

@@ -36,7 +36,7 @@ import torch
 
 from megatron_mvmoe.platform import (cpu_copies, cpu_function_fixes, cpu_rope, cuda_literals,
                                      cuda_stand_ins, expert_bias_fix, group_pool,
-                                     one_rank_collectives, torch_adam_fixes,
+                                     megatron_fsdp_cpu, one_rank_collectives, torch_adam_fixes,
                                      upstream_router_fixes)
 from megatron_mvmoe.platform.cpu_embedding_copy import embedding_copy_breaks, embedding_copy_on_cpu
 from megatron_mvmoe.platform.cpu_rng_tracker import cpu_rng_tracker, rng_tracker_breaks
@@ -62,6 +62,7 @@ PATCHES: List[Patch] = [
     one_rank_collectives.ONE_RANK_COLLECTIVES,
     *cpu_copies.CPU_COPIES,
     *cpu_rope.CPU_ROPE,
+    *megatron_fsdp_cpu.MEGATRON_FSDP_ON_CPU,
     cpu_function_fixes.INDICES_CONVERTER,
     cpu_function_fixes.CHECKPOINT_FP8_FLAG,
     cpu_function_fixes.SPLIT_SIZES,

@@ -20,6 +20,7 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.layer_wise_optimizer import (LayerWiseDistributedOptimizer,
                                                           tag_params_for_buffer_routing)
@@ -83,20 +84,35 @@ def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
         grad_reduce_in_fp32=run.optimizer.grad_reduce_in_fp32,
         use_distributed_optimizer=_ddp_shards(run.optimizer),
         num_distributed_optimizer_instances=run.parallel.distributed_optimizer_instances,
-        check_for_nan_in_grad=False, **ddp_fields(run_fast_paths(run)))
+        check_for_nan_in_grad=False, **_fsdp_fields(run.optimizer),
+        **ddp_fields(run_fast_paths(run)))
+
+
+def _fsdp_fields(o) -> dict:
+    """Megatron-FSDP's DDP-config fields (the strategy always, as Megatron-LM passes it; DDP
+    does not read it). On gloo the gradient pre-division is not fused into the reduction: the
+    fused op is NCCL's premul-sum (`_make_nccl_premul_sum`), which gloo lacks; unfused,
+    Megatron-FSDP scales the gradients and then SUM-reduces them."""
+    fields = dict(data_parallel_sharding_strategy=o.data_parallel_sharding_strategy)
+    if o.megatron_fsdp:
+        fields.update(use_megatron_fsdp=True, gradient_reduce_div_fusion=platform.is_cuda())
+    return fields
 
 
 def _ddp_shards(o) -> bool:
-    """Whether DDP reduce-scatters into a sharded layout: the distributed optimizer's, or
-    layer-wise Muon's shard-aligned one; layer-wise Muon's legacy path all-reduces one
-    unsharded buffer (Megatron-LM's wrap_model_chunks_with_ddp)."""
+    """Whether DDP reduce-scatters into a sharded layout: the distributed optimizer's (which
+    Megatron-FSDP implies, as in Megatron-LM), or layer-wise Muon's shard-aligned one;
+    layer-wise Muon's legacy path all-reduces one unsharded buffer (Megatron-LM's
+    wrap_model_chunks_with_ddp)."""
     if o.layer_wise:
         return o.use_layer_wise_param_layout
-    return o.use_distributed_optimizer
+    return o.use_distributed_optimizer or o.megatron_fsdp
 
 
 def _wrap_ddp(config, chunks, run: RunConfig, pg_collection) -> List[DistributedDataParallel]:
     ddp = ddp_config(run)
+    if run.optimizer.megatron_fsdp:
+        return _wrap_megatron_fsdp(config, chunks, ddp, pg_collection)
     layouts = [None] * len(chunks)
     if run.optimizer.layer_wise and run.optimizer.use_layer_wise_param_layout:
         layouts = _layer_wise_layouts(chunks, ddp, pg_collection)
@@ -104,6 +120,16 @@ def _wrap_ddp(config, chunks, run: RunConfig, pg_collection) -> List[Distributed
     return [DistributedDataParallel(config=config, ddp_config=ddp, module=chunk,
                                     disable_bucketing=index > 0, full_param_layout=layout)
             for index, (chunk, layout) in enumerate(zip(chunks, layouts))]
+
+
+def _wrap_megatron_fsdp(config, chunks, ddp, pg_collection) -> list:
+    """Megatron-LM's get_model with --use-megatron-fsdp: Megatron-Core's FSDP adapter over
+    each chunk, on this rank's device (the CPU here; platform/megatron_fsdp_cpu.py)."""
+    device = None if platform.is_cuda() else torch.device("cpu")
+    return [FullyShardedDataParallel(config=config, ddp_config=ddp, module=chunk,
+                                     disable_bucketing=index > 0, device=device,
+                                     pg_collection=pg_collection)
+            for index, chunk in enumerate(chunks)]
 
 
 def _layer_wise_layouts(chunks, ddp, pg_collection) -> list:
@@ -135,7 +161,8 @@ def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
         min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
         hysteresis=o.hysteresis,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=o.use_distributed_optimizer and not o.layer_wise)
+        use_distributed_optimizer=(o.use_distributed_optimizer or o.megatron_fsdp)
+        and not o.layer_wise)
 
 
 def _optimizer(run: RunConfig, config, model) -> object:

@@ -37,6 +37,7 @@ import time
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron_mvmoe.platform.resident_memory import (available_bytes, peak_rss_bytes,
                                                      reset_peak_rss, rss_bytes)
@@ -55,6 +56,8 @@ def _storages(tensors: Iterable[torch.Tensor], seen: set) -> int:
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
             continue
+        if isinstance(t, DTensor):  # Megatron-FSDP's sharded params: this rank's shard
+            t = t.to_local()
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:

@@ -95,11 +95,11 @@ def _refusals(argv):
 
 def test_refusals_of_a_line_come_in_one_pass():
     text = _refusals(["--model-preset", "tiny_smoe", "--cache-mla-latents", "--squared-relu",
-                      "--frobnicate", "--use-megatron-fsdp", "--train-samples",
+                      "--frobnicate", "--use-torch-fsdp2", "--train-samples",
                       "100", "--global-batch-size", "8", "--use-rope-scaling"])
     lines = text.splitlines()
     assert lines[0] == "6 flags refused:", text
-    for name in ("--cache-mla-latents", "--squared-relu", "--frobnicate", "--use-megatron-fsdp",
+    for name in ("--cache-mla-latents", "--squared-relu", "--frobnicate", "--use-torch-fsdp2",
                  "--train-samples 100", "--use-rope-scaling"):
         assert any(line.strip().startswith(name) for line in lines[1:]), (name, text)
     assert "--train-samples 96 or 104" in text

@@ -51,8 +51,6 @@ OPTIMIZER_DIFFERENCES = {
 DDP_DIFFERENCES = {
     "check_for_nan_in_grad": (True, False, "the loop's own check (training/nonfinite.py) does "
                                            "what --check-for-nan-in-loss-and-grad does"),
-    "data_parallel_sharding_strategy": ("optim_grads_params", "no_shard",
-                                        _INERT + "read only by Megatron-FSDP (refused)"),
 }
 
 
