@@ -61,7 +61,7 @@ REASON_COUNTS = {
     "CUDA graphs / GPU streams / offloading": 14,
     "inference / RL test, not pretraining": 12,
     "FP8 / TransformerEngine": 9,
-    "Megatron-FSDP": 4,
+    "Megatron-FSDP checkpoints (--ckpt-format fsdp_dtensor; FSDP itself trains)": 4,
     "pipeline layout string (--pipeline-model-parallel-layout, not built)": 4,
 }
 
