@@ -111,6 +111,12 @@ class ParallelLayout:
                 f"layout.distributed_optimizer_instances: {instances} does not divide the "
                 f"data-parallel size {self.data_parallel_size(world_size)}. Fix: choose it among "
                 f"{_divisors(self.data_parallel_size(world_size))}.")
+        expert_dp = self.expert_data_parallel_size(world_size)
+        if expert_dp % instances != 0:  # Megatron-Core splits the expert DP group too (an assert)
+            raise ValueError(
+                f"layout.distributed_optimizer_instances: {instances} does not divide the "
+                f"expert data-parallel size {expert_dp} (world / (ep*etp*pp)). Fix: choose it "
+                f"among {_divisors(expert_dp)}, or a world size that makes {instances} divide it.")
         if num_layers is not None and num_layers % (self.pp * (self.vpp or 1)) != 0:
             raise ValueError(
                 f"layout: num_layers {num_layers} is not divisible by pp*vpp = "

@@ -217,12 +217,13 @@ def resolve(line: List[str], parser=None) -> Tuple[Optional[object], List[str]]:
 def ranks_needed(run) -> int:
     """The fewest ranks the run's layout runs on: TP x PP x CP x DP, DP the smallest that
     lets EP x ETP divide TP x CP x DP (Megatron's expert-parallel groups) and that the
-    distributed-optimizer instances divide."""
+    distributed-optimizer instances divide, as they must divide the expert data-parallel size
+    TP x CP x DP / (EP x ETP)."""
     p = run.parallel
     tp, pp, cp = p.tp or 1, p.pp or 1, p.cp or 1
-    expert = (p.ep or 1) * (p.etp or 1)
-    dp = next(d for d in range(1, 65) if (tp * cp * d) % expert == 0
-              and d % p.distributed_optimizer_instances == 0)
+    expert, instances = (p.ep or 1) * (p.etp or 1), p.distributed_optimizer_instances
+    dp = next(d for d in range(1, 65) if (tp * cp * d) % expert == 0 and d % instances == 0
+              and (tp * cp * d // expert) % instances == 0)
     return tp * pp * cp * dp
 
 

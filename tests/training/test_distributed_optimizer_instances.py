@@ -44,3 +44,17 @@ def test_each_instance_shards_over_dp_over_instances_ranks():
     from megatron_mvmoe.testing.spawn import run_distributed
 
     assert run_distributed(_intra_and_inter_sizes, 4) == [(2, 2)] * 4
+
+
+def test_instances_must_divide_the_expert_data_parallel_size_too():
+    """Megatron-Core splits the expert data-parallel group into the instances as well (an
+    assert in initialize_model_parallel on every rank after the launch): TP 2 = ETP 2 x EP 2
+    on 4 ranks is DP 2 but expert DP 1, refused at validation naming the field; 8 ranks
+    (expert DP 2) pass. Megatron-LM's multi_dist_optimizer_instances line failed on 4 ranks."""
+    from megatron_mvmoe.parallel import ParallelLayout
+
+    layout = ParallelLayout(tp=2, ep=2, etp=2, distributed_optimizer_instances=2)
+    with pytest.raises(ValueError, match=r"^layout.distributed_optimizer_instances: 2 does not "
+                                         r"divide the expert data-parallel size 1"):
+        layout.validate(4, num_experts=8)
+    layout.validate(8, num_experts=8)

@@ -154,3 +154,25 @@ def test_a_representative_line_trains_two_steps_as_written():
     result = corpus.train_one(TRAINED_IN_CI, corpus.load_cases()[TRAINED_IN_CI], 4, 600)
     assert result["rc"] == 0 and result["last_loss"] is not None, result
     assert abs(float(result["last_loss"]) - 6.24) < 1.0, result  # near ln 512: a fresh model
+
+
+def test_the_docs_trained_table_has_one_row_per_line_and_states_its_count():
+    """docs/megatron_lm.md's `--train` table: each row a resolving line, none twice, and the
+    sentence above it states the row count (a renamed line, a row added twice or a count not
+    updated fails)."""
+    with open(os.path.join(ROOT, "docs", "megatron_lm.md")) as f:
+        doc = f.read()
+    head = "| case | ranks | outcome | last loss printed | s |\n|---|---|---|---|---|\n"
+    rows = doc.split(head)[1].split("\n\n")[0].strip().splitlines()
+    cases = [row.split("|")[1].split()[0] for row in rows]
+    assert set(cases) <= RESOLVING and len(set(cases)) == len(cases)
+    assert all("| trained 2 steps |" in row for row in rows)
+    assert f"{len(cases)} of the {len(RESOLVING)} resolving lines trained 2 steps" in doc
+
+
+def test_ranks_needed_lets_the_instances_divide_the_expert_data_parallel_size():
+    """The multi_dist_optimizer_instances line (TP 2 = ETP 2 x EP 2, 2 instances) needs 8 ranks
+    (expert DP 2), not 4 (DP 2 but expert DP 1, which Megatron-Core refuses)."""
+    name = "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances"
+    run, refusals = corpus.resolve(corpus.load_cases()[name])
+    assert not refusals and corpus.ranks_needed(run) == 8
