@@ -21,6 +21,11 @@ from typing import List, Literal, Optional
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+PP_LAYOUT = "parallel.pp_layout (--pipeline-model-parallel-layout)"
+_LAYOUT_FIX = ("write stages of E (embedding), t (decoder layer), m (MTP layer), L (loss) "
+               "split by '|', e.g. 'Et|ttL' or 'Et*3|(tt|)*2,mL'")
 
 
 def _divisors(n: int) -> List[int]:
@@ -45,6 +50,11 @@ class ParallelLayout:
     TP size)."""
     vpp: Optional[int] = None
     """Virtual pipeline chunks per rank (interleaved 1F1B), or None."""
+    pp_layout: Optional[str] = None
+    """Megatron-LM's --pipeline-model-parallel-layout: which stage holds the embedding (E),
+    each decoder layer (t), the MTP layers (m) and the loss (L), e.g. 'Et|ttL' (pp 2:
+    1 + 2 layers); pp*vpp stages split by '|', vpp follows from their count. None = the
+    layers split evenly over pp*vpp stages."""
     cp: int = 1
     """Context-parallel size: each sequence is split over this many ranks (load-balanced
     chunks, layers/cp_attention.py); the sequence length must divide by 2*cp."""
@@ -60,6 +70,26 @@ class ParallelLayout:
     def layout(self) -> "ParallelLayout":
         """The sizes alone, as a plain ParallelLayout (a run config's section carries more)."""
         return ParallelLayout(**{f.name: getattr(self, f.name) for f in fields(ParallelLayout)})
+
+    def layout_vpp(self) -> Optional[int]:
+        """The virtual-pipeline size pp_layout gives (its stages / pp; 1 is None), as
+        Megatron-LM's validate_args derives it; ValueError naming the flag when the string
+        does not parse, does not divide by pp, or disagrees with a given vpp."""
+        try:
+            stages = PipelineParallelLayerLayout.get_num_stages_from_str(self.pp_layout)
+        except AssertionError as err:
+            raise ValueError(f"{PP_LAYOUT}: {_one_line(err)}. Fix: {_LAYOUT_FIX}") from None
+        if stages % self.pp != 0:
+            raise ValueError(
+                f"{PP_LAYOUT}: {self.pp_layout!r} has {stages} stages, not a multiple of "
+                f"--pipeline-model-parallel-size {self.pp}. Fix: give pp*vpp stages")
+        vpp = stages // self.pp if stages > self.pp else None
+        if self.vpp is not None and self.vpp != vpp:
+            raise ValueError(
+                f"{PP_LAYOUT}: {self.pp_layout!r} gives {stages // self.pp} virtual stages "
+                f"per rank but parallel.vpp is {self.vpp}. Fix: drop "
+                "--virtual-pipeline-model-parallel-size (the layout sets it)")
+        return vpp
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
@@ -117,7 +147,9 @@ class ParallelLayout:
                 f"layout.distributed_optimizer_instances: {instances} does not divide the "
                 f"expert data-parallel size {expert_dp} (world / (ep*etp*pp)). Fix: choose it "
                 f"among {_divisors(expert_dp)}, or a world size that makes {instances} divide it.")
-        if num_layers is not None and num_layers % (self.pp * (self.vpp or 1)) != 0:
+        if self.pp_layout is not None:
+            self.layout_vpp()  # the stage count; the layers are counted with the model's MTP
+        elif num_layers is not None and num_layers % (self.pp * (self.vpp or 1)) != 0:
             raise ValueError(
                 f"layout: num_layers {num_layers} is not divisible by pp*vpp = "
                 f"{self.pp}*{self.vpp or 1}. Fix: pick pp*vpp among {_divisors(num_layers)}.")
@@ -125,6 +157,21 @@ class ParallelLayout:
             raise ValueError(
                 f"layout: num_moe_experts {num_experts} is not divisible by ep {self.ep}. "
                 f"Fix: pick ep among {_divisors(num_experts)}.")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def check_layer_layout(layout: ParallelLayout, num_layers: int, mtp_num_layers: int) -> None:
+    """Megatron-Core's checks of pp_layout against the model (each decoder layer and MTP
+    layer placed once, E first, L last), as ValueError naming the flag."""
+    try:
+        PipelineParallelLayerLayout(layout.pp_layout, layout.pp).validate_layer_layout(
+            num_layers, mtp_num_layers)
+    except AssertionError as err:
+        raise ValueError(f"{PP_LAYOUT}: {_one_line(err)} (model: {num_layers} layers, "
+                         f"{mtp_num_layers} MTP). Fix: {_LAYOUT_FIX}") from None
 
 
 DEFAULT_TIMEOUT_S = 600.0

@@ -84,6 +84,8 @@ FLAGS: List[Flag] = [
     Flag("--use-tp-pp-dp-mapping", "parallel", "rank_order", None,
          "Megatron-LM's switch for data-parallel replicas outermost", const="tp-cp-ep-pp-dp"),
     Flag("--virtual-pipeline-model-parallel-size", "parallel", "vpp", int),
+    Flag("--pipeline-model-parallel-layout", "parallel", "pp_layout", str,
+         "which stage holds E (embedding), t (layers), m (MTP), L (loss), e.g. 'Et|ttL'"),
     Flag("--context-parallel-size", "parallel", "cp", int),
     Flag("--distributed-timeout-seconds", "parallel", "distributed_timeout_seconds", float),
     # --- model shape (None keeps the preset's value)

@@ -167,6 +167,9 @@ def config_from_dict(raw: Dict[str, Any]) -> RunConfig:
         raise ValueError(f"config: unknown section(s) {unknown}. Fix: use {sorted(_SECTIONS)}")
     sections = {name: dataclass_from_dict(cls, raw.get(name) or {}, name)
                 for name, cls in _SECTIONS.items() if name != "model"}
+    parallel = sections["parallel"]
+    if parallel.pp_layout is not None:  # Megatron-LM: the layout's stage count sets vpp
+        parallel.vpp = parallel.layout_vpp()
     return RunConfig(model=model_section_from_dict(raw.get("model")), **sections)
 
 

@@ -42,7 +42,8 @@ def model_config(run: "RunConfig") -> MVMoETransformerConfig:
     translation of the resolved model section)."""
     p = run.parallel
     config = transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                                cp=p.cp, use_bf16=use_bf16(run), on_cpu=not platform.is_cuda(),
+                                cp=p.cp, pp_layout=p.pp_layout, use_bf16=use_bf16(run),
+                                on_cpu=not platform.is_cuda(),
                                 use_fp16=run.training.precision == "fp16")
     # A training switch that Megatron reads from the model config: its schedule, DDP's
     # gradient scaling, finalize_model_grads and the aux-loss scale (training/step.py).

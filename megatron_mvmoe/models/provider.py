@@ -44,6 +44,7 @@ from megatron_mvmoe.models.fast_paths import (SWIGLU_FUSION_MIN_ELEMENTS, Target
                                               expert_matrix_elements, swiglu_elements)
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
+from megatron_mvmoe.parallel import ParallelLayout, check_layer_layout
 
 
 
@@ -95,8 +96,8 @@ def architecture_fields(model: ModelSection) -> Dict[str, Any]:
 
 def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
                        etp: int = 1, vpp: Optional[int] = None, use_bf16: bool = False,
-                       on_cpu: bool = True, cp: int = 1,
-                       use_fp16: bool = False) -> MVMoETransformerConfig:
+                       on_cpu: bool = True, cp: int = 1, use_fp16: bool = False,
+                       pp_layout: Optional[str] = None) -> MVMoETransformerConfig:
     """The full Megatron config of the model `shape` for one layout, with the fast paths
     the target machine (the CPU, or this process's GPU) takes."""
     kwargs: Dict[str, Any] = dict(
@@ -105,6 +106,7 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         ffn_hidden_size=model.ffn_hidden_size, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        pipeline_model_parallel_layout=pp_layout,
         expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
         context_parallel_size=cp,
         moe_variant=model.moe_variant, latent_size=model.latent_size,
@@ -130,6 +132,9 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         kwargs["bias_activation_fusion"] = False
     kwargs.update(_routing(model))
     kwargs.update(model.extra)
+    if pp_layout is not None:  # Megatron's own checks assert; these name the flag
+        check_layer_layout(ParallelLayout(pp=pp, vpp=vpp, pp_layout=pp_layout),
+                           model.num_layers, kwargs.get("mtp_num_layers") or 0)
     config_class = megatron_config_class(kwargs)  # MLA's config with multi_latent_attention
     if config_class is not MVMoETransformerConfig:
         kwargs["rotary_base"] = model.rotary_base  # MLA's own RoPE (GPTModel builds none)

@@ -1,0 +1,38 @@
+"""Megatron-LM's --pipeline-model-parallel-layout (parallel.pp_layout): the stages hold the
+layers the layout string places there, not an even split."""
+
+import pytest
+from megatron_mvmoe.config.flags import config_from_args
+
+from tests.config.test_megatron_flags import BASE
+from tests.training.harness import tiny_run, train
+
+
+def test_an_uneven_layout_trains_as_at_pp1(text_tokens, tmp_path):
+    """3 decoder layers as "Et|ttL" (1 + 2, which no even split gives) at PP 2, from the
+    initial weights PP 1 saved: PP 1's losses. The checkpoint's global layer numbers follow
+    the layout's offsets (stage 1's first layer is layer 2), so the right weights load."""
+    def run(parallel, world, **training):
+        raw = tiny_run(text_tokens, parallel=parallel, eval_iters=0, **training)
+        raw["model"]["num_layers"] = 3
+        raw["optimizer"]["warmup_iters"] = 1
+        return train(raw, world)["losses"]
+
+    init = str(tmp_path / "init")
+    run({}, 1, train_iters=0, save=init)
+    from_init = dict(train_iters=2, load=init, load_optimizer=False)
+    one = run({}, 1, **from_init)
+    two = run({"pp": 2, "pp_layout": "Et|ttL"}, 2, **from_init)
+    assert len(two) == 2 and max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
+
+
+@pytest.mark.parametrize("layout,message", [
+    ("Et|tXL", r"--pipeline-model-parallel-layout.*Invalid layer character: X"),
+    ("Et|t|tL", r"--pipeline-model-parallel-layout.*3 stages.*pipeline-model-parallel-size 2"),
+])
+def test_a_bad_layout_is_refused_in_one_line_naming_the_flag(layout, message):
+    argv = BASE + ["--pipeline-model-parallel-size", "2",
+                   "--pipeline-model-parallel-layout", layout]
+    with pytest.raises(ValueError, match=message) as err:
+        config_from_args(argv)
+    assert "\n" not in str(err.value)
