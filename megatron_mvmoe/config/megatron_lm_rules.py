@@ -117,6 +117,10 @@ def _virtual_stages(raw: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     stages = given(args, "--num-virtual-stages-per-pipeline-rank")
     if stages is None:
         return []
+    if getattr(args, "pipeline_model_parallel_layout", None) is not None:
+        return ["--num-virtual-stages-per-pipeline-rank: not supported together with "
+                "--pipeline-model-parallel-layout (Megatron-LM refuses both: the layout's "
+                "stages set the virtual-pipeline size). Use instead: one of them"]
     if args.virtual_pipeline_model_parallel_size is not None:
         return ["--num-virtual-stages-per-pipeline-rank: not supported together with "
                 "--virtual-pipeline-model-parallel-size (both set the virtual-pipeline "

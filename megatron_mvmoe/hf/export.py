@@ -52,6 +52,7 @@ def read_checkpoint(load: str) -> LoadedCheckpoint:
     require(dist.is_initialized() is False or dist.get_world_size() == 1, "world size",
             "the export gathers every shard on one process", "run it without torchrun")
     saved_vpp, run.parallel.vpp = run.parallel.vpp, None
+    run.parallel.pp_layout = None  # it places the layers on the saved pp, here 1
     with tool_session(run) as pgs:
         require(dist.get_world_size() == 1, "world size", f"{dist.get_world_size()} ranks: "
                 "the export gathers every shard on one process", "run it without torchrun")

@@ -82,7 +82,7 @@ def run_config(preset: Optional[str] = None, config_path: Optional[str] = None,
     # a checkpoint's config may be of an earlier version; a user's YAML must be exact
     run = saved_config_from_dict(raw) if checkpoint is not None else config_from_dict(raw)
     run.parallel.tp = run.parallel.pp = run.parallel.ep = run.parallel.etp = 1
-    run.parallel.vpp = None
+    run.parallel.vpp = run.parallel.pp_layout = None  # a layout names the saved pp
     run.optimizer.use_distributed_optimizer = False
     return run
 

@@ -83,7 +83,7 @@ def run_from_flags(args: argparse.Namespace) -> RunConfig:
     run = checkpoint_run_config(args.load)
     layout = {field: getattr(args, field) for _, field in _LAYOUT}
     run = with_layout(run, {k: (1 if v is None else v) for k, v in layout.items()})
-    run.parallel.vpp = None
+    run.parallel.vpp = run.parallel.pp_layout = None  # a layout names the saved pp
     run.training.ckpt_allow_unverified = bool(getattr(args, "ckpt_allow_unverified", False))
     for name in _TOKENIZER:
         if getattr(args, name) is not None:

@@ -26,13 +26,29 @@ def test_an_uneven_layout_trains_as_at_pp1(text_tokens, tmp_path):
     assert len(two) == 2 and max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
 
 
-@pytest.mark.parametrize("layout,message", [
-    ("Et|tXL", r"--pipeline-model-parallel-layout.*Invalid layer character: X"),
-    ("Et|t|tL", r"--pipeline-model-parallel-layout.*3 stages.*pipeline-model-parallel-size 2"),
-])
-def test_a_bad_layout_is_refused_in_one_line_naming_the_flag(layout, message):
+@pytest.mark.parametrize("layout,extra,message", [
+    ("Et|tXL", [], r"--pipeline-model-parallel-layout.*Invalid layer character: X"),
+    ("Et|t|tL", [], r"--pipeline-model-parallel-layout.*3 stages.*pipeline-model-parallel-size 2"),
+    ("Et|ttL", ["--virtual-pipeline-model-parallel-size", "2"],
+     r"--pipeline-model-parallel-layout.*1 virtual stages per rank but parallel.vpp is 2"),
+    ("Et|t|t|tL", ["--num-virtual-stages-per-pipeline-rank", "2"],
+     r"--num-virtual-stages-per-pipeline-rank: not supported together with "
+     r"--pipeline-model-parallel-layout"),
+], ids=["bad_char", "stages_not_pp_multiple", "vpp_conflict", "virtual_stages_too"])
+def test_a_bad_layout_is_refused_in_one_line_naming_the_flag(layout, extra, message):
     argv = BASE + ["--pipeline-model-parallel-size", "2",
-                   "--pipeline-model-parallel-layout", layout]
+                   "--pipeline-model-parallel-layout", layout] + extra
     with pytest.raises(ValueError, match=message) as err:
         config_from_args(argv)
+    assert "\n" not in str(err.value)
+
+
+def test_a_layout_that_misplaces_the_model_layers_names_the_flag():
+    """Megatron-Core's own check (it asserts) as one line: 2 layers placed, 3 in the model."""
+    from megatron_mvmoe.models.build import validate_run
+    run = config_from_args(BASE + ["--num-layers", "3", "--pipeline-model-parallel-size", "2",
+                                   "--pipeline-model-parallel-layout", "Et|tL"])
+    with pytest.raises(ValueError, match=r"^parallel.pp_layout \(--pipeline-model-parallel-"
+                                         r"layout\): .*\(model: 3 layers, 0 MTP\)") as err:
+        validate_run(run)
     assert "\n" not in str(err.value)
