@@ -181,8 +181,6 @@ REASONS = (
     ("checkpoint integrity / async strategy", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
         "--check-weight-hash")),
-    ("pipeline layout string (--pipeline-model-parallel-layout, not built)", (
-        "--pipeline-model-parallel-layout",)),
 )
 
 

@@ -62,7 +62,6 @@ REASON_COUNTS = {
     "inference / RL test, not pretraining": 12,
     "FP8 / TransformerEngine": 9,
     "Megatron-FSDP checkpoints (--ckpt-format fsdp_dtensor; FSDP itself trains)": 4,
-    "pipeline layout string (--pipeline-model-parallel-layout, not built)": 4,
 }
 
 
