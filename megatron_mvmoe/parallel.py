@@ -21,6 +21,7 @@ from typing import List, Literal, Optional
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 PP_LAYOUT = "parallel.pp_layout (--pipeline-model-parallel-layout)"
@@ -157,6 +158,24 @@ class ParallelLayout:
             raise ValueError(
                 f"layout: num_moe_experts {num_experts} is not divisible by ep {self.ep}. "
                 f"Fix: pick ep among {_divisors(num_experts)}.")
+
+
+def stage_layer_ids(layout: ParallelLayout, num_layers: int, stage: int) -> List[int]:
+    """The decoder layers (0-based) pipeline rank `stage` holds over its virtual stages:
+    pp_layout's placement, else an even contiguous split (num_layers // pp each)."""
+    if layout.pp_layout is None:
+        per = num_layers // layout.pp
+        return list(range(stage * per, (stage + 1) * per))
+    # Counted here: Megatron's get_layer_id_list reads the virtual stage from parallel_state,
+    # which a planner (no process groups) does not have.
+    parsed = PipelineParallelLayerLayout(layout.pp_layout, layout.pp)
+    ids, first = [], 0
+    for vp in range(parsed.virtual_pipeline_model_parallel_size):
+        for rank in range(layout.pp):
+            count = parsed.layout[rank][vp].count(LayerType.decoder)
+            ids += list(range(first, first + count)) if rank == stage else []
+            first += count
+    return ids
 
 
 def _one_line(err: BaseException) -> str:

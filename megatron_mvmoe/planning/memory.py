@@ -77,6 +77,7 @@ from megatron_mvmoe.config.model_costs import (attention_params, moe_layer_patte
 from megatron_mvmoe.planning.context_parallel import (cp_attention_correction_elements,
                                                            local_tokens)
 from megatron_mvmoe.config.model_section import ModelSection
+from megatron_mvmoe.parallel import stage_layer_ids
 
 PRECISIONS = ("cpu_fp32", "gpu_bf16")
 
@@ -106,11 +107,12 @@ def stage_parameters(m: ModelSection, target: PlanTarget, stage: int) -> Dict[st
     experts (expert-data-parallel), fp32-only (the latent projections, in `dense` too)
     and the largest single tensor."""
     lay = target.layout
-    layers = m.num_layers // lay.pp
+    ids = stage_layer_ids(lay, m.num_layers, stage)  # parallel.pp_layout's, else even
+    layers = len(ids)
     D, V = m.hidden_size, m.vocab_size
     dense = attention_params(m) // lay.tp * layers  # norms are tiny: split like the rest
     experts = largest = fp32_only = 0
-    moe_layers = sum(moe_layer_pattern(m)[stage * layers:(stage + 1) * layers])
+    moe_layers = sum(moe_layer_pattern(m)[i] for i in ids)
     if m.is_moe:
         per = moe_params(m)
         dense += (per["router"] + per["projections"] + per["shared"] // lay.tp) * moe_layers
@@ -279,7 +281,7 @@ def activation_bytes(m: ModelSection, target: PlanTarget, stage: int, precision:
     n, lay = Numerics.of(precision), target.layout
     b = target.micro_batch_size
     t = local_tokens(m, b, lay)  # S b / (cp tp)
-    layers = m.num_layers // lay.pp
+    layers = len(stage_layer_ids(lay, m.num_layers, stage))
     recomputed = recomputed_modules(m)
     attn_dropped = attention_score_elements(m, t, b, lay.tp, n.flash_attention) \
         if "core_attn" in recomputed else 0.0

@@ -5,7 +5,7 @@ import pytest
 from megatron_mvmoe.config.flags import config_from_args
 
 from tests.config.test_megatron_flags import BASE
-from tests.training.harness import tiny_run, train
+from harness import tiny_run, train
 
 
 def test_an_uneven_layout_trains_as_at_pp1(text_tokens, tmp_path):
@@ -52,3 +52,21 @@ def test_a_layout_that_misplaces_the_model_layers_names_the_flag():
                                          r"layout\): .*\(model: 3 layers, 0 MTP\)") as err:
         validate_run(run)
     assert "\n" not in str(err.value)
+
+
+def test_the_planner_counts_each_stage_by_the_layout():
+    """planning/memory.py's per-stage counts follow the layout (stage 0 of "Et|ttL" holds 1
+    of the 3 layers, stage 1 two), not num_layers // pp."""
+    from megatron_mvmoe.config.model_section import model_from_preset
+    from megatron_mvmoe.parallel import ParallelLayout
+    from megatron_mvmoe.planning.memory import activation_bytes, stage_parameters
+    from megatron_mvmoe.planning.plan import PlanTarget
+
+    model = model_from_preset("tiny_smoe", num_layers=3)
+    target = PlanTarget(ParallelLayout(pp=2, pp_layout="Et|ttL"), world_size=2)
+    first, last = (stage_parameters(model, target, s) for s in (0, 1))
+    even = PlanTarget(ParallelLayout(pp=3), world_size=3)  # one layer a stage
+    one = stage_parameters(model, even, 1)  # a middle stage: one layer, no embedding
+    assert last["experts"] == 2 * one["experts"] == 2 * first["experts"] > 0
+    acts = [activation_bytes(model, target, s, "cpu_fp32")["per_microbatch"] for s in (0, 1)]
+    assert acts[1] > acts[0]
