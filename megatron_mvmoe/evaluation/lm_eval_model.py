@@ -7,9 +7,10 @@ Design choices:
   (toolkit/checkpoint.py): the run's own model and tokenizer, any layout it reshards
   to. Every process answers every request (so EP/TP ranks run their forwards together) and
   tells lm-eval it is rank 0 of 1; only global rank 0 should print the results.
-- loglikelihood: context and continuation are tokenized separately (the continuation keeps
-  its leading space, lm-eval's convention) and scored in one window of at most seq_length
-  tokens, truncated from the left; an empty context starts from the EOD token.
+- loglikelihood: lm-eval's own TemplateLM pairs context and continuation, as it does for its
+  hf backend (a context's trailing whitespace moves to the continuation; the whole text is
+  encoded and split after the context's tokens; an empty context starts from the EOD token);
+  each pair is scored in one window of at most seq_length tokens, truncated from the left.
 - loglikelihood_rolling: disjoint windows of seq_length predicted tokens, each conditioned
   on the window's own preceding tokens (the first on EOD), as lm-eval's rolling windows do
   with context length 1.
@@ -33,14 +34,14 @@ import time
 from typing import List, Optional, Tuple
 
 import torch
-from lm_eval.api.model import LM
+from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from megatron_mvmoe.toolkit.generation import SamplingConfig, generate, sequence_logits
 
 
 @register_model("megatron_mvmoe")
-class MVMoELM(LM):
+class MVMoELM(TemplateLM):
     """`lm_eval --model megatron_mvmoe --model_args load=<checkpoint>` (after importing this
     module), or `MVMoELM(load=...)` passed to `lm_eval.simple_evaluate`."""
 
@@ -85,13 +86,18 @@ class MVMoELM(LM):
         picked = rows.gather(1, targets.unsqueeze(1)).squeeze(1)
         return float(picked.sum()), bool((rows.argmax(dim=-1) == targets).all())
 
-    def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
-        out = []
-        for request in _progress(requests, "loglikelihood"):
-            context, continuation = request.args
-            out.append(self.score(self.tokenizer.tokenize(context),
-                                  self.tokenizer.tokenize(continuation)))
-        return out
+    # lm-eval's TemplateLM.loglikelihood tokenizes through these two and scores through
+    # _loglikelihood_tokens: the same (context, continuation) ids as its hf backend
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eod
+
+    def tok_encode(self, string: str, add_special_tokens=None, **_unused) -> List[int]:
+        return self.tokenizer.tokenize(string)
+
+    def _loglikelihood_tokens(self, requests, **_unused) -> List[Tuple[float, bool]]:
+        return [self.score(context_ids, continuation_ids)
+                for _, context_ids, continuation_ids in _progress(requests, "loglikelihood")]
 
     def loglikelihood_rolling(self, requests) -> List[float]:
         out = []

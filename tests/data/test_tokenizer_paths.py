@@ -111,3 +111,37 @@ def test_export_keeps_a_tokenizer_json_runs_special_token(data_dir, tmp_path):
     (tmp_path / "export").mkdir()
     exported = _exported_for_lm_eval_hf(run_tok, str(tmp_path / "export"))
     assert exported(VARIED_TEXT) == want
+
+
+# (context, continuation) as lm-eval tasks hand them over: a context ending in whitespace, a
+# word split across the join, and the usual leading-space continuation
+PAIRS = [("Question: what is two plus two? Answer: ", "four"),
+         ("The cat sat on the", " mat."),
+         ("He said hel", "lo there"),
+         ("Line one\n\n", "Line two"),
+         ("tabs\t", "\tand spaces  ")]
+
+
+def test_lm_eval_pairs_context_and_continuation_as_its_hf_backend(data_dir):
+    """MVMoELM is lm-eval's TemplateLM: its loglikelihood requests get the (context,
+    continuation) ids lm-eval gives its hf backend (trailing whitespace moved to the
+    continuation, the whole text encoded and split after the context's ids), not two
+    separate encodings, which differ wherever a token spans the join."""
+    from lm_eval.api.model import TemplateLM
+
+    from megatron_mvmoe.evaluation.lm_eval_model import MVMoELM
+
+    lm = object.__new__(MVMoELM)  # the pairing needs the run's tokenizer, not a checkpoint
+    lm.tokenizer = run_tokenizer(config_from_dict({"data": {"path": data_dir}}))
+    assert MVMoELM.loglikelihood is TemplateLM.loglikelihood
+    tokenize = lm.tokenizer.tokenize
+    separately_differs = False
+    for context, continuation in PAIRS:
+        context_ids, continuation_ids = lm._encode_pair(context, continuation)
+        stripped = context.rstrip()
+        whole = tokenize(context + continuation)
+        assert context_ids == tokenize(stripped), context
+        assert continuation_ids == whole[len(context_ids):], (context, continuation)
+        separately_differs |= (tokenize(context), tokenize(continuation)) != (
+            context_ids, continuation_ids)
+    assert separately_differs  # PAIRS hold a case the old pairing got wrong
