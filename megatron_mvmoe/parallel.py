@@ -100,8 +100,12 @@ class ParallelLayout:
         return world_size // (self.ep * self.etp * self.pp)
 
     def smallest_world_size(self) -> int:
-        """The fewest ranks the layout divides: a multiple of both tp*pp*cp and ep*etp*pp."""
-        return math.lcm(self.tp * self.pp * self.cp, self.ep * self.etp * self.pp)
+        """The fewest ranks the layout divides: a multiple of both tp*pp*cp and ep*etp*pp,
+        times the distributed-optimizer instances, which split both the data-parallel and
+        the expert data-parallel group (validate refuses a world where they do not)."""
+        instances = self.distributed_optimizer_instances
+        return math.lcm(self.tp * self.pp * self.cp * instances,
+                        self.ep * self.etp * self.pp * instances)
 
     def validate(self, world_size: int, num_layers: Optional[int] = None,
                  num_experts: Optional[int] = None, training: bool = True,

@@ -17,13 +17,14 @@ job) and --tensorboard-dir another.
 
     python tools/megatron_lm_corpus.py --generate [--mirror DIR] [--check]
     python tools/megatron_lm_corpus.py --resolve [--json]     # every line, no training
-    python tools/megatron_lm_corpus.py --train [CASE ...] [--max-ranks 4] [--timeout 900]
+    python tools/megatron_lm_corpus.py --train [CASE ...] [--max-ranks 8] [--timeout 900] [--log-dir DIR]
 
 --resolve resolves every line through config_from_args at WORLD_SIZE 8 (the tests' 8 GPUs) and
 prints each line's outcome and the refusal reasons counted (tests/training/
 test_megatron_lm_corpus.py checks the same). --train trains each named line (default: all
 that resolve) for 2 steps under torchrun on CPU with gloo, on the fewest ranks its layout
-needs (at most --max-ranks), and prints a markdown table (case, ranks, outcome, last loss).
+needs (at most --max-ranks, default 8: every resolving line), and prints a markdown table (case,
+ranks, outcome, last loss); each launch's whole output is kept in --log-dir (runs/megatron_lm_corpus).
 """
 
 from __future__ import annotations
@@ -237,7 +238,10 @@ def resolve_all(cases: Dict[str, List[str]]) -> dict:
     return outcome
 
 
-def train_one(name: str, line: List[str], ranks: int, timeout: float) -> dict:
+def train_one(name: str, line: List[str], ranks: int, timeout: float,
+              log_dir: Optional[str] = None) -> dict:
+    """Train one line 2 steps under torchrun; the row of the table, and with `log_dir` the
+    launch's whole output kept in <log_dir>/<case>.log (a failure's row holds one line)."""
     from megatron_mvmoe.launch.local_ranks import free_port
 
     with tempfile.TemporaryDirectory(prefix=f"corpus_{name[:20]}_") as scratch:
@@ -250,14 +254,30 @@ def train_one(name: str, line: List[str], ranks: int, timeout: float) -> dict:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                   timeout=timeout, cwd=scratch)
             out, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired:
-            out, rc = "", "timeout"
+        except subprocess.TimeoutExpired as stopped:
+            out, rc = _text(stopped.stdout) + _text(stopped.stderr), "timeout"
+    log = _keep_log(log_dir, name, out)
     losses = re.findall(r"\bloss[ =:]+([0-9.]+(?:e[-+]?\d+)?)", out)
     errors = [x for x in out.splitlines() if x.startswith("error")] or \
         [x for x in out.splitlines() if "Error" in x]
     return {"case": name, "ranks": ranks, "rc": rc, "seconds": round(time.time() - start),
             "last_loss": losses[-1] if losses else None,
-            "error": errors[-1][:160] if rc != 0 and errors else None}
+            "error": errors[-1][:160] if rc != 0 and errors else None,
+            **({"log": log} if log else {})}
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
+def _keep_log(log_dir: Optional[str], name: str, out: str) -> Optional[str]:
+    if not log_dir:
+        return None
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, f"{name}.log")
+    with open(path, "w") as f:
+        f.write(out)
+    return path
 
 
 def main(argv=None) -> int:
@@ -269,8 +289,11 @@ def main(argv=None) -> int:
     parser.add_argument("--mirror", default="/work/.mirror/NVIDIA+Megatron-LM/repo")
     parser.add_argument("--resolve", action="store_true")
     parser.add_argument("--train", nargs="*", metavar="CASE")
-    parser.add_argument("--max-ranks", type=int, default=4)
+    parser.add_argument("--max-ranks", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--log-dir", default=os.path.join("runs", "megatron_lm_corpus"),
+                        help="with --train: each line's whole launch output is kept in "
+                        "DIR/<case>.log (default: %(default)s, git-ignored)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.generate:
@@ -301,7 +324,8 @@ def main(argv=None) -> int:
             rows.append({"case": name, "ranks": result["ranks"], "rc": "skipped",
                          "error": f"needs {result['ranks']} ranks > --max-ranks"})
         else:
-            rows.append(train_one(name, cases[name], result["ranks"], args.timeout))
+            rows.append(train_one(name, cases[name], result["ranks"], args.timeout,
+                                  args.log_dir))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))

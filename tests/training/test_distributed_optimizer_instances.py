@@ -58,3 +58,18 @@ def test_instances_must_divide_the_expert_data_parallel_size_too():
                                          r"divide the expert data-parallel size 1"):
         layout.validate(4, num_experts=8)
     layout.validate(8, num_experts=8)
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, ep=2, etp=2), dict(ep=2), dict(tp=2, pp=2, ep=4)])
+def test_smallest_world_size_is_one_the_instances_divide(sizes):
+    """The planner's and the HF importer's default world (smallest_world_size) must be one
+    validate accepts: with 2 instances both the data-parallel and the expert data-parallel
+    sizes are multiples of 2 (it returned 4 for TP 2 = ETP 2 x EP 2, which validate refuses)."""
+    from megatron_mvmoe.parallel import ParallelLayout
+
+    layout = ParallelLayout(**sizes, distributed_optimizer_instances=2)
+    world = layout.smallest_world_size()
+    layout.validate(world, num_experts=8)
+    for smaller in range(1, world):
+        with pytest.raises(ValueError):
+            layout.validate(smaller, num_experts=8)

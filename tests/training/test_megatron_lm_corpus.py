@@ -149,9 +149,12 @@ optimizer, 4 ranks. (test_megatron_lm_script.py trains the top-2 GPT-3 line at E
 GPT-2 data; `tools/megatron_lm_corpus.py --train` trains every resolving line.)"""
 
 
-def test_a_representative_line_trains_two_steps_as_written():
-    result = corpus.train_one(TRAINED_IN_CI, corpus.load_cases()[TRAINED_IN_CI], 4, 600)
+def test_a_representative_line_trains_two_steps_as_written(tmp_path):
+    result = corpus.train_one(TRAINED_IN_CI, corpus.load_cases()[TRAINED_IN_CI], 4, 600,
+                              log_dir=str(tmp_path))
     assert result["rc"] == 0 and result["last_loss"] is not None, result
+    with open(result["log"]) as f:  # the whole output kept, so a failure can be read
+        assert result["last_loss"] in f.read()
     assert abs(float(result["last_loss"]) - 6.24) < 1.0, result  # near ln 512: a fresh model
 
 
