@@ -34,9 +34,7 @@ def _value_and_grads(fn, *inputs):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def test_compiled_swiglu_equals_naive_forward_and_backward():
-    """Both of Megatron's fused forms, at a fixed and at changing row counts (the expert
-    loop's: dynamo recompiles once with a dynamic size, then reuses it)."""
+def _compiled_swiglu_worker(rank, world_size):
     from megatron.core.fusions.fused_bias_swiglu import (bias_swiglu_impl,
                                                          weighted_bias_swiglu_impl)
 
@@ -52,6 +50,16 @@ def test_compiled_swiglu_equals_naive_forward_and_backward():
         want = _value_and_grads(lambda y, p: _naive_swiglu(y) * p, y_NG, probs_N1)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, **TOL)
+
+
+def test_compiled_swiglu_equals_naive_forward_and_backward():
+    """Both of Megatron's fused forms, at a fixed and at changing row counts (the expert
+    loop's: dynamo recompiles once with a dynamic size, then reuses it). Compiled in a child
+    process: after a compile, this pytest worker's later ranks would have to be spawned
+    (local_ranks' fork is unsafe then), slowing every test file after this one."""
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    run_distributed(_compiled_swiglu_worker, 1, timeout_s=300)
 
 
 def _swiglu_path(target, requested=True, size=SWIGLU_FUSION_MIN_ELEMENTS):
@@ -87,6 +95,25 @@ def test_flag_default_and_not_structural():
     off = config_from_args(BASE + BIG_ENOUGH + ["--no-bias-swiglu-fusion"]).model
     assert not off.bias_swiglu_fusion and not transformer_config(off).bias_activation_fusion
     check_fingerprint(model_fingerprint(off), model_fingerprint(big), "ckpt")
+
+
+def _start_method_before_and_after_a_compile(rank, world_size):
+    from megatron_mvmoe.launch.local_ranks import _compiled_here, _default_start_method
+
+    before = _compiled_here()
+    torch.compile(lambda x: x * 2 + 1)(torch.randn(4))
+    return before, _compiled_here(), _default_start_method()
+
+
+def test_ranks_started_after_a_compile_are_fresh_interpreters():
+    """A rank forked from a process that has compiled hangs or fails (inductor's worker pool
+    and autograd's threads are the parent's: the resume test below hung after a compile in
+    the same pytest worker): local_ranks spawns instead once anything has compiled. Checked
+    in a child process, so this pytest worker never compiles."""
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    assert run_distributed(_start_method_before_and_after_a_compile, 1)[0] == (
+        False, True, "spawn")
 
 
 @pytest.mark.slow
