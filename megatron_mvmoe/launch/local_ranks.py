@@ -5,8 +5,7 @@ counted collectives, the analysis tools' one-rank model runs, bench_moe_layer's 
 Design choices:
 - `fork` start method by default: children inherit the already-imported torch and
   Megatron (seconds saved per rank on a 2-core machine); no CUDA is initialised in the
-  parent on CPU, so forking is safe. `spawn` is available for CUDA, and is the default
-  where forking is not safe: a process group is held, or torch.compile has run here.
+  parent on CPU, so forking is safe. `spawn` is available for CUDA.
 - Every rank reports through a queue; the parent waits with one deadline for all. A rank
   that raises, dies (non-zero exit, killed) or a job that passes the deadline kills every
   rank and raises `LocalRanksError` with the failing rank's traceback.
@@ -19,7 +18,6 @@ import multiprocessing as mp
 import os
 import queue as queue_lib
 import socket
-import sys
 import time
 import traceback
 from datetime import timedelta
@@ -88,22 +86,11 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
 
 
 def _default_start_method() -> str:
-    """fork, unless this process already holds a process group (a forked child would
-    inherit its gloo threads and sockets and hang) or has compiled with torch.compile (a
-    forked child that compiles uses the parent's inductor compile-worker pool and its
-    threads, and hangs: the CPU SwiGLU fusion's resume test did, after the same pytest
-    worker had compiled): start fresh interpreters then."""
+    """fork, unless this process already holds a process group: a forked child would
+    inherit its gloo threads and sockets and hang, so start fresh interpreters then."""
     import torch.distributed as dist
 
-    held = dist.is_available() and dist.is_initialized()
-    return "spawn" if held or _compiled_here() else "fork"
-
-
-def _compiled_here() -> bool:
-    """Whether torch.compile has compiled a graph in this process (dynamo's own counter;
-    dynamo not imported: nothing compiled)."""
-    dynamo_utils = sys.modules.get("torch._dynamo.utils")
-    return bool(dynamo_utils and dynamo_utils.counters["stats"]["unique_graphs"])
+    return "spawn" if dist.is_available() and dist.is_initialized() else "fork"
 
 
 def run_distributed(fn: Callable, world_size: int, timeout_s: float = 180.0,

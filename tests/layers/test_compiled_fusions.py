@@ -97,25 +97,6 @@ def test_flag_default_and_not_structural():
     check_fingerprint(model_fingerprint(off), model_fingerprint(big), "ckpt")
 
 
-def _start_method_before_and_after_a_compile(rank, world_size):
-    from megatron_mvmoe.launch.local_ranks import _compiled_here, _default_start_method
-
-    before = _compiled_here()
-    torch.compile(lambda x: x * 2 + 1)(torch.randn(4))
-    return before, _compiled_here(), _default_start_method()
-
-
-def test_ranks_started_after_a_compile_are_fresh_interpreters():
-    """A rank forked from a process that has compiled hangs or fails (inductor's worker pool
-    and autograd's threads are the parent's: the resume test below hung after a compile in
-    the same pytest worker): local_ranks spawns instead once anything has compiled. Checked
-    in a child process, so this pytest worker never compiles."""
-    from megatron_mvmoe.testing.spawn import run_distributed
-
-    assert run_distributed(_start_method_before_and_after_a_compile, 1)[0] == (
-        False, True, "spawn")
-
-
 @pytest.mark.slow
 def test_resume_with_fused_swiglu_is_bit_identical(text_tokens, tmp_path):
     """A run on the fused path (the same rule the provider applies) stopped at step 2 and
