@@ -177,8 +177,8 @@ REASONS = (
                                  "--use-transformer-engine-op-fuser",
                                  "--first-last-layers-bf16")),  # FP8's bf16 ends
     ("DeepEP / HybridEP", ("DeepEP", "flex")),
-    ("Megatron-FSDP checkpoints (--ckpt-format fsdp_dtensor; FSDP itself trains)",
-     ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
+    ("Megatron-FSDP precision options (--megatron-fsdp-*-dtype; FSDP itself trains and "
+     "saves)", ("fsdp", "FSDP", "--outer-dp-sharding", "--data-parallel-sharding")),
     ("checkpoint integrity / async strategy", (
         "--verify-integrity", "--async-strategy", "--async-ckpt-use-cpu-shm",
         "--check-weight-hash")),

@@ -9,6 +9,8 @@ Design choices:
 - Before any tensor is read: the directory is resolved, every file is checked against the
   manifest and the model fingerprint is compared (`open_checkpoint`); each failure is one
   CheckpointError naming the problem and the fix.
+- A Megatron-FSDP run's checkpoint (--ckpt-format fsdp_dtensor) is read by
+  checkpointing/fsdp_weights.py into the same chunks, at any TP/ETP/EP layout.
 - Only the weights: the optimizer state, scheduler, RNG and data position stay on disk (the
   trainer restores those on top, training/checkpoint.py).
 """
@@ -24,6 +26,7 @@ from megatron_mvmoe.checkpointing.directory import (earlier_fix, read_run_state,
                                                     resolve_checkpoint, verify_checkpoint)
 from megatron_mvmoe.checkpointing.errors import CheckpointError
 from megatron_mvmoe.checkpointing.fingerprint import check_fingerprint
+from megatron_mvmoe.checkpointing.fsdp_weights import read_fsdp_weights
 
 
 def open_checkpoint(path: str, fingerprint: Dict, step: Optional[int] = None,
@@ -68,5 +71,8 @@ def load_weights(chunks: List[torch.nn.Module], path: str, fingerprint: Dict,
     built for the same model (`fingerprint`: `fingerprint.run_fingerprint(run)`). Returns
     the checkpoint's run_state (step, config, ...)."""
     directory, meta = open_checkpoint(path, fingerprint, step, allow_unverified)
-    set_model_weights(chunks, read_tensors(model_sharded_state_dict(chunks), directory))
+    if meta.get("ckpt_format") == "fsdp_dtensor":  # a Megatron-FSDP run's
+        read_fsdp_weights(chunks, directory, meta.get("layout"))
+    else:
+        set_model_weights(chunks, read_tensors(model_sharded_state_dict(chunks), directory))
     return meta

@@ -326,6 +326,7 @@ FLAGS: List[Flag] = [
     Flag("--ckpt-allow-unverified", "training", "ckpt_allow_unverified", None,
          "load a checkpoint without manifest.json (its bytes cannot be verified)",
          const=True),
+    Flag("--ckpt-format", "training", "ckpt_format", str),
     Flag("--ckpt-optimizer-format", "training", "ckpt_optimizer_format", str),
     Flag("--dist-ckpt-optim-fully-reshardable", "training", "ckpt_optimizer_format", None,
          "Megatron-LM's switch for --ckpt-optimizer-format fully_reshardable",

@@ -71,8 +71,6 @@ ACCEPTED: Dict[str, Accepted] = {
     "--transformer-impl": Accepted("the platform picks the spec (models/fast_paths.py): "
                                    "TE on a GPU with TransformerEngine, local elsewhere",
                                    ("local", "transformer_engine")),
-    "--ckpt-format": Accepted("checkpoints are Megatron dist-checkpointing (torch_dist)",
-                              ("torch_dist",)),
     "--distributed-backend": Accepted("the platform picks NCCL on GPU, gloo on CPU",
                                       ("nccl", "gloo")),
     "--num-workers": Accepted("samples are read in the training process", any_value=True),

@@ -153,17 +153,23 @@ checks them against DDP)."""
 
 def check_megatron_fsdp(o: OptimizerSection, t: "TrainingSection") -> None:
     """Megatron-FSDP's requirements, as Megatron-LM's arguments.py states them where it
-    refuses, plus what this trainer does not run with it: the 'optim' strategy and
-    checkpoints (Megatron-LM writes them only as --ckpt-format fsdp_dtensor, not wired here;
-    this trainer's torch_dist checkpoints need the model's sharded_state_dict, which
-    Megatron-Core 0.19.2's MegatronFSDP does not have)."""
+    refuses (its checkpoints only as --ckpt-format fsdp_dtensor, and that format only with
+    Megatron-FSDP), plus what this trainer does not run with it: the 'optim' strategy and
+    background saves of fsdp_dtensor checkpoints."""
+    _require(t.ckpt_format != "fsdp_dtensor" or o.megatron_fsdp, "training.ckpt_format",
+             "fsdp_dtensor holds Megatron-FSDP's DTensors (Megatron-LM: only with Megatron "
+             "FSDP)", "add --use-megatron-fsdp, or use --ckpt-format torch_dist")
     if not o.megatron_fsdp:
         return
-    _require(t.save is None and t.load is None, "optimizer.megatron_fsdp",
-             "checkpoints of a Megatron-FSDP model are not written or read here (Megatron-LM "
-             "writes them as --ckpt-format fsdp_dtensor, which this trainer does not)",
-             "drop --save/--load, or train with --use-distributed-optimizer (ZeRO-1, torch_dist "
-             "checkpoints) instead of --use-megatron-fsdp")
+    _require(t.ckpt_format == "fsdp_dtensor" or (t.save is None and t.load is None),
+             "training.ckpt_format",
+             f"{t.ckpt_format} checkpoints of a Megatron-FSDP model (Megatron-LM writes them "
+             "only as fsdp_dtensor and refuses any other format)",
+             "add --ckpt-format fsdp_dtensor")
+    _require(not (t.async_save and t.ckpt_format == "fsdp_dtensor"), "training.async_save",
+             "background saves of fsdp_dtensor checkpoints are not wired here (Megatron-LM "
+             "writes them with nvidia-resiliency-ext's writer, not installed)",
+             "drop --async-save (the save is synchronous)")
     _require(o.data_parallel_sharding_strategy in FSDP_STRATEGIES,
              "optimizer.data_parallel_sharding_strategy",
              f"{o.data_parallel_sharding_strategy} with Megatron-FSDP is not run here: on 2 "
@@ -274,6 +280,12 @@ class TrainingSection:
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, keep the checkpoint's schedule (also what happens with neither flag; a
     warning names the fields of this run that differ). See training/schedule_rule.py."""
+    ckpt_format: Literal["torch_dist", "fsdp_dtensor"] = "torch_dist"
+    """How checkpoint tensors are written (Megatron-LM's --ckpt-format): torch_dist, Megatron
+    dist-checkpointing (reshards across TP/PP/EP/DP), or fsdp_dtensor, torch DCP of
+    Megatron-FSDP's DTensors (only with --use-megatron-fsdp, whose checkpoints need it, as in
+    Megatron-LM; training/fsdp_checkpoint.py; resumes exactly at the saved TP/PP/EP and any
+    data-parallel size: tests/training/test_fsdp_checkpoint.py)."""
     ckpt_optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     """Distributed-optimizer checkpoint format: dp_reshardable (each DP shard saved as is;
     loads at another DP size, but a TP/PP/EP change restarts the Adam moments) or

@@ -57,6 +57,9 @@ from megatron_mvmoe.training.checkpoint_parts import (EXCLUDE_FROM_LOADING, RANK
                                                       RunMetadata, SchedulerPart, Stateful,
                                                       loading_way, read_part, run_state_of,
                                                       tensor_state)
+from megatron_mvmoe.training.fsdp_checkpoint import (FsdpModelPart, FsdpOptimizerPart,
+                                                      check_fsdp_layout, load_fsdp_tensors,
+                                                      save_fsdp_tensors)
 from megatron_mvmoe.training.schedule_rule import describe_schedule
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
@@ -74,22 +77,36 @@ def checkpoint_parts(trainer: Trainer, position: ResumeState, optimizer_format: 
     the model's), scheduler (applied to the optimizer's groups), rng. No optimizer part
     when `optimizer_format` is None (none saved before a first step, or none loadable); no
     scheduler part for a trainer without one (an HF import whose export recorded none)."""
-    model = ModelPart(trainer.unwrapped())
+    fsdp = _is_fsdp_dtensor(trainer)
+    model = (FsdpModelPart(trainer.model, trainer.run.model.num_experts) if fsdp
+             else ModelPart(trainer.unwrapped()))
     parts: Dict[str, Stateful] = {
         "run metadata": RunMetadata(
             world_size=dist.get_world_size(), layout=_layout(trainer),
             optimizer_format=optimizer_format, fingerprint=fingerprint(trainer),
-            config=trainer.run.to_dict()),
+            config=trainer.run.to_dict(), ckpt_format=trainer.run.training.ckpt_format),
         "position": position, "model": model}
+    override = bool(trainer.run.training.override_opt_param_scheduler)
     if optimizer_format is not None:
-        parts["optimizer"] = OptimizerPart(
-            trainer.optimizer, optimizer_format,
-            bool(trainer.run.training.override_opt_param_scheduler), model)
+        parts["optimizer"] = (FsdpOptimizerPart(trainer.optimizer, override) if fsdp else
+                              OptimizerPart(trainer.optimizer, optimizer_format, override,
+                                            model))
     if trainer.scheduler is not None:
         parts["scheduler"] = SchedulerPart(trainer.scheduler, trainer.run.training,
                                            fresh_groups="optimizer" not in parts)
     parts["rng"] = RngPart()
     return parts
+
+
+def _is_fsdp_dtensor(trainer: Trainer) -> bool:
+    return trainer.run.training.ckpt_format == "fsdp_dtensor"
+
+
+def _optimizer_format(trainer: Trainer) -> str:
+    """What the optimizer part is saved as: fsdp_dtensor under Megatron-FSDP, else the
+    distributed optimizer's configured format."""
+    return ("fsdp_dtensor" if _is_fsdp_dtensor(trainer)
+            else trainer.run.training.ckpt_optimizer_format)
 
 
 def _stored_in(parts: Dict[str, Stateful], store: str) -> Dict[str, Stateful]:
@@ -122,12 +139,16 @@ def _start_shards(trainer: Trainer, tmp: str, state: ResumeState, background: bo
     part; returns (Megatron's AsyncRequest or None, the JSON parts' run_state as of now)."""
     # Before the first step the optimizer holds no state (Megatron cannot serialise it):
     # such a checkpoint carries the weights only.
-    optimizer_format = trainer.run.training.ckpt_optimizer_format if state.step > 0 else None
+    optimizer_format = _optimizer_format(trainer) if state.step > 0 else None
     # async_strategy "mcore": Megatron's own writer (the default, "nvrx", needs the
     # nvidia-resiliency-ext package).
     extra = {"async_sharded_save": True, "async_strategy": "mcore"} if background else {}
     parts = checkpoint_parts(trainer, state, optimizer_format)
-    request = dist_checkpointing.save(tensor_state(parts, is_loading=False), tmp, **extra)
+    if _is_fsdp_dtensor(trainer):  # synchronous (config: no async_save with it)
+        save_fsdp_tensors(_stored_in(parts, TENSORS), tmp)
+        request = None
+    else:
+        request = dist_checkpointing.save(tensor_state(parts, is_loading=False), tmp, **extra)
     # Only after Megatron's save started: it takes a non-empty directory for an earlier,
     # incomplete checkpoint ("Overwriting old incomplete / corrupted checkpoint...").
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
@@ -322,6 +343,7 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
     directory, meta = open_checkpoint(path, fingerprint(trainer), step, allow_unverified)
     saved = RunMetadata()
     read_part(saved, meta, directory)
+    _check_tensor_format(trainer, saved, directory)
     _report_changed_fields(trainer, saved, directory)
     way = loading_way(load_optimizer, finetune)
     excluded = EXCLUDE_FROM_LOADING[way]
@@ -331,7 +353,7 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
     parts = {name: part for name, part
              in checkpoint_parts(trainer, position, optimizer_format).items()
              if name not in excluded and name != saved.name}
-    loaded = read_tensors(tensor_state(_stored_in(parts, TENSORS), is_loading=True), directory)
+    loaded = _read_tensor_parts(trainer, _stored_in(parts, TENSORS), directory)
     for part in parts.values():
         _load_part(trainer, part, loaded, meta, directory, saved, position.step)
     # torch's load_state_dict restored the saved param groups' foreach/fused: the run's wins
@@ -346,6 +368,26 @@ def load_checkpoint(trainer: Trainer, path: str, load_optimizer: bool = True,
               f"{directory}; fresh optimizer state, LR/WD schedule from its step 0 with "
               "this run's settings (Megatron-LM's --no-load-optim)", flush=True)
     return position
+
+
+def _check_tensor_format(trainer: Trainer, saved: RunMetadata, directory: str) -> None:
+    """The checkpoint's tensors are in the format this run reads (the two are not
+    interchangeable: Megatron-FSDP's DTensors vs dist-checkpointing's sharded tensors)."""
+    want = trainer.run.training.ckpt_format
+    if saved.ckpt_format != want:
+        fix = ("--use-megatron-fsdp --ckpt-format fsdp_dtensor" if saved.ckpt_format ==
+               "fsdp_dtensor" else "drop --use-megatron-fsdp and --ckpt-format fsdp_dtensor")
+        raise CheckpointError(f"{directory} holds {saved.ckpt_format} tensors; this run reads "
+                              f"{want} (Megatron-LM's --ckpt-format). Fix: resume with {fix}")
+    if want == "fsdp_dtensor":
+        check_fsdp_layout(saved.layout, _layout(trainer), directory)
+
+
+def _read_tensor_parts(trainer: Trainer, parts: Dict[str, Stateful], directory: str) -> Dict:
+    """Collective: the tensor parts' saved states, read in the run's format."""
+    if _is_fsdp_dtensor(trainer):
+        return load_fsdp_tensors(parts, directory)
+    return read_tensors(tensor_state(parts, is_loading=True), directory)
 
 
 def _load_part(trainer: Trainer, part: Stateful, loaded: Dict, meta: Dict, directory: str,

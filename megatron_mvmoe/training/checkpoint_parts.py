@@ -13,7 +13,7 @@ parts a way of loading excludes (`EXCLUDE_FROM_LOADING`, torchtitan's
                                                       reseeded from (seed, step)
   position     run_state.json step, consumed_samples, gamma, skipped_iters
   run metadata run_state.json format, world_size, layout, optimizer_format, fingerprint,
-               config                                 read (checked by checkpointing/)
+               config, ckpt_format                    read (checked by checkpointing/)
 
 Design choices:
 - The on-disk format is the one checkpoints have always had (run_state.json is the union
@@ -156,22 +156,26 @@ class RunMetadata:
     optimizer_format: Optional[str] = None
     fingerprint: Dict = field(default_factory=dict)
     config: Dict = field(default_factory=dict)
+    ckpt_format: str = "torch_dist"
+    """How the tensors are written (training.ckpt_format; checkpoints older than the field
+    are torch_dist)."""
 
     name, store = "run metadata", RUN_STATE
     required = ("format", "fingerprint")
-    optional = ("world_size", "layout", "optimizer_format", "config")
+    optional = ("world_size", "layout", "optimizer_format", "config", "ckpt_format")
     fix = "the directory was not written by this trainer's save; point --load at one that was"
 
     def state_dict(self) -> Dict:
         return {"format": FORMAT, "world_size": self.world_size, "layout": self.layout,
                 "optimizer_format": self.optimizer_format, "fingerprint": self.fingerprint,
-                "config": self.config}
+                "config": self.config, "ckpt_format": self.ckpt_format}
 
     def load_state_dict(self, state: Dict) -> None:
         self.world_size = state.get("world_size")
         self.layout = state.get("layout")
         self.optimizer_format = state.get("optimizer_format")
         self.fingerprint, self.config = state["fingerprint"], state.get("config") or {}
+        self.ckpt_format = state.get("ckpt_format") or "torch_dist"
 
 
 # --------------------------------------------------------------------------- per rank

@@ -45,14 +45,14 @@ def _identity(group: Dict, keys: Sequence[str]) -> tuple:
     return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
 
 
-def _inner_optimizers(optimizer) -> list:
+def inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _per_optimizer_states(optimizer, state) -> list:
+def per_optimizer_states(optimizer, state) -> list:
     """The saved state of each Megatron optimizer, as ChainedOptimizer.load_state_dict
     hands them out (one optimizer: the whole dict; several: by sorted index)."""
-    inners = _inner_optimizers(optimizer)
+    inners = inner_optimizers(optimizer)
     if len(inners) == 1:
         return [state]
     if isinstance(state, dict):
@@ -102,8 +102,8 @@ def align_saved_groups(optimizer, state) -> Schedules:
     """Before `optimizer.load_state_dict(state)`: align every Megatron optimizer's saved
     groups with its current ones (in place); returns the checkpoint's schedule values."""
     return [align_groups(inner.optimizer.param_groups, _saved_groups(sub))
-            for inner, sub in zip(_inner_optimizers(optimizer),
-                                  _per_optimizer_states(optimizer, state))]
+            for inner, sub in zip(inner_optimizers(optimizer),
+                                  per_optimizer_states(optimizer, state))]
 
 
 def apply_schedule_rule(optimizer, checkpoint_values: Schedules, override: bool) -> None:
@@ -112,7 +112,7 @@ def apply_schedule_rule(optimizer, checkpoint_values: Schedules, override: bool)
     of the current groups, which Megatron's matcher produced)."""
     if override:
         return
-    for inner, values in zip(_inner_optimizers(optimizer), checkpoint_values):
+    for inner, values in zip(inner_optimizers(optimizer), checkpoint_values):
         for group, saved in zip(inner.optimizer.param_groups, values):
             if saved is not None:
                 _set_schedule(group, saved)

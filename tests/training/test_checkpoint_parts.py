@@ -26,6 +26,8 @@ pytestmark = pytest.mark.timeout(60)
 HISTORICAL_KEYS = {"format", "step", "consumed_samples", "gamma", "skipped_iters",
                    "world_size", "layout", "optimizer_format", "scheduler", "fingerprint",
                    "config"}
+LATER_KEYS = {"ckpt_format"}
+"""Added since: optional, absent in older checkpoints (their value implied)."""
 
 
 def _scheduler(max_lr=1e-3, steps=0):
@@ -55,7 +57,7 @@ def _parts(step=7):
 
 def test_run_state_is_the_historical_format():
     state = run_state_of(_parts())
-    assert set(state) == HISTORICAL_KEYS
+    assert set(state) == HISTORICAL_KEYS | LATER_KEYS
     assert (state["step"], state["consumed_samples"], state["gamma"],
             state["skipped_iters"]) == (7, 56, 0.25, 1)
     assert state["scheduler"]["num_steps"] == 7
@@ -80,13 +82,15 @@ def test_json_parts_round_trip():
 
 def test_older_checkpoints_without_later_keys_load_with_their_defaults():
     state = run_state_of(_parts())
-    for key in ("gamma", "skipped_iters", "layout", "optimizer_format", "config"):
+    for key in ("gamma", "skipped_iters", "layout", "optimizer_format", "config",
+                "ckpt_format"):
         del state[key]
     position, metadata = ResumeState(), RunMetadata()
     read_part(position, state, "ckpt")
     read_part(metadata, state, "ckpt")
     assert (position.gamma, position.skipped_iters) == (None, 0)
     assert (metadata.layout, metadata.optimizer_format) == (None, None)
+    assert metadata.ckpt_format == "torch_dist"  # every checkpoint before the field
 
 
 @pytest.mark.parametrize("key,part,fix", [

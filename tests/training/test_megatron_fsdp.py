@@ -1,8 +1,8 @@
 """Megatron-LM's --use-megatron-fsdp (optimizer.megatron_fsdp): Megatron-Core's Megatron-FSDP
 wraps the model on gloo (platform/megatron_fsdp_cpu.py) and trains to the losses of DDP with
-the distributed optimizer; its sharding strategies as Megatron-LM spells them; the ones not
-run here (the 'optim' strategy, checkpoints) refused in one line naming the field and the
-fix."""
+the distributed optimizer; its sharding strategies as Megatron-LM spells them; the one not
+run here (the 'optim' strategy) refused in one line naming the field and the fix (its
+checkpoints: test_fsdp_checkpoint.py)."""
 
 import copy
 
@@ -65,12 +65,4 @@ def test_a_strategy_not_run_here_is_refused_in_one_line():
         config_from_args(LINE + ["--data-parallel-sharding-strategy", "optim"]).validate()
     assert str(err.value).startswith("optimizer.data_parallel_sharding_strategy: optim ")
     assert "Fix: --data-parallel-sharding-strategy optim_grads_params" in str(err.value)
-    assert "\n" not in str(err.value)
-
-
-def test_checkpoints_are_refused_in_one_line_naming_the_fix(tmp_path):
-    with pytest.raises(ValueError) as err:
-        config_from_args(LINE + ["--save", str(tmp_path)]).validate()
-    assert str(err.value).startswith("optimizer.megatron_fsdp: checkpoints ")
-    assert "fsdp_dtensor" in str(err.value) and "Fix: drop --save/--load" in str(err.value)
     assert "\n" not in str(err.value)

@@ -13,7 +13,7 @@ import megatron_lm_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
-RESOLVING = {  # docs/megatron_lm.md: the 37 lines that resolve as written
+RESOLVING = {  # docs/megatron_lm.md: the 38 lines that resolve as written
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances",
     "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances"
     "_1node",
@@ -54,6 +54,8 @@ RESOLVING = {  # docs/megatron_lm.md: the 37 lines that resolve as written
     "gpt3_mcore_tp2_pp2_ep2_resume_torch_dist_te_4experts2parallel",
     "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel",
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer_1node",
+    # Megatron-FSDP with its fsdp_dtensor checkpoints (training/fsdp_checkpoint.py), TP 2 x EP 2
+    "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router",
     # --fp16 with dynamic loss scaling, --apply-query-key-layer-scaling, sinkhorn, TP 2 x PP 2
     "gpt3_mcore_tp2_pp2_resume_torch_dist_te_2experts"}
 # reason: refused lines that name it (docs/megatron_lm.md, "The functional-test corpus")
@@ -61,7 +63,7 @@ REASON_COUNTS = {
     "CUDA graphs / GPU streams / offloading": 14,
     "inference / RL test, not pretraining": 12,
     "FP8 / TransformerEngine": 9,
-    "Megatron-FSDP checkpoints (--ckpt-format fsdp_dtensor; FSDP itself trains)": 4,
+    "Megatron-FSDP precision options (--megatron-fsdp-*-dtype; FSDP itself trains and saves)": 1,
 }
 
 
