@@ -51,7 +51,7 @@ class RunConfig:
                  num_layers: Optional[int] = None, num_experts: Optional[int] = None) -> None:
         """Field checks; with world_size also the layout and batch divisibility."""
         _check_muon(self.optimizer, self.training.precision)
-        check_megatron_fsdp(self.optimizer, self.training)
+        check_megatron_fsdp(self.optimizer, self.training, self.parallel.pp)
         for section in dataclasses.fields(self):  # enum-like fields set in code after loading
             check_literals(getattr(self, section.name), section.name)
         t, o = self.training, self.optimizer

@@ -83,11 +83,15 @@ class OptimizerSection:
     """Megatron-FSDP only: what is sharded over the data-parallel ranks (Megatron-LM's
     --data-parallel-sharding-strategy and its default): no_shard shards nothing (data
     parallelism as DDP does it), optim_grads shards optimizer states and gradients,
-    optim_grads_params also the parameters (gathered per layer for forward and backward).
-    optim is refused (check_megatron_fsdp)."""
+    optim_grads_params also the parameters (gathered per layer for forward and backward),
+    optim the optimizer states only (ZeRO-1: gradients reduce-scattered once per step).
+    Each trains to DDP's losses (tests/training/test_megatron_fsdp.py)."""
     grad_reduce_in_fp32: bool = True
     """Reduce gradients over the data-parallel ranks in fp32 (bf16 runs otherwise reduce
-    them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off by default there)."""
+    them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off by default there).
+    Megatron-FSDP does not read it: its gradients are accumulated and reduced in the
+    parameters' dtype (Megatron-LM's --megatron-fsdp-main-grads-dtype auto), as DDP's with
+    this false (tests/training/test_megatron_fsdp.py)."""
     initial_loss_scale: float = 2.0 ** 32
     """fp16 only: the dynamic loss scale's start (Megatron-LM's --initial-loss-scale); it
     halves on an overflow (after `hysteresis` of them) and doubles after `loss_scale_window`
@@ -146,16 +150,12 @@ def _check_muon(o: OptimizerSection, precision: str) -> None:
              "data-parallel rank")
 
 
-FSDP_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
-"""The Megatron-FSDP sharding strategies this trainer runs (tests/training/test_megatron_fsdp.py
-checks them against DDP)."""
-
-
-def check_megatron_fsdp(o: OptimizerSection, t: "TrainingSection") -> None:
+def check_megatron_fsdp(o: OptimizerSection, t: "TrainingSection", pp: int = 1) -> None:
     """Megatron-FSDP's requirements, as Megatron-LM's arguments.py states them where it
     refuses (its checkpoints only as --ckpt-format fsdp_dtensor, and that format only with
-    Megatron-FSDP), plus what this trainer does not run with it: the 'optim' strategy and
-    background saves of fsdp_dtensor checkpoints."""
+    Megatron-FSDP), what fails in Megatron-Core 0.19.2 as in Megatron-LM (pipeline
+    parallelism, a loss scale with sharded gradients), and what this trainer does not run with
+    it: background saves of fsdp_dtensor checkpoints."""
     _require(t.ckpt_format != "fsdp_dtensor" or o.megatron_fsdp, "training.ckpt_format",
              "fsdp_dtensor holds Megatron-FSDP's DTensors (Megatron-LM: only with Megatron "
              "FSDP)", "add --use-megatron-fsdp, or use --ckpt-format torch_dist")
@@ -170,12 +170,20 @@ def check_megatron_fsdp(o: OptimizerSection, t: "TrainingSection") -> None:
              "background saves of fsdp_dtensor checkpoints are not wired here (Megatron-LM "
              "writes them with nvidia-resiliency-ext's writer, not installed)",
              "drop --async-save (the save is synchronous)")
-    _require(o.data_parallel_sharding_strategy in FSDP_STRATEGIES,
-             "optimizer.data_parallel_sharding_strategy",
-             f"{o.data_parallel_sharding_strategy} with Megatron-FSDP is not run here: on 2 "
-             "gloo ranks Megatron-Core 0.19.2's 'optim' trained to other losses and grad norms "
-             "than DDP's",
-             "--data-parallel-sharding-strategy optim_grads_params (or optim_grads)")
+    _require(pp == 1, "parallel.pp", f"{pp} pipeline stages with Megatron-FSDP: Megatron-Core "
+             "0.19.2's FSDP adapter lays its device mesh over every rank as DP x CP x TP "
+             "(_get_dp_tp_mesh), so it fails to build with PP > 1 (in Megatron-LM too)",
+             "--pipeline-model-parallel-size 1, or --use-distributed-optimizer instead of "
+             "--use-megatron-fsdp")
+    strategy = o.data_parallel_sharding_strategy
+    unscaling = (f"with Megatron-FSDP's {strategy}: Megatron-Core 0.19.2's loss-scale "
+                 "unscaling reads every parameter's gradient shard, None where this rank's "
+                 "shard holds none of it (in Megatron-LM too)")
+    _require(t.precision != "fp16" or strategy == "no_shard", "training.precision",
+             f"fp16 {unscaling}", "--bf16, or --data-parallel-sharding-strategy no_shard")
+    _require(o.loss_scale is None or strategy == "no_shard", "optimizer.loss_scale",
+             f"a static loss scale {unscaling}",
+             "drop --loss-scale, or --data-parallel-sharding-strategy no_shard")
     _require(o.optimizer == "adam", "optimizer.optimizer",
              f"{o.optimizer} with Megatron-FSDP (Megatron-LM refuses it too)",
              "--optimizer adam, or drop --use-megatron-fsdp")

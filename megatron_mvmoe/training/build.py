@@ -109,8 +109,8 @@ def _ddp_shards(o) -> bool:
     return o.use_distributed_optimizer or o.megatron_fsdp
 
 
-def _wrap_ddp(config, chunks, run: RunConfig, pg_collection) -> List[DistributedDataParallel]:
-    ddp = ddp_config(run)
+def _wrap_ddp(config, chunks, run: RunConfig, pg_collection,
+              ddp: DistributedDataParallelConfig) -> List[DistributedDataParallel]:
     if run.optimizer.megatron_fsdp:
         return _wrap_megatron_fsdp(config, chunks, ddp, pg_collection)
     layouts = [None] * len(chunks)
@@ -120,6 +120,19 @@ def _wrap_ddp(config, chunks, run: RunConfig, pg_collection) -> List[Distributed
     return [DistributedDataParallel(config=config, ddp_config=ddp, module=chunk,
                                     disable_bucketing=index > 0, full_param_layout=layout)
             for index, (chunk, layout) in enumerate(zip(chunks, layouts))]
+
+
+def _no_sync_func(model, overlap_grad_reduce: bool):
+    """The schedule's no_sync, set as Megatron-LM's training.py sets it: only when the
+    gradient reduction overlaps the backward. Without the overlap, DDP's hooks ignore
+    no_sync, but Megatron-FSDP's 'optim' and 'no_shard' reduce in the last microbatch's
+    backward hooks once a no_sync has ended, and finish_grad_sync reduces again: 'optim'
+    reduce-scattered each gradient twice (grad norm 0.83 instead of DDP's 1.08 in step 1;
+    tests/training/test_megatron_fsdp.py)."""
+    if not overlap_grad_reduce:
+        return None
+    no_sync = [chunk.no_sync for chunk in model]
+    return no_sync[0] if len(no_sync) == 1 else no_sync
 
 
 def _wrap_megatron_fsdp(config, chunks, ddp, pg_collection) -> list:
@@ -191,12 +204,13 @@ def build_trainer(run: RunConfig, pg_collection,
     """Build this rank's model chunks, DDP wrappers, optimizer and scheduler."""
     chunks = build_model(run, pg_collection, config)  # seeded, on the device
     config = chunks[0].config
-    model = _wrap_ddp(config, chunks, run, pg_collection)
+    ddp = ddp_config(run)
+    overlap = ddp.overlap_grad_reduce  # before Megatron-FSDP turns it on for its own use
+    model = _wrap_ddp(config, chunks, run, pg_collection, ddp)
     # The schedule calls this after the last backward: DP grad sync, TP/PP embedding and
     # layer-norm grad reductions, and the expert-bias update.
     config.finalize_model_grads_func = partial(finalize_model_grads)
-    no_sync = [chunk.no_sync for chunk in model]
-    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.no_sync_func = _no_sync_func(model, overlap)
     optimizer = _optimizer(run, config, model)
     if config.fp16 or run.optimizer.loss_scale:
         # the schedule scales each loss before its backward by the optimizer's grad scaler
