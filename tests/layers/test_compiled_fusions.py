@@ -22,6 +22,18 @@ BIG_ENOUGH = ["--seq-length", "512", "--moe-ffn-hidden-size", "1024"]
 fuses (tiny_smoe: 4 experts, top-2)."""
 
 
+@pytest.fixture(autouse=True)
+def _compiles_only_in_child_processes():
+    """Every compile of this file (the probe's too) happens in a child process: a pytest
+    worker that compiled would fork later tests' ranks (launch/local_ranks.py) sharing
+    inductor's compile workers and autograd threads, which hung the resume test in CI."""
+    from torch._dynamo.utils import counters
+
+    before = counters["frames"]["ok"]
+    yield
+    assert counters["frames"]["ok"] == before, "torch.compile ran in the pytest worker"
+
+
 def _naive_swiglu(y_NG: torch.Tensor) -> torch.Tensor:
     gate_NF, linear_NF = torch.chunk(y_NG, 2, dim=-1)
     return F.silu(gate_NF) * linear_NF
@@ -81,9 +93,7 @@ def test_cpu_rule_fuses_where_asked_compilable_and_big_enough():
     assert gpu.on and "Triton" in gpu.why
 
 
-def test_flag_default_and_not_structural():
-    """--no-bias-swiglu-fusion sets the field; the default fuses a big-enough CPU model and
-    leaves tiny ones eager (they never compile); a checkpoint loads across the switch."""
+def _flag_default_worker(rank, world_size):
     from megatron_mvmoe.checkpointing.fingerprint import check_fingerprint, model_fingerprint
     from megatron_mvmoe.config.flags import config_from_args
     from megatron_mvmoe.models.provider import transformer_config
@@ -91,10 +101,19 @@ def test_flag_default_and_not_structural():
     tiny = config_from_args(BASE + ["--seq-length", "32"]).model
     assert tiny.bias_swiglu_fusion and not transformer_config(tiny).bias_activation_fusion
     big = config_from_args(BASE + BIG_ENOUGH).model
-    assert transformer_config(big).bias_activation_fusion
+    assert transformer_config(big).bias_activation_fusion  # the inductor probe compiles
     off = config_from_args(BASE + BIG_ENOUGH + ["--no-bias-swiglu-fusion"]).model
     assert not off.bias_swiglu_fusion and not transformer_config(off).bias_activation_fusion
     check_fingerprint(model_fingerprint(off), model_fingerprint(big), "ckpt")
+
+
+def test_flag_default_and_not_structural():
+    """--no-bias-swiglu-fusion sets the field; the default fuses a big-enough CPU model and
+    leaves tiny ones eager (they never compile); a checkpoint loads across the switch. In a
+    child process: deciding for the big model runs the inductor probe, a compile."""
+    from megatron_mvmoe.testing.spawn import run_distributed
+
+    run_distributed(_flag_default_worker, 1, timeout_s=300)
 
 
 @pytest.mark.slow
