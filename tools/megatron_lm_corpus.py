@@ -79,6 +79,10 @@ def _shrunk(flag: str, value):
     return value
 
 
+MAX_RANKS = 8
+"""--train's default --max-ranks: every resolving line's layout fits
+(test_megatron_lm_corpus.py::test_every_resolving_line_trains_within_the_default_max_ranks)."""
+
 BRACKETED = re.compile(r"^\[[^]]+\]$")
 
 
@@ -214,16 +218,10 @@ def resolve(line: List[str], parser=None) -> Tuple[Optional[object], List[str]]:
 
 
 def ranks_needed(run) -> int:
-    """The fewest ranks the run's layout runs on: TP x PP x CP x DP, DP the smallest that
-    lets EP x ETP divide TP x CP x DP (Megatron's expert-parallel groups) and that the
-    distributed-optimizer instances divide, as they must divide the expert data-parallel size
-    TP x CP x DP / (EP x ETP)."""
-    p = run.parallel
-    tp, pp, cp = p.tp or 1, p.pp or 1, p.cp or 1
-    expert, instances = (p.ep or 1) * (p.etp or 1), p.distributed_optimizer_instances
-    dp = next(d for d in range(1, 65) if (tp * cp * d) % expert == 0 and d % instances == 0
-              and (tp * cp * d // expert) % instances == 0)
-    return tp * pp * cp * dp
+    """The fewest ranks the run's layout runs on (ParallelLayout.smallest_world_size: EP x ETP
+    dividing TP x CP x DP, the distributed-optimizer instances dividing both data-parallel
+    sizes, as Megatron-Core asserts)."""
+    return run.parallel.smallest_world_size()
 
 
 def resolve_all(cases: Dict[str, List[str]]) -> dict:
@@ -289,7 +287,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mirror", default="/work/.mirror/NVIDIA+Megatron-LM/repo")
     parser.add_argument("--resolve", action="store_true")
     parser.add_argument("--train", nargs="*", metavar="CASE")
-    parser.add_argument("--max-ranks", type=int, default=8)
+    parser.add_argument("--max-ranks", type=int, default=MAX_RANKS)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--log-dir", default=os.path.join("runs", "megatron_lm_corpus"),
                         help="with --train: each line's whole launch output is kept in "
