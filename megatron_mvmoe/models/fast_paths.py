@@ -121,7 +121,10 @@ def swiglu_elements(section) -> int:
     per micro-batch: seq x ffn_hidden_size in a dense model; in a MoE model one expert's
     share, seq x top-k / experts rows x moe_ffn_hidden_size (SequentialMLP calls each
     expert's MLP on its own rows). A lower bound: more sequences per micro-batch, or the
-    CPU grouped path's one call over all experts, only make the calls larger."""
+    CPU grouped path's one call over all experts, only make the calls larger. 0 when the
+    MLPs are not SwiGLU (GeLU: no SwiGLU call)."""
+    if not section.swiglu:
+        return 0
     seq = section.seq_length or 0
     if not (section.is_moe and section.moe_ffn_hidden_size):
         return seq * (section.ffn_hidden_size or 0)
@@ -221,7 +224,10 @@ def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool,
 def _bias_activation_fusion(target: Target, requested: bool,
                             size: Optional[int]) -> FastPath:
     """Megatron's fused SwiGLU (bias_swiglu_impl, its torch.compile'd jit_fuser)."""
-    if not requested:
+    if size == 0:  # Megatron fuses GeLU only with a bias, and neither GeLU in experts that
+        # scale rows by their probs (SequentialMLP) nor quick-GeGLU without them
+        why_off = "the model's MLPs are not SwiGLU (GeLU): none to fuse"
+    elif not requested:
         why_off = "--no-bias-swiglu-fusion: unfused SwiGLU"
     elif target.cuda:
         why_off = ""
@@ -238,6 +244,14 @@ def _bias_activation_fusion(target: Target, requested: bool,
     return _path("bias_activation_fusion", not why_off,
                  f"fused SwiGLU (Megatron's bias_swiglu_impl, torch.compile: {how})", why_off,
                  {"bias_activation_fusion": not why_off})
+
+
+def cpu_swiglu_fusion_wanted(section) -> bool:
+    """Whether the CPU rule fuses this model's SwiGLU where inductor compiles: only then is
+    inductor probed (the probe compiles)."""
+    compiles = Target(cuda=False, te=False, inductor_blocker="")
+    return _bias_activation_fusion(compiles, section.bias_swiglu_fusion,
+                                   swiglu_elements(section)).on
 
 
 def fusions_line(paths: List[FastPath]) -> str:

@@ -39,8 +39,8 @@ from megatron_mvmoe.config.model_section import (ModelSection, model_section_fro
                                                   sdpa_blocker)
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
-from megatron_mvmoe.models.fast_paths import (SWIGLU_FUSION_MIN_ELEMENTS, Target,
-                                              choose_fast_paths, config_fields,
+from megatron_mvmoe.models.fast_paths import (FastPath, Target, choose_fast_paths,
+                                              config_fields, cpu_swiglu_fusion_wanted,
                                               expert_matrix_elements, swiglu_elements)
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
@@ -63,9 +63,20 @@ def target_for(on_cpu: bool, model: Optional[ModelSection] = None) -> Target:
     CPU inductor is probed only where `model` would run a compiled fusion."""
     if not on_cpu:
         return Target.here()
-    return Target.cpu(probe_inductor=model is not None and model.swiglu and
-                      model.bias_swiglu_fusion and
-                      swiglu_elements(model) >= SWIGLU_FUSION_MIN_ELEMENTS)
+    return Target.cpu(probe_inductor=model is not None and cpu_swiglu_fusion_wanted(model))
+
+
+def model_fast_paths(model: ModelSection, target: Target, etp: int = 1,
+                     distributed_optimizer: bool = True) -> List[FastPath]:
+    """Every fast-path decision for `model` on `target` (models/fast_paths.py), from the
+    model's own fields: the config's (transformer_config) and the banner's
+    (training/build.py run_fast_paths) are one decision."""
+    return choose_fast_paths(
+        target, model.moe_variant, bitnet=model.bitnet.enabled,
+        distributed_optimizer=distributed_optimizer,
+        expert_elements=expert_matrix_elements(model, etp),
+        attention_backend=model.attention_backend, sdpa_blocker=sdpa_blocker(model.extra),
+        swiglu_fusion=model.bias_swiglu_fusion, swiglu_size=swiglu_elements(model))
 
 
 def _routing(model: ModelSection) -> Dict[str, Any]:
@@ -120,16 +131,9 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
     kwargs.update(architecture_fields(model))
     kwargs.update(_numerics(use_bf16, on_cpu, use_fp16))
     target = target_for(on_cpu, model)
-    kwargs.update(config_fields(choose_fast_paths(
-        target, model.moe_variant, bitnet=model.bitnet.enabled,
-        expert_elements=expert_matrix_elements(model, etp),
-        attention_backend=model.attention_backend, sdpa_blocker=sdpa_blocker(model.extra),
-        swiglu_fusion=model.bias_swiglu_fusion, swiglu_size=swiglu_elements(model))))
+    kwargs.update(config_fields(model_fast_paths(model, target, etp)))
     if target.te:  # Megatron-LM's meaning: it picks TE's kernel (LanguageModule env vars)
         kwargs["attention_backend"] = AttnBackend[model.attention_backend]
-    if not model.swiglu:  # Megatron fuses GeLU only with a bias, and neither GeLU in experts
-        # that scale rows by their probs (SequentialMLP) nor quick-GeGLU without them
-        kwargs["bias_activation_fusion"] = False
     kwargs.update(_routing(model))
     kwargs.update(model.extra)
     if pp_layout is not None:  # Megatron's own checks assert; these name the flag

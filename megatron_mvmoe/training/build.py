@@ -27,13 +27,12 @@ from megatron.core.optimizer.layer_wise_optimizer import (LayerWiseDistributedOp
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mvmoe import platform
-from megatron_mvmoe.config.model_section import ModelSection, sdpa_blocker
+from megatron_mvmoe.config.model_section import ModelSection
 from megatron_mvmoe.config.run_config import RunConfig
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.models.build import build_model
-from megatron_mvmoe.models.fast_paths import (FastPath, choose_fast_paths, ddp_fields,
-                                              expert_matrix_elements, swiglu_elements)
-from megatron_mvmoe.models.provider import target_for
+from megatron_mvmoe.models.fast_paths import FastPath, ddp_fields
+from megatron_mvmoe.models.provider import model_fast_paths, target_for
 from megatron_mvmoe.training.adam_impl import apply_adam_impl
 from megatron_mvmoe.training.schedule_rule import scheduler_switches
 
@@ -64,16 +63,8 @@ class Trainer:
 
 def run_fast_paths(run: RunConfig) -> List[FastPath]:
     """The fast-path decisions for this run on this machine (models/fast_paths.py)."""
-    return choose_fast_paths(target_for(not platform.is_cuda(), run.model),
-                             run.model.moe_variant,
-                             bitnet=run.model.bitnet.enabled,
-                             distributed_optimizer=run.optimizer.use_distributed_optimizer,
-                             expert_elements=expert_matrix_elements(run.model,
-                                                                    run.parallel.etp),
-                             attention_backend=run.model.attention_backend,
-                             sdpa_blocker=sdpa_blocker(run.model.extra),
-                             swiglu_fusion=run.model.bias_swiglu_fusion,
-                             swiglu_size=swiglu_elements(run.model))
+    return model_fast_paths(run.model, target_for(not platform.is_cuda(), run.model),
+                            run.parallel.etp, run.optimizer.use_distributed_optimizer)
 
 
 def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:

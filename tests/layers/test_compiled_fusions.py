@@ -133,3 +133,19 @@ def test_resume_with_fused_swiglu_is_bit_identical(text_tokens, tmp_path):
         fh.write("iter_0000002\n")
     resumed = train(raw(train_iters=4, load=root), 1)
     assert resumed["first_step"] == 3 and resumed["losses"] == full["losses"][2:]
+
+
+def test_a_model_without_swiglu_has_none_to_fuse():
+    """GeLU MLPs (Megatron-LM without --swiglu): the banner's fusions line says the model has
+    no SwiGLU, on CPU as on a GPU, where the provider builds no fused SwiGLU either."""
+    from megatron_mvmoe.config.flags import config_from_args
+    from megatron_mvmoe.training.build import run_fast_paths
+
+    run = config_from_args(BASE + BIG_ENOUGH)
+    run.model.swiglu = False
+    line = fusions_line(run_fast_paths(run))
+    assert line.startswith("fusions: SwiGLU off (the model's MLPs are not SwiGLU"), line
+    from megatron_mvmoe.models.provider import model_fast_paths
+
+    gpu = fusions_line(model_fast_paths(run.model, Target(cuda=True, te=True)))
+    assert gpu.startswith("fusions: SwiGLU off (the model's MLPs are not SwiGLU"), gpu
