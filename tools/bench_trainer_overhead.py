@@ -27,6 +27,8 @@ from typing import Dict, List
 
 import torch
 
+from megatron_mvmoe.training.adam_impl import IMPL_FLAGS
+
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
@@ -42,7 +44,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="cpu: each rank's process CPU time (the cores are shared); wall")
     p.add_argument("--log-interval", type=int,
                    help="the run's logging.log_interval (default: the config's default)")
-    p.add_argument("--torch-adam-impl", choices=["default", "for_loop", "foreach", "fused"],
+    p.add_argument("--torch-adam-impl", choices=list(IMPL_FLAGS),
                    default="default", help="optimizer.torch_adam_impl of the trainer; the "
                    "bare step runs the same AdamW")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -26,6 +26,8 @@ from typing import Dict, List
 
 import torch
 
+from megatron_mvmoe.training.adam_impl import IMPL_FLAGS
+
 GLUE_OPS = ("aten::copy_", "aten::cat", "aten::index", "aten::index_select", "aten::gather",
             "aten::scatter_add_", "aten::index_add_", "aten::index_put_", "aten::masked_select",
             "aten::nonzero", "aten::argsort", "aten::sort", "aten::split", "aten::to",
@@ -48,7 +50,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         "(training/step_bench.py's TrainerStep, the run's defaults)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--torch-adam-impl", choices=["foreach", "default", "for_loop", "fused"],
+    p.add_argument("--torch-adam-impl", choices=list(IMPL_FLAGS),
                    help="the AdamW of the step (optimizer.torch_adam_impl); unset: the bare "
                    "step's foreach, the trainer's configured default")
     p.add_argument("--sites", type=int, default=0, metavar="N",

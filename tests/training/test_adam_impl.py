@@ -70,3 +70,15 @@ def test_resume_runs_the_configured_adam_not_the_checkpoints(text_tokens, tmp_pa
 def test_adam_impl_refuses_an_unknown_name(text_tokens):
     with pytest.raises(ValueError, match=r"optimizer\.torch_adam_impl"):
         config_from_dict(_raw(text_tokens, "fast"))
+
+
+def test_every_configurable_impl_has_its_flags():
+    """The config's choices (OptimizerSection's Literal) are IMPL_FLAGS' names, which the
+    tools' --torch-adam-impl offer: a name added to one only would fail at the build."""
+    import typing
+
+    from megatron_mvmoe.config.run_sections import OptimizerSection
+    from megatron_mvmoe.training.adam_impl import IMPL_FLAGS
+
+    hint = typing.get_type_hints(OptimizerSection)["torch_adam_impl"]
+    assert list(typing.get_args(hint)) == list(IMPL_FLAGS)
