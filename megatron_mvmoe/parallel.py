@@ -140,18 +140,7 @@ class ParallelLayout:
                 "over the data-parallel group only, so the tensor-parallel ranks that feed "
                 "the same whole experts different tokens would never sum their expert "
                 f"gradients. Fix: use etp={self.tp}, or ep > 1 (e.g. ep=2 with etp=1).")
-        instances = self.distributed_optimizer_instances
-        if instances < 1 or self.data_parallel_size(world_size) % instances != 0:
-            raise ValueError(
-                f"layout.distributed_optimizer_instances: {instances} does not divide the "
-                f"data-parallel size {self.data_parallel_size(world_size)}. Fix: choose it among "
-                f"{_divisors(self.data_parallel_size(world_size))}.")
-        expert_dp = self.expert_data_parallel_size(world_size)
-        if expert_dp % instances != 0:  # Megatron-Core splits the expert DP group too (an assert)
-            raise ValueError(
-                f"layout.distributed_optimizer_instances: {instances} does not divide the "
-                f"expert data-parallel size {expert_dp} (world / (ep*etp*pp)). Fix: choose it "
-                f"among {_divisors(expert_dp)}, or a world size that makes {instances} divide it.")
+        self._check_instances(world_size)
         if self.pp_layout is not None:
             self.layout_vpp()  # the stage count; the layers are counted with the model's MTP
         elif num_layers is not None and num_layers % (self.pp * (self.vpp or 1)) != 0:
@@ -162,6 +151,22 @@ class ParallelLayout:
             raise ValueError(
                 f"layout: num_moe_experts {num_experts} is not divisible by ep {self.ep}. "
                 f"Fix: pick ep among {_divisors(num_experts)}.")
+
+    def _check_instances(self, world_size: int) -> None:
+        """The distributed-optimizer instances split the data-parallel group and, as
+        Megatron-Core asserts on every rank after the launch, the expert data-parallel one."""
+        instances = self.distributed_optimizer_instances
+        if instances < 1 or self.data_parallel_size(world_size) % instances != 0:
+            raise ValueError(
+                f"layout.distributed_optimizer_instances: {instances} does not divide the "
+                f"data-parallel size {self.data_parallel_size(world_size)}. Fix: choose it among "
+                f"{_divisors(self.data_parallel_size(world_size))}.")
+        expert_dp = self.expert_data_parallel_size(world_size)
+        if expert_dp % instances != 0:
+            raise ValueError(
+                f"layout.distributed_optimizer_instances: {instances} does not divide the "
+                f"expert data-parallel size {expert_dp} (world / (ep*etp*pp)). Fix: choose it "
+                f"among {_divisors(expert_dp)}, or a world size that makes {instances} divide it.")
 
 
 def stage_layer_ids(layout: ParallelLayout, num_layers: int, stage: int) -> List[int]:
