@@ -330,6 +330,8 @@ def test_export_and_upcycling_refuse_what_they_do_not_map():
     with pytest.raises(ValueError, match="^model.position_embedding_type: "):
         unsupported_architecture(_model("tiny_smoe", dict(
             GPT3, untie_embeddings_and_output_weights=True)))
+    with pytest.raises(ValueError, match="^model.position_embedding_type: 'yarn'"):
+        unsupported_architecture(_model("tiny_smoe", {"position_embedding_type": "yarn"}))
     unsupported_architecture(_model("tiny_smoe", {}))  # ours exports
     dense = _model("tiny_dense", {"add_bias_linear": True})
     problems = upcycle_problems(dense, _model("tiny_smoe", {"add_bias_linear": True}))
