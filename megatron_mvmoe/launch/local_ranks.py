@@ -5,7 +5,11 @@ counted collectives, the analysis tools' one-rank model runs, bench_moe_layer's 
 Design choices:
 - `fork` start method by default: children inherit the already-imported torch and
   Megatron (seconds saved per rank on a 2-core machine); no CUDA is initialised in the
-  parent on CPU, so forking is safe. `spawn` is available for CUDA.
+  parent on CPU, so forking is safe, unless torch.compile ran in the parent: the children
+  would share its inductor compile workers and autograd threads and may hang, so whatever
+  compiles (the inductor probe included) runs in a rank, never in the launching process
+  (tests/layers/test_compiled_fusions.py fails a test that compiles in the pytest worker).
+  `spawn` is available for CUDA.
 - Every rank reports through a queue; the parent waits with one deadline for all. A rank
   that raises, dies (non-zero exit, killed) or a job that passes the deadline kills every
   rank and raises `LocalRanksError` with the failing rank's traceback.
