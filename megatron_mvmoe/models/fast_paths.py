@@ -64,6 +64,10 @@ a fixed dispatch (dynamo guards, AOT-autograd wrappers, Megatron's autograd.Func
 eager's three kernels undercut until the tensors are large."""
 
 
+NOT_PROBED = "not probed for this target"
+"""Target.inductor_blocker where inductor was not tried: CPU fusions stay off."""
+
+
 @dataclass(frozen=True)
 class Target:
     """The machine a run is built for."""
@@ -71,7 +75,7 @@ class Target:
     cuda: bool
     te: bool
     """TransformerEngine importable (Megatron's `HAVE_TE`)."""
-    inductor_blocker: str = "not probed for this target"
+    inductor_blocker: str = NOT_PROBED
     """Why torch.compile's inductor cannot build CPU code here ('' = it can:
     platform/inductor_probe.py). Only CPU fusions read it; a GPU compiles with Triton."""
 
@@ -90,8 +94,7 @@ class Target:
         from megatron_mvmoe.platform.inductor_probe import inductor_blocker
 
         return cls(cuda=False, te=False,
-                   inductor_blocker=inductor_blocker() if probe_inductor else
-                   "not probed for this target")
+                   inductor_blocker=inductor_blocker() if probe_inductor else NOT_PROBED)
 
 
 @dataclass(frozen=True)
