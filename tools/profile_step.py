@@ -109,7 +109,7 @@ def measure(rank: int, world: int, args) -> Dict:
         trainer = sb.TrainerStep(run, pgs, config)
         model, step = trainer.loop.trainer.unwrapped()[0], trainer
     else:
-        bare = sb.BareStep(run, pgs, config=config, adam_impl=args.torch_adam_impl)
+        bare = sb.BareStep(run, pgs, config=config, adam_impl=args.torch_adam_impl or "foreach")
         batch = sb.one_batch(run)
         model, step = bare.model, lambda: bare(batch)
     experts = sorted({type(m).__name__ for m in model.modules()

@@ -10,11 +10,11 @@ Design choices:
   alike, so both start from the same weights and see the same batch.
 - The bare step is what a user would write by hand around the same GPTModel: forward with
   labels, token-mean cross-entropy, backward, clip 1.0, torch AdamW (foreach), zero grads.
-  Against the trainer it runs torch AdamW's default implementation instead (`adam_foreach`
-  None), the one Megatron-Core builds: on CPU the per-tensor loop, bit-identical to foreach
-  (tests/training/test_step_bench_adam.py) and faster there (foreach on CPU is a loop of the
-  same kernels plus its list overhead), so the overhead measured is the trainer's
-  machinery, not a slower optimizer in the bare step.
+  Against the trainer it runs the trainer's AdamW instead (`adam_impl`; by default torch's
+  default, the one Megatron-Core builds: on CPU the per-tensor loop, bit-identical to
+  foreach (tests/training/test_step_bench_adam.py) and faster there, foreach on CPU being a
+  loop of the same kernels plus its list overhead), so the overhead measured is the
+  trainer's machinery, not a slower optimizer in the bare step.
 - The trainer step is the pretrain loop's own iteration (`pretrain._Loop.one_step` and its
   progress report when due) on Megatron's mock data, with the run's logging defaults.
 - Phase times come from the loop's own seams (the data iterator, the schedule's
@@ -99,10 +99,9 @@ def one_batch(run, seed: int = 0) -> Dict[str, torch.Tensor]:
 class BareStep:
     """The hand-written loop around the same GPTModel: forward, loss, backward, clip, AdamW."""
 
-    def __init__(self, run, pgs, clip: float = 1.0, config=None,
-                 adam_foreach: Optional[bool] = True, adam_impl: Optional[str] = None):
-        """`adam_impl` (optimizer.torch_adam_impl's names), when given, replaces
-        `adam_foreach`: the bare step then runs the AdamW the trainer is configured with."""
+    def __init__(self, run, pgs, clip: float = 1.0, config=None, adam_impl: str = "foreach"):
+        """`adam_impl`: optimizer.torch_adam_impl's names; foreach (the hand-written loop's,
+        torchtitan's), or the AdamW the trainer is configured with."""
         from megatron_mvmoe.models.build import build_model
         from megatron_mvmoe.training.adam_impl import IMPL_FLAGS
 
@@ -110,7 +109,7 @@ class BareStep:
         self.model.train()
         o = run.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        foreach, fused = (adam_foreach, None) if adam_impl is None else IMPL_FLAGS[adam_impl]
+        foreach, fused = IMPL_FLAGS[adam_impl]
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.adam_beta1,
                                            o.adam_beta2), eps=o.adam_eps,
                                            weight_decay=o.weight_decay, foreach=foreach,

@@ -83,27 +83,3 @@ def test_every_configurable_impl_has_its_flags():
     hint = typing.get_type_hints(OptimizerSection)["torch_adam_impl"]
     assert list(typing.get_args(hint)) == list(IMPL_FLAGS)
 
-
-def test_for_loop_and_foreach_step_as_the_default_on_cpu():
-    """docs/megatron_lm.md: on CPU `for_loop` and `foreach` give `default`'s parameters bit
-    for bit (torch's own choice there is the for-loop); `fused` is not promised to."""
-    import torch
-
-    from megatron_mvmoe.training.adam_impl import IMPL_FLAGS
-
-    def stepped(impl):
-        gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(shape, generator=gen))
-                  for shape in ((33, 7), (5,), (64,))]
-        foreach, fused = IMPL_FLAGS[impl]
-        adam = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=foreach,
-                                 fused=fused)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
-            adam.step()
-        return params
-
-    default = stepped("default")
-    for impl in ("for_loop", "foreach"):
-        assert all(torch.equal(a, b) for a, b in zip(stepped(impl), default)), impl
