@@ -83,17 +83,16 @@ FAST_PATH_TARGETS = {"gpu": fast_paths.Target(cuda=True, te=True),
                      "cpu": fast_paths.Target(cuda=False, te=False)}
 
 
-def fast_path_report(model, run, targets) -> dict:
-    """{target: {fast path: {on, why}}} for the model's variant (and the run's BitNet and
-    optimizer settings): what models/provider.py would build there."""
-    bitnet = run.model.bitnet.enabled if run is not None else False
+def fast_path_report(model, run, targets, etp: int = 1) -> dict:
+    """{target: {fast path: {on, why}}} for the model (its variant and sizes) and the run's
+    optimizer settings: what models/provider.py would build there (model_fast_paths)."""
+    from megatron_mvmoe.models.provider import model_fast_paths
+
     dist_opt = run.optimizer.use_distributed_optimizer if run is not None else True
     out = {}
     for name in targets:
         target = fast_paths.Target.here() if name == "here" else FAST_PATH_TARGETS[name]
-        paths = fast_paths.choose_fast_paths(target, model.moe_variant, bitnet=bitnet,
-                                             distributed_optimizer=dist_opt)
-        out[name] = fast_paths.as_dict(paths)
+        out[name] = fast_paths.as_dict(model_fast_paths(model, target, etp, dist_opt))
     return out
 
 
@@ -205,7 +204,7 @@ def main(argv=None) -> int:
             report["dry_run"] = dry_run_build(model, target)
         if args.fast_paths:
             targets = ("gpu", "cpu") if args.target == "both" else (args.target,)
-            report["fast_paths"] = fast_path_report(model, run, targets)
+            report["fast_paths"] = fast_path_report(model, run, targets, target.layout.etp)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -77,3 +77,17 @@ def test_plan_tool_fast_paths_json(capsys):
     report = json.loads(capsys.readouterr().out)["fast_paths"]
     assert all(report["gpu"][name]["on"] for name in GPU_FAST)
     assert not any(p["on"] for name, p in report["cpu"].items() if name not in CPU_FAST)
+
+
+def test_plan_tool_decides_from_the_models_fields_as_the_provider(capsys):
+    """The 10B-A1B's expert (256 x 3968) is past the CPU grouped path's threshold and its
+    SwiGLU call past the fusion's: plan says so, with the provider's reasons (it said the
+    grouped path was on and the SwiGLU size unknown, deciding without the model's sizes)."""
+    import plan
+
+    code = plan.main(["--config", os.path.join(ROOT, "examples/configs/mvmoe_10b_a1b_64gpu.yaml"),
+                      "--fast-paths", "--target", "cpu", "--json"])
+    assert code == 0
+    cpu = json.loads(capsys.readouterr().out)["fast_paths"]["cpu"]
+    assert not cpu["cpu_grouped_experts"]["on"], cpu["cpu_grouped_experts"]
+    assert cpu["bias_activation_fusion"]["why"] == "CPU: not probed for this target: unfused SwiGLU"
