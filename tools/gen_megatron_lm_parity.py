@@ -2,14 +2,14 @@
 the suite can compare this trainer's model config with it field by field
 (tests/training/test_megatron_lm_parity.py).
 
-The line: Megatron-LM's GPT-3 MoE functional test
+The lines: Megatron-LM's GPT-3 MoE functional test
 `tests/functional_tests/test_cases/moe/gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel/
 model_config.yaml` at NVIDIA/Megatron-LM core_r0.19.0 (f8837c04ef6cbef6cdefb8de001aad63178aebbf),
-its MODEL_ARGS in order (`key: true` a bare switch, `${...}` paths replaced by placeholders),
-plus the four flags that make its architecture explicit (--swiglu, --normalization RMSNorm,
---position-embedding-type rope, --untie-embeddings-and-output-weights): without them
-Megatron-LM builds GeLU / LayerNorm / learned positions / tied embeddings, which this trainer
-refuses by name (tests/config/test_megatron_lm_defaults.py).
+its MODEL_ARGS in order as written (`key: true` a bare switch, `${...}` paths replaced by
+placeholders; GPT-3: GeLU, LayerNorm, learned positions, tied embeddings, which this trainer
+builds: tests/training/test_gpt3_architecture.py); a bare MoE line giving only what Megatron-LM
+requires (BARE_LINE, tests/training/test_megatron_lm_defaults_parity.py); and the bare line with
+--bf16 (what validate_args derives from bf16).
 
 What runs: Megatron-LM's `megatron/training/arguments.py` (the copy shipped in the pinned
 megatron-core 0.19.2 wheel; with --mirror it is first checked byte for byte against the
@@ -61,6 +61,9 @@ the data, so that every other field is the parser's default (issue 36: the defau
 test, tests/training/test_megatron_lm_defaults_parity.py). Recorded at WORLD_SIZE = 8:
 EP 2, DP 8."""
 BARE_OUT = os.path.join(ASSETS, f"{BARE}.json")
+BARE_BF16_OUT = os.path.join(ASSETS, f"{BARE}_bf16.json")
+"""The bare line with --bf16: what Megatron-LM's validate_args derives from bf16 (gradients
+accumulated and reduced in fp32, ...) is compared too."""
 EXPLICIT = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
             "--untie-embeddings-and-output-weights"]
 PLACEHOLDERS = {"${TENSORBOARD_PATH}": "TB", "${CHECKPOINT_SAVE_PATH}": "CK",
@@ -199,9 +202,10 @@ def build_record(mirror: str) -> dict:
             "parser": PARSER, "world_size": 8, "line": line, **megatron_lm_record(line)}
 
 
-def build_bare_record() -> dict:
-    line = list(BARE_LINE)
-    return {"source": "tools/gen_megatron_lm_parity.py BARE_LINE",
+def build_bare_record(extra=()) -> dict:
+    line = list(BARE_LINE) + list(extra)
+    return {"source": "tools/gen_megatron_lm_parity.py BARE_LINE" + "".join(
+                f" {flag}" for flag in extra),
             "parser": PARSER, "world_size": 8, "line": line, **megatron_lm_record(line)}
 
 
@@ -221,7 +225,8 @@ def main(argv=None) -> int:
     import megatron_mvmoe  # noqa: F401  (its log filters: the record's run prints no noise)
 
     check_installed_copy(args.mirror)
-    records = {OUT: build_record(args.mirror), BARE_OUT: build_bare_record()}
+    records = {OUT: build_record(args.mirror), BARE_OUT: build_bare_record(),
+               BARE_BF16_OUT: build_bare_record(["--bf16"])}
     texts = {out: json.dumps(record, indent=1) + "\n" for out, record in records.items()}
     if args.check:
         same = all(os.path.isfile(out) and open(out).read() == text

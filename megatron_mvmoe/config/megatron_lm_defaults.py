@@ -109,7 +109,9 @@ def parser_defaults(args: argparse.Namespace) -> Dict[str, Any]:
         values["parallel.distributed_timeout_seconds"] = \
             60.0 * table()["--distributed-timeout-minutes"].default
     if getattr(args, "accumulate_allreduce_grads_in_fp32", None) is None:
-        values["optimizer.grad_reduce_in_fp32"] = \
+        # validate_args: with --bf16 (and its --main-grads-dtype default fp32; a
+        # --grad-reduce-in-bf16 is refused here) gradients accumulate and reduce in fp32
+        values["optimizer.grad_reduce_in_fp32"] = bool(args.bf16) or \
             table()["--accumulate-allreduce-grads-in-fp32"].default
     return values
 

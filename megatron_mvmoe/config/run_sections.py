@@ -88,7 +88,9 @@ class OptimizerSection:
     Each trains to DDP's losses (tests/training/test_megatron_fsdp.py)."""
     grad_reduce_in_fp32: bool = True
     """Reduce gradients over the data-parallel ranks in fp32 (bf16 runs otherwise reduce
-    them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off by default there).
+    them in bf16; Megatron-LM's --accumulate-allreduce-grads-in-fp32, off in its parser but
+    turned on by its validate_args for --bf16, as a Megatron-LM line gets it here:
+    tests/config/test_megatron_lm_flags.py::test_gradients_reduce_in_the_dtype_megatron_lms_validate_args_picks).
     Megatron-FSDP does not read it: its gradients are accumulated and reduced in the
     parameters' dtype (Megatron-LM's --megatron-fsdp-main-grads-dtype auto), as DDP's with
     this false (tests/training/test_megatron_fsdp.py)."""

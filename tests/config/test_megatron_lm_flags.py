@@ -268,3 +268,21 @@ def test_checkpoint_integrity_and_async_strategy_flags_say_what_runs(capsys):
         ["--verify-integrity", "--async-ckpt-use-cpu-shm"]))
     assert any("SHA-256 manifest" in n for n in notes) and \
         any("'mcore' writer" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--bf16",
+                                                       "--accumulate-allreduce-grads-in-fp32"]])
+def test_gradients_reduce_in_the_dtype_megatron_lms_validate_args_picks(monkeypatch, precision):
+    """Megatron-LM's validate_args turns --accumulate-allreduce-grads-in-fp32 on for --bf16
+    (its --main-grads-dtype default is fp32; "bfloat16 requires gradient accumulation and
+    all-reduce to be done in fp32"): a bare line with --bf16 reduces in fp32 here too, not in
+    bf16 as the parser default alone would say."""
+    import gen_megatron_lm_parity as gen
+    from megatron.training import global_vars
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS"):
+        monkeypatch.setenv(name, os.environ.get(name, "0"))
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
+    line = gen.BARE_LINE + gen.EXPLICIT + precision
+    theirs = gen.megatron_lm_args(line).accumulate_allreduce_grads_in_fp32
+    assert flags.config_from_args(line).optimizer.grad_reduce_in_fp32 == theirs == bool(precision)

@@ -21,7 +21,7 @@ import pytest
 from test_megatron_lm_parity import DIFFERENCES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RECORD = os.path.join(ROOT, "tests", "assets", "megatron_lm_parity", "bare_moe_line.json")
+RECORDS = os.path.join(ROOT, "tests", "assets", "megatron_lm_parity")
 
 # The GPT-3 line's platform differences that a bare line shares (same reasons), and four
 # more: the bare line keeps its biases (so Megatron-LM fuses bias-GeLU) and leaves
@@ -54,9 +54,11 @@ DDP_DIFFERENCES = {
 }
 
 
-@pytest.fixture(scope="module")
-def record():
-    with open(RECORD) as fh:
+@pytest.fixture(scope="module", params=["bare_moe_line", "bare_moe_line_bf16"])
+def record(request):
+    """The bare line, and the bare line with --bf16 (what validate_args derives from bf16:
+    its gradients reduce in fp32, which this trainer's defaults missed)."""
+    with open(os.path.join(RECORDS, f"{request.param}.json")) as fh:
         return json.load(fh)
 
 
@@ -106,8 +108,9 @@ def test_every_run_config_field_behind_a_megatron_lm_flag_has_its_default(record
             wrong[path] = (expected, _value(run, path))
     assert checked >= 40 and wrong == {}
     # the switches and converted flags Megatron-LM gives a default through
+    bf16 = "--bf16" in record["line"]
     assert (run.training.precision, run.parallel.distributed_timeout_seconds,
-            run.optimizer.grad_reduce_in_fp32) == ("fp32", 600.0, False)
+            run.optimizer.grad_reduce_in_fp32) == ("bf16" if bf16 else "fp32", 600.0, bf16)
 
 
 def test_derived_fields_follow_megatron_lms_validate_args(record, run):
