@@ -105,3 +105,34 @@ def test_what_fails_in_megatron_core_is_refused_in_one_line(args, field, fix):
 def test_fp16_runs_with_the_unsharded_strategy():
     config_from_args(LINE + ["--fp16", "--data-parallel-sharding-strategy",
                              "no_shard"]).validate()
+
+
+VARIANTS = ("tiny_latent", "tiny_multi_router", "tiny_multi_view", "tiny_mh_moe")
+
+
+def _losses_of(rank, world_size, raws):
+    from megatron_mvmoe.config.run_config import config_from_dict
+    from megatron_mvmoe.parallel import initialize_layout
+    from megatron_mvmoe.training.pretrain import pretrain
+
+    pgs = initialize_layout(config_from_dict(copy.deepcopy(raws[0])).parallel.layout(),
+                            timeout_s=60)
+    return [pretrain(config_from_dict(copy.deepcopy(raw)), pgs).losses for raw in raws]
+
+
+def test_every_paper_variant_trains_to_ddp_losses(text_tokens):
+    """The latent baseline, Multi-Router, Multi-View and MH-MoE under Megatron-FSDP
+    (optim_grads_params) equal DDP with the distributed optimizer within 1e-5 over 3 steps
+    (smoe: test_fsdp_trains_to_ddp_losses; their checkpoints: test_fsdp_checkpoint.py)."""
+    raws = []
+    for preset in VARIANTS:
+        ddp = tiny_run(text_tokens, preset=preset, train_iters=3, eval_iters=0)
+        ddp["optimizer"]["use_distributed_optimizer"] = True
+        fsdp = copy.deepcopy(ddp)
+        fsdp["optimizer"].update(megatron_fsdp=True,
+                                 data_parallel_sharding_strategy="optim_grads_params")
+        raws += [ddp, fsdp]
+    losses = run_distributed(_losses_of, 2, timeout_s=300, args=(raws,))[0]
+    for preset, ddp, fsdp in zip(VARIANTS, losses[0::2], losses[1::2]):
+        assert len(fsdp) == 3 and max(abs(a - b) for a, b in zip(ddp, fsdp)) < 1e-5, \
+            (preset, ddp, fsdp)
