@@ -52,7 +52,7 @@ ALL_DISPATCHERS = ("alltoall", "dedup_rank", "dedup_node")
 holds the dispatcher records under these names)."""
 
 HF_STRUCTURES = ("dense", "smoe", "latent", "multi_router", "multi_view", "mh_moe")
-"""`Variant.hf_structure`: the MLPs hf/remote/modeling_mvmoe.py builds (its `MOE_STRUCTURES`
+"""`Variant.hf_structure`: the MLPs hf/remote/moe_layers.py builds (its `MOE_STRUCTURES`
 rows, written as the exported config's `moe_variant`)."""
 
 

@@ -6,6 +6,7 @@ to a transformers directory, and import one back.
 - names: Megatron state dict <-> the class's weight names and layouts
 - writer: atomic directory, sharded safetensors + index, tokenizer, remote code
 - export: checkpoint -> directory; importer: directory -> checkpoint
-- remote/: configuration_mvmoe.py, modeling_mvmoe.py and mla_attention.py, copied into exported directories
+- remote/: configuration_mvmoe.py, modeling_mvmoe.py, basic_layers.py, moe_layers.py and
+  mla_attention.py (writer.REMOTE_FILES), copied into exported directories
   with the functional/ files they import (they import nothing from Megatron or this package)
 """

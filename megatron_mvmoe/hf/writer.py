@@ -2,8 +2,8 @@
 
 Layout written: config.json, generation_config.json, model-0000i-of-0000n.safetensors with
 model.safetensors.index.json, tokenizer.json + tokenizer_config.json +
-special_tokens_map.json, and for our own class its remote code (configuration_mvmoe.py,
-modeling_mvmoe.py and the functional/ files they import as siblings).
+special_tokens_map.json, and for our own class its remote code (hf/remote/'s REMOTE_FILES and
+the functional/ files they import as siblings).
 
 Design choices:
 - Everything is written into `<out>.partial-<pid>` beside the target and renamed onto it
@@ -31,7 +31,8 @@ from megatron_mvmoe.errors import require
 
 REMOTE_DIR = Path(__file__).resolve().parent / "remote"
 FUNCTIONAL_DIR = Path(__file__).resolve().parents[1] / "functional"
-REMOTE_FILES = ("configuration_mvmoe.py", "modeling_mvmoe.py", "mla_attention.py")
+REMOTE_FILES = ("configuration_mvmoe.py", "modeling_mvmoe.py", "basic_layers.py", "moe_layers.py",
+                "mla_attention.py")
 FUNCTIONAL_FILES = ("routing.py", "mixing.py", "quantize.py")
 INDEX = "model.safetensors.index.json"
 
@@ -101,7 +102,8 @@ def _eod_text_is_text(tokenizer, eod_token: Optional[str]) -> bool:
 
 
 def copy_remote_code(directory: str) -> None:
-    """Our class's code: the two remote files and the functional/ math they import."""
+    """Our class's code: the remote files and the functional/ math they import, flat (their
+    relative imports are siblings, as transformers loads them from the directory)."""
     for name in REMOTE_FILES:
         shutil.copyfile(REMOTE_DIR / name, os.path.join(directory, name))
     for name in FUNCTIONAL_FILES:

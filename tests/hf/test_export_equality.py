@@ -79,7 +79,8 @@ def test_every_variant_exports_with_equal_logits(data, tmp_path, name):
     if expected_class == "MVMoEForCausalLM":  # the remote code imports nothing of ours
         assert _imported_modules(tmp_path / "hf") <= {
             "torch", "transformers", "typing", "__future__", "routing", "mixing",
-            "quantize", "configuration_mvmoe", "mla_attention", "math"}
+            "quantize", "configuration_mvmoe", "mla_attention", "math", "basic_layers",
+            "moe_layers"}
 
 
 def _imported_modules(directory):
@@ -94,6 +95,22 @@ def _imported_modules(directory):
             elif isinstance(node, ast.ImportFrom):
                 found.add((node.module or "").split(".")[0])
     return found
+
+
+def test_the_export_copies_every_remote_file_and_what_each_imports(tmp_path):
+    """transformers loads the exported directory flat: every hf/remote/ file is copied, and
+    every relative import of a copied file names a copied file (no training needed)."""
+    import ast
+
+    from megatron_mvmoe.hf.writer import REMOTE_DIR, copy_remote_code
+
+    copy_remote_code(str(tmp_path))
+    copied = {path.stem for path in tmp_path.glob("*.py")}
+    assert {path.stem for path in REMOTE_DIR.glob("*.py")} <= copied
+    relative = {node.module for path in tmp_path.glob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.level == 1}
+    assert relative <= copied, relative - copied
 
 
 def test_stock_model_exported_as_our_class_too(data, tmp_path):
