@@ -14,6 +14,7 @@ divisible by ep, batch not divisible) is refused here too, with exit code 2.
   python tools/plan.py --config mvmoe_10b_a1b --tp 2 --ep 8 --cp 2 --world-size 16
   python tools/plan.py --config examples/tiny_cpu.yaml --dry-run
   python tools/plan.py --config examples/configs/mvmoe_10b_a1b_64gpu.yaml --fast-paths --json
+  python tools/plan.py --config mvmoe_10b_a1b --fast-paths --target cpu --probe-inductor
   python tools/plan.py --config examples/configs/mvmoe_10b_a1b_slice_cpu.yaml --precision cpu_fp32
   python tools/plan.py --validate runs/slices/mv_ep2 --json   # planner vs a run's memory
 
@@ -40,6 +41,7 @@ from megatron_mvmoe.planning.validate import table_lines, validate
 from megatron_mvmoe.config.model_section import model_from_preset
 from megatron_mvmoe.config.presets import PRESETS, preset_names
 from megatron_mvmoe.config.run_config import load_yaml
+from megatron_mvmoe import platform
 from megatron_mvmoe.models import fast_paths
 from megatron_mvmoe.parallel import ParallelLayout
 
@@ -79,21 +81,32 @@ def _target(args, run) -> PlanTarget:
             train.global_batch_size if train else 256))
 
 
-FAST_PATH_TARGETS = {"gpu": fast_paths.Target(cuda=True, te=True),
-                     "cpu": fast_paths.Target(cuda=False, te=False)}
+PLAN_NOT_PROBED = ("inductor's C++ compile not probed (tools/plan.py compiles only with "
+                   "--probe-inductor; the trainer probes once at start-up and fuses where "
+                   "it compiles)")
+"""The CPU's SwiGLU reason without --probe-inductor, for a model big enough to fuse."""
 
 
-def fast_path_report(model, run, targets, etp: int = 1) -> dict:
+def _fast_path_target(name: str, probe_inductor: bool) -> fast_paths.Target:
+    """gpu: a CUDA node with TE; cpu, and here without a GPU: a CPU as the trainer builds
+    for it, whose inductor probe (a compile) runs only with --probe-inductor."""
+    if name == "gpu":
+        return fast_paths.Target(cuda=True, te=True)
+    if name == "here" and platform.is_cuda():
+        return fast_paths.Target.here()
+    if probe_inductor:
+        return fast_paths.Target.cpu(probe_inductor=True)
+    return fast_paths.Target(cuda=False, te=False, inductor_blocker=PLAN_NOT_PROBED)
+
+
+def fast_path_report(model, run, targets, etp: int = 1, probe_inductor: bool = False) -> dict:
     """{target: {fast path: {on, why}}} for the model (its variant and sizes) and the run's
     optimizer settings: what models/provider.py would build there (model_fast_paths)."""
     from megatron_mvmoe.models.provider import model_fast_paths
 
     dist_opt = run.optimizer.use_distributed_optimizer if run is not None else True
-    out = {}
-    for name in targets:
-        target = fast_paths.Target.here() if name == "here" else FAST_PATH_TARGETS[name]
-        out[name] = fast_paths.as_dict(model_fast_paths(model, target, etp, dist_opt))
-    return out
+    return {name: fast_paths.as_dict(model_fast_paths(
+        model, _fast_path_target(name, probe_inductor), etp, dist_opt)) for name in targets}
 
 
 def _human_fast_paths(report) -> list:
@@ -181,6 +194,12 @@ def main(argv=None) -> int:
     parser.add_argument("--target", choices=("gpu", "cpu", "here", "both"), default="both",
                         help="machine for --fast-paths: gpu (CUDA + TransformerEngine), cpu, "
                              "here (this machine), or both gpu and cpu (default)")
+    parser.add_argument("--probe-inductor", action="store_true",
+                        help="with --fast-paths: on a CPU target, compile one tiny function "
+                             "with torch.compile (seconds, once: platform/inductor_probe.py, "
+                             "the trainer's start-up probe) to learn whether the fused SwiGLU "
+                             "runs on this machine; only asked where the model's SwiGLU call "
+                             "is big enough to fuse. Without it that line says 'not probed'")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
@@ -204,7 +223,8 @@ def main(argv=None) -> int:
             report["dry_run"] = dry_run_build(model, target)
         if args.fast_paths:
             targets = ("gpu", "cpu") if args.target == "both" else (args.target,)
-            report["fast_paths"] = fast_path_report(model, run, targets, target.layout.etp)
+            report["fast_paths"] = fast_path_report(model, run, targets, target.layout.etp,
+                                                    args.probe_inductor)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -76,8 +76,12 @@ class Target:
     te: bool
     """TransformerEngine importable (Megatron's `HAVE_TE`)."""
     inductor_blocker: str = NOT_PROBED
-    """Why torch.compile's inductor cannot build CPU code here ('' = it can:
-    platform/inductor_probe.py). Only CPU fusions read it; a GPU compiles with Triton."""
+    """Why torch.compile's inductor cannot build CPU code here ('' = it can), unless
+    `probe_inductor`. Only CPU fusions read it; a GPU compiles with Triton."""
+    probe_inductor: bool = False
+    """Ask platform/inductor_probe.py (one real compile, once per process) instead of
+    `inductor_blocker`, at the moment a CPU fusion rule needs the answer: a model whose
+    SwiGLU calls are too small to fuse never compiles."""
 
     @classmethod
     def here(cls) -> "Target":
@@ -89,12 +93,17 @@ class Target:
 
     @classmethod
     def cpu(cls, probe_inductor: bool = False) -> "Target":
-        """This process's CPU; `probe_inductor`: compile once to learn whether inductor
-        works here (only where a CPU fusion would run: the probe compiles)."""
+        """This process's CPU; `probe_inductor`: compile once, where a fusion rule asks, to
+        learn whether inductor works here."""
+        return cls(cuda=False, te=False, probe_inductor=probe_inductor)
+
+    def compile_blocker(self) -> str:
+        """Why inductor cannot compile CPU code for this target ('' = it can)."""
+        if not self.probe_inductor:
+            return self.inductor_blocker
         from megatron_mvmoe.platform.inductor_probe import inductor_blocker
 
-        return cls(cuda=False, te=False,
-                   inductor_blocker=inductor_blocker() if probe_inductor else NOT_PROBED)
+        return inductor_blocker()
 
 
 @dataclass(frozen=True)
@@ -239,22 +248,14 @@ def _bias_activation_fusion(target: Target, requested: bool,
     elif size < SWIGLU_FUSION_MIN_ELEMENTS:
         why_off = (f"CPU: a SwiGLU call of {size} elements < {SWIGLU_FUSION_MIN_ELEMENTS}, "
                    "where eager beats a compiled call (measured): unfused SwiGLU")
-    elif target.inductor_blocker:
-        why_off = f"CPU: {target.inductor_blocker}: unfused SwiGLU"
+    elif blocker := target.compile_blocker():  # last: the probe compiles
+        why_off = f"CPU: {blocker}: unfused SwiGLU"
     else:
         why_off = ""
     how = "Triton" if target.cuda else "inductor C++"
     return _path("bias_activation_fusion", not why_off,
                  f"fused SwiGLU (Megatron's bias_swiglu_impl, torch.compile: {how})", why_off,
                  {"bias_activation_fusion": not why_off})
-
-
-def cpu_swiglu_fusion_wanted(section) -> bool:
-    """Whether the CPU rule fuses this model's SwiGLU where inductor compiles: only then is
-    inductor probed (the probe compiles)."""
-    compiles = Target(cuda=False, te=False, inductor_blocker="")
-    return _bias_activation_fusion(compiles, section.bias_swiglu_fusion,
-                                   swiglu_elements(section)).on
 
 
 def fusions_line(paths: List[FastPath]) -> str:

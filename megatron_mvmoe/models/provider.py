@@ -40,7 +40,7 @@ from megatron_mvmoe.config.model_section import (ModelSection, model_section_fro
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.models.fast_paths import (FastPath, Target, choose_fast_paths,
-                                              config_fields, cpu_swiglu_fusion_wanted,
+                                              config_fields,
                                               expert_matrix_elements, swiglu_elements)
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
@@ -60,10 +60,11 @@ def _numerics(use_bf16: bool, on_cpu: bool, use_fp16: bool = False) -> Dict[str,
 
 def target_for(on_cpu: bool, model: Optional[ModelSection] = None) -> Target:
     """The machine a config is built for: the CPU, or this process's GPU (and its TE). On
-    CPU inductor is probed only where `model` would run a compiled fusion."""
+    CPU inductor is probed for `model` only when the fusion rule reaches the question (its
+    SwiGLU call is big enough: `Target.probe_inductor`)."""
     if not on_cpu:
         return Target.here()
-    return Target.cpu(probe_inductor=model is not None and cpu_swiglu_fusion_wanted(model))
+    return Target.cpu(probe_inductor=model is not None)
 
 
 def model_fast_paths(model: ModelSection, target: Target, etp: int = 1,

@@ -12,8 +12,9 @@ Design choices:
   what the fusions need, not a guess from `shutil.which("g++")`.
 - Once per process (functools.cache): the first process on a machine pays the C++ compile
   (seconds); later ones hit inductor's on-disk cache.
-- Called only where a fusion would run on CPU (models/provider.py `target_for`), so tiny
-  test models and the planner never compile.
+- Called only where a fusion would run on CPU (the SwiGLU rule asks it last, through a
+  `Target(probe_inductor=True)` from models/provider.py `target_for`), so tiny test models
+  never compile, nor does tools/plan.py without --probe-inductor.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ GPU_FAST = ("transformer_engine_specs", "grouped_gemm", "flash_attention", "rope
             "gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather",
             "bf16", "multi_router_triton_kernel")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIG_YAML = os.path.join(ROOT, "examples/configs/mvmoe_10b_a1b_64gpu.yaml")
+"""One expert's SwiGLU call 4096 x 8 / 128 rows x 3968 = 1015808 elements, its matrix
+I x F = 256 x 3968: big enough for the CPU SwiGLU rule to ask whether inductor compiles,
+too big for the CPU grouped path."""
 
 
 def test_gpu_with_te_takes_every_fast_path_for_multi_view():
@@ -71,23 +75,54 @@ def test_provider_config_follows_the_decisions():
 def test_plan_tool_fast_paths_json(capsys):
     import plan
 
-    code = plan.main(["--config", os.path.join(ROOT, "examples/configs/mvmoe_10b_a1b_64gpu.yaml"),
-                      "--fast-paths", "--json"])
+    code = plan.main(["--config", BIG_YAML, "--fast-paths", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)["fast_paths"]
     assert all(report["gpu"][name]["on"] for name in GPU_FAST)
     assert not any(p["on"] for name, p in report["cpu"].items() if name not in CPU_FAST)
 
 
-def test_plan_tool_decides_from_the_models_fields_as_the_provider(capsys):
-    """The 10B-A1B's expert (256 x 3968) is past the CPU grouped path's threshold and its
-    SwiGLU call past the fusion's: plan says so, with the provider's reasons (it said the
-    grouped path was on and the SwiGLU size unknown, deciding without the model's sizes)."""
+def _plan_cpu_fast_paths(capsys, *flags, config=BIG_YAML):
     import plan
 
-    code = plan.main(["--config", os.path.join(ROOT, "examples/configs/mvmoe_10b_a1b_64gpu.yaml"),
-                      "--fast-paths", "--target", "cpu", "--json"])
+    code = plan.main(["--config", config, "--fast-paths", "--target", "cpu", "--json",
+                      *flags])
     assert code == 0
-    cpu = json.loads(capsys.readouterr().out)["fast_paths"]["cpu"]
+    return json.loads(capsys.readouterr().out)["fast_paths"]["cpu"]
+
+
+def test_plan_tool_decides_from_the_models_fields_as_the_provider(capsys, monkeypatch):
+    """The 10B-A1B's expert (256 x 3968) is past the CPU grouped path's threshold and its
+    SwiGLU call past the fusion's: plan says so, with the provider's reasons (it said the
+    grouped path was on and the SwiGLU size unknown, deciding without the model's sizes).
+    Without --probe-inductor nothing compiles, and the SwiGLU line says so."""
+    from megatron_mvmoe.platform import inductor_probe
+
+    def no_compile():
+        raise AssertionError("tools/plan.py compiled without --probe-inductor")
+    monkeypatch.setattr(inductor_probe, "inductor_blocker", no_compile)
+    cpu = _plan_cpu_fast_paths(capsys)
     assert not cpu["cpu_grouped_experts"]["on"], cpu["cpu_grouped_experts"]
-    assert cpu["bias_activation_fusion"]["why"] == "CPU: not probed for this target: unfused SwiGLU"
+    assert "I x F = 1015808" in cpu["cpu_grouped_experts"]["why"]
+    swiglu = cpu["bias_activation_fusion"]
+    assert not swiglu["on"] and "--probe-inductor" in swiglu["why"], swiglu
+
+
+def test_plan_tool_probe_inductor_asks_the_trainers_probe(capsys, monkeypatch):
+    """--probe-inductor takes platform/inductor_probe.py's answer, only where the SwiGLU rule
+    asks: not for tiny_smoe, whose calls are too small to fuse (stubbed here: a real compile
+    in this pytest worker would make its later forked ranks hang; the probe itself is
+    tests/layers/test_compiled_fusions.py's)."""
+    from megatron_mvmoe.platform import inductor_probe
+
+    def no_compile():
+        raise AssertionError("probed for a model too small to fuse")
+    monkeypatch.setattr(inductor_probe, "inductor_blocker", no_compile)
+    tiny = _plan_cpu_fast_paths(capsys, "--probe-inductor", config="tiny_smoe")
+    assert "eager beats" in tiny["bias_activation_fusion"]["why"], tiny
+    monkeypatch.setattr(inductor_probe, "inductor_blocker", lambda: "no g++ here")
+    swiglu = _plan_cpu_fast_paths(capsys, "--probe-inductor")["bias_activation_fusion"]
+    assert not swiglu["on"] and "no g++ here" in swiglu["why"], swiglu
+    monkeypatch.setattr(inductor_probe, "inductor_blocker", lambda: "")
+    swiglu = _plan_cpu_fast_paths(capsys, "--probe-inductor")["bias_activation_fusion"]
+    assert swiglu["on"] and "inductor C++" in swiglu["why"], swiglu
