@@ -30,8 +30,10 @@ Design choices:
   CPU. On CPU they run where Megatron-LM's --bias-swiglu-fusion (model.bias_swiglu_fusion)
   asks, inductor compiles here (platform/inductor_probe.py) and one SwiGLU call is big
   enough for the fused kernel to beat eager despite its per-call dispatch
-  (SWIGLU_FUSION_MIN_ELEMENTS, measured); smaller models (the tests', and issue 42's
-  benchmark shapes) stay eager, so they never compile.
+  (SWIGLU_FUSION_MIN_ELEMENTS, measured): the call the chosen expert path makes, one
+  expert's rows under SequentialMLP, every local expert's rows on the grouped path
+  (`swiglu_calls`); smaller models (the tests', and issue 42's smoe benchmark shapes) stay
+  eager, so they never compile.
 - BitNet quantizes Megatron's local Column/RowParallelLinear: TE linears (and so TE grouped
   experts, fused RoPE, TE attention) are off under BitNet, with that reason.
 - Multi-View's per-row dispatcher gathers (token, slot) rows itself: TE's fused permute
@@ -56,7 +58,7 @@ round 1.9-3.3 at I x F = 512 and 0.84-1.53 (median 1.06-1.24) at 32768; 0.54-0.9
 The threshold sits between the last point where grouped wins and the first where it loses."""
 
 SWIGLU_FUSION_MIN_ELEMENTS = 1 << 18
-"""Smallest SwiGLU call (rows x F output elements, `swiglu_elements`) for which Megatron's
+"""Smallest SwiGLU call (rows x F output elements, `swiglu_calls`) for which Megatron's
 compiled SwiGLU runs on CPU. Measured (examples/results/peer_benchmark.md, "SwiGLU on
 CPU"; one thread, forward + backward, CPU time): eager / compiled 0.39 at 2^10 elements,
 0.55 at 2^15, 0.82 at 2^17, 1.31 at 2^18, 1.4-1.5 at 2^20-2^21. Each compiled call pays
@@ -128,20 +130,40 @@ def expert_matrix_elements(section, etp: int = 1) -> Optional[int]:
     return width * (section.moe_ffn_hidden_size // max(1, etp))
 
 
-def swiglu_elements(section) -> int:
-    """Output elements of the smallest typical SwiGLU call of a ModelSection, one sequence
-    per micro-batch: seq x ffn_hidden_size in a dense model; in a MoE model one expert's
-    share, seq x top-k / experts rows x moe_ffn_hidden_size (SequentialMLP calls each
-    expert's MLP on its own rows). A lower bound: more sequences per micro-batch, or the
-    CPU grouped path's one call over all experts, only make the calls larger. 0 when the
-    MLPs are not SwiGLU (GeLU: no SwiGLU call)."""
+@dataclass(frozen=True)
+class SwigluCalls:
+    """Output elements (rows x F) of one SwiGLU call of a model on each expert path, one
+    sequence per micro-batch (more sequences only make the calls larger): what the CPU
+    fusion threshold is compared with. 0 when the MLPs are not SwiGLU (GeLU: no call)."""
+
+    sequential: int
+    """SequentialMLP calls each expert's MLP on its own rows (the dense MLP: all rows)."""
+    grouped: int
+    """cpu_grouped_experts calls SwiGLU once on every local expert's rows."""
+
+    def on_path(self, grouped: bool) -> int:
+        return self.grouped if grouped else self.sequential
+
+
+def swiglu_calls(section, etp: int = 1) -> SwigluCalls:
+    """SwigluCalls of a ModelSection: seq x ffn_hidden_size in a dense model; in a MoE model
+    its (token, slot) rows, seq x routed rows per token (MH-MoE's sub-tokens) x top-k,
+    spread evenly over the experts, times each expert-TP rank's FFN width. SequentialMLP
+    sees one expert's share (a lower bound: with EP each expert also gets the other EP
+    ranks' rows); the grouped path all of them (a rank's E/ep experts get ep ranks' share:
+    seq x top-k rows again), except at expert TP > 1, where it falls back to SequentialMLP's
+    loop."""
     if not section.swiglu:
-        return 0
+        return SwigluCalls(0, 0)
     seq = section.seq_length or 0
     if not (section.is_moe and section.moe_ffn_hidden_size):
-        return seq * (section.ffn_hidden_size or 0)
-    rows = seq * section.moe_router_topk // section.num_experts
-    return rows * section.moe_ffn_hidden_size
+        dense = seq * (section.ffn_hidden_size or 0)
+        return SwigluCalls(dense, dense)
+    rows = (seq * section.variant.routed_rows(max(1, section.multi_head.num_heads))
+            * section.moe_router_topk)
+    width = section.moe_ffn_hidden_size // max(1, etp)
+    one_expert = rows // section.num_experts * width
+    return SwigluCalls(one_expert, rows * width if etp <= 1 else one_expert)
 
 
 def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
@@ -149,19 +171,21 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
                       expert_elements: Optional[int] = None,
                       attention_backend: str = "auto",
                       sdpa_blocker: str = "", swiglu_fusion: bool = True,
-                      swiglu_size: Optional[int] = None) -> List[FastPath]:
+                      swiglu_size: Optional[SwigluCalls] = None) -> List[FastPath]:
     """Every fast-path decision for one model variant on `target`; `expert_elements`:
     `expert_matrix_elements` of the model (None: not known, the CPU grouped path stays on);
     `attention_backend`: the model's (Megatron-LM's --attention-backend, or sdpa);
     `sdpa_blocker`: why SDPA cannot serve the model (layers/sdpa_attention.sdpa_blocker);
-    `swiglu_fusion`: Megatron-LM's --bias-swiglu-fusion; `swiglu_size`: `swiglu_elements`
-    of the model (None: not known, CPU stays eager)."""
+    `swiglu_fusion`: Megatron-LM's --bias-swiglu-fusion; `swiglu_size`: `swiglu_calls` of
+    the model (None: not known, CPU stays eager), read on the expert path chosen here."""
     gpu = target.cuda
     te = gpu and target.te and not bitnet
     no_te = _no_te_reason(target, bitnet)
     record = get_variant(variant)
     moe, per_row = record.routed_experts, record.multi_view  # per-(token, expert) rows
     heads_router = record.multi_router
+    grouped = _cpu_grouped_experts(target, variant, bitnet, expert_elements)
+    call_size = None if swiglu_size is None else swiglu_size.on_path(grouped.on)
     return [
         _path("transformer_engine_specs", te, "TE layer specs (fused LN+linear, TE linears)",
               no_te),
@@ -169,12 +193,12 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
               "TEGroupedMLP: one grouped GEMM over all local experts",
               no_te + " (SequentialMLP loops over local experts)" if moe else "dense model",
               {"moe_grouped_gemm": te and moe}),
-        _cpu_grouped_experts(target, variant, bitnet, expert_elements),
+        grouped,
         _path("flash_attention", te, "TEDotProductAttention (flash/fused backend)",
               no_te + " (torch SDPA or Megatron's DotProductAttention: sdpa_attention)"),
         _sdpa_attention(te, attention_backend, sdpa_blocker),
         _path("rope_fusion", te, "TE fused RoPE", no_te, {"apply_rope_fusion": te}),
-        _bias_activation_fusion(target, swiglu_fusion, swiglu_size),
+        _bias_activation_fusion(target, swiglu_fusion, call_size),
         _path("bias_dropout_fusion", gpu, "fused bias-dropout-add", "CPU: unfused add",
               {"bias_dropout_fusion": gpu}),
         _path("masked_softmax_fusion", gpu, "fused scale-mask-softmax kernel",

@@ -40,8 +40,8 @@ from megatron_mvmoe.config.model_section import (ModelSection, model_section_fro
 from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.models.fast_paths import (FastPath, Target, choose_fast_paths,
-                                              config_fields,
-                                              expert_matrix_elements, swiglu_elements)
+                                              config_fields, expert_matrix_elements,
+                                              swiglu_calls)
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 from megatron_mvmoe.parallel import ParallelLayout, check_layer_layout
@@ -77,7 +77,7 @@ def model_fast_paths(model: ModelSection, target: Target, etp: int = 1,
         distributed_optimizer=distributed_optimizer,
         expert_elements=expert_matrix_elements(model, etp),
         attention_backend=model.attention_backend, sdpa_blocker=sdpa_blocker(model.extra),
-        swiglu_fusion=model.bias_swiglu_fusion, swiglu_size=swiglu_elements(model))
+        swiglu_fusion=model.bias_swiglu_fusion, swiglu_size=swiglu_calls(model, etp))
 
 
 def _routing(model: ModelSection) -> Dict[str, Any]:

@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mvmoe.models.fast_paths import (SWIGLU_FUSION_MIN_ELEMENTS, Target,
-                                              choose_fast_paths, fusions_line)
+from megatron_mvmoe.models.fast_paths import (SWIGLU_FUSION_MIN_ELEMENTS, SwigluCalls,
+                                              Target, choose_fast_paths, fusions_line)
 from megatron_mvmoe.platform.inductor_probe import inductor_blocker
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 BASE = ["--model-preset", "tiny_smoe", "--vocab-size", "512"]
 BIG_ENOUGH = ["--seq-length", "512", "--moe-ffn-hidden-size", "1024"]
 """One expert's SwiGLU call: 512 x 2 / 4 rows x 1024 = 2^18, the smallest the CPU rule
-fuses (tiny_smoe: 4 experts, top-2)."""
+fuses (tiny_smoe: 4 experts, top-2); the grouped path (I x F = 64 x 1024 <= 2^16) calls it
+once on all 512 x 2 rows, 2^20."""
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +76,8 @@ def test_compiled_swiglu_equals_naive_forward_and_backward():
 
 
 def _swiglu_path(target, requested=True, size=SWIGLU_FUSION_MIN_ELEMENTS):
-    paths = choose_fast_paths(target, "smoe", swiglu_fusion=requested, swiglu_size=size)
+    paths = choose_fast_paths(target, "smoe", swiglu_fusion=requested,
+                              swiglu_size=None if size is None else SwigluCalls(size, size))
     return next(p for p in paths if p.name == "bias_activation_fusion"), fusions_line(paths)
 
 
@@ -91,6 +93,53 @@ def test_cpu_rule_fuses_where_asked_compilable_and_big_enough():
     assert not asked_off.on and "--no-bias-swiglu-fusion" in line
     gpu, _ = _swiglu_path(Target(cuda=True, te=False), size=None)
     assert gpu.on and "Triton" in gpu.why
+
+
+def _naive_swiglu_rows(m, etp=1):
+    """(one expert's rows, all experts' rows) x F / etp of one sequence: every (sub-token,
+    slot) row dealt to the experts in turn, counted one by one."""
+    from collections import Counter
+
+    heads = m.multi_head.num_heads if m.moe_variant == "mh_moe" else 1
+    k, e = m.moe_router_topk, m.num_experts
+    per_expert = Counter((row % e) for row in range(m.seq_length * heads * k))
+    width = m.moe_ffn_hidden_size // etp
+    return per_expert[0] * width, sum(per_expert.values()) * width
+
+
+def test_swiglu_call_sizes_equal_a_naive_count():
+    from megatron_mvmoe.config.model_section import model_from_preset
+    from megatron_mvmoe.models.fast_paths import swiglu_calls
+
+    for preset in ("tiny_smoe", "tiny_multi_view", "tiny_mh_moe", "tiny_dense"):
+        m = model_from_preset(preset)
+        calls = swiglu_calls(m)
+        if not m.is_moe:
+            assert calls == SwigluCalls(*[m.seq_length * m.ffn_hidden_size] * 2)
+            continue
+        assert (calls.sequential, calls.grouped) == _naive_swiglu_rows(m), preset
+        one_expert_etp2 = _naive_swiglu_rows(m, etp=2)[0]  # grouped falls back at ETP 2
+        assert swiglu_calls(m, etp=2) == SwigluCalls(one_expert_etp2, one_expert_etp2)
+
+
+def test_the_threshold_reads_the_call_the_expert_path_makes():
+    """seq 2048 of tiny_smoe (4 experts, top-2, F 64): one expert's call 2^16, the grouped
+    path's one call over all experts 2^18. Grouped (I x F = 64 x 64): fused; under BitNet
+    (SequentialMLP's loop): eager, for its 2^16-element calls."""
+    import dataclasses
+
+    from megatron_mvmoe.config.model_section import model_from_preset
+    from megatron_mvmoe.models.provider import model_fast_paths
+
+    m = model_from_preset("tiny_smoe", seq_length=2048)
+    cpu = Target(cuda=False, te=False, inductor_blocker="")
+    paths = {p.name: p for p in model_fast_paths(m, cpu)}
+    assert paths["cpu_grouped_experts"].on and paths["bias_activation_fusion"].on, paths
+    bitnet = dataclasses.replace(m, bitnet=dataclasses.replace(m.bitnet, enabled=True))
+    paths = {p.name: p for p in model_fast_paths(bitnet, cpu)}
+    swiglu = paths["bias_activation_fusion"]
+    assert not paths["cpu_grouped_experts"].on and not swiglu.on
+    assert f"a SwiGLU call of {2048 * 2 // 4 * 64} elements" in swiglu.why, swiglu
 
 
 def _flag_default_worker(rank, world_size):
