@@ -29,7 +29,7 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -123,7 +123,7 @@ def _filled(inner, sub: Dict) -> Dict:
     return dict(sub, state=state)
 
 
-def _dcp_state(parts: Dict, is_loading: bool) -> (Dict, Dict):
+def _dcp_state(parts: Dict, is_loading: bool) -> Tuple[Dict, Dict]:
     """(what DCP writes or fills, the parts' own state dicts sharing its tensors)."""
     own = dict(parts["model"].state_dict())
     if "optimizer" in parts:
