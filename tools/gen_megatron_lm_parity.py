@@ -1,6 +1,7 @@
 """Record what Megatron-LM's own argument parser builds from a Megatron-LM MoE launch line, so
 the suite can compare this trainer's model config with it field by field
-(tests/training/test_megatron_lm_parity.py).
+(tests/training/test_megatron_lm_parity.py; `megatron_lm_record` live for every resolving
+corpus line: tests/training/test_megatron_lm_corpus_parity.py).
 
 The lines: Megatron-LM's GPT-3 MoE functional test
 `tests/functional_tests/test_cases/moe/gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel/
@@ -16,13 +17,17 @@ megatron-core 0.19.2 wheel; with --mirror it is first checked byte for byte agai
 mirror's file at f8837c04): `parse_args`, `validate_args` and
 `core_transformer_config_from_args`, on this CPU machine, as a launch with WORLD_SIZE = 8
 (TP 2 x PP 2 x DP 2) and the test's CUDA_DEVICE_MAX_CONNECTIONS=1 would run them; then
-Megatron-LM's `get_optimizer_param_scheduler` on a torch Adam for the schedule. Two
-stand-ins for the GPU machine the test runs on, neither of which sets a field:
-`get_device_arch_version()` (it reads GPU 0) returns 9 (Hopper): validate_args uses it only
-to decide whether CUDA_DEVICE_MAX_CONNECTIONS must be 1 and which streams get priority; and
-TransformerEngine's fused RoPE counts as installed: the line keeps Megatron-LM's default
-apply_rope_fusion=True, and TransformerConfig.__post_init__ only checks that the kernel
-exists (it is never called here).
+Megatron-LM's `get_optimizer_param_scheduler` on a torch Adam for the schedule. Three
+stand-ins for the GPU machine the test runs on, none of which sets a field:
+`get_device_arch_version()` and `torch.cuda.get_device_capability()` (they read GPU 0) say
+Hopper (9, 0): validate_args uses them only to decide whether CUDA_DEVICE_MAX_CONNECTIONS
+must be 1, which streams get priority, and (--moe-grouped-gemm) that the GPU has grouped
+GEMM kernels; and TransformerEngine's fused RoPE and fused permutation count as installed:
+a line keeps Megatron-LM's default apply_rope_fusion=True (or asks for
+--moe-permute-fusion), and TransformerConfig.__post_init__ only checks that the kernels
+exist (they are never called here). CUDA_DEVICE_MAX_CONNECTIONS is 1, as the functional
+tests' ENV_VARS set it, except on a --use-megatron-fsdp line, whose test sets none
+(validate_args refuses 1 with Megatron-FSDP).
 
 Output: tests/assets/megatron_lm_parity/<test case>.json with the line, the source, every
 TransformerConfig field (JSON-able, activation by name), the model arguments outside
@@ -124,8 +129,33 @@ def _jsonable(value):
         return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
 
 
-def _te_fused_rope_is_installed(*args, **kwargs):
+def _te_kernel_is_installed(*args, **kwargs):
     raise AssertionError("only its presence is checked (TransformerConfig.__post_init__)")
+
+
+TE_KERNELS = (("megatron.core.models.common.embeddings.rope_utils",
+               "fused_apply_rotary_pos_emb"),
+              *(("megatron.core.transformer.moe.moe_utils", name) for name in (
+                  "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                  "fused_sort_chunks_by_index_with_probs", "fused_unpermute")))
+"""TransformerEngine's kernels whose presence TransformerConfig checks (stand-in 2)."""
+
+
+@contextlib.contextmanager
+def _te_kernels_installed():
+    """Stand-in 2 (module docstring): each missing TE kernel of TE_KERNELS present."""
+    import importlib
+
+    modules = [(importlib.import_module(module), name) for module, name in TE_KERNELS]
+    saved = [getattr(module, name) for module, name in modules]
+    try:
+        for module, name in modules:
+            if getattr(module, name) is None:
+                setattr(module, name, _te_kernel_is_installed)
+        yield
+    finally:
+        for (module, name), value in zip(modules, saved):
+            setattr(module, name, value)
 
 
 def megatron_lm_args(line: list):
@@ -133,16 +163,22 @@ def megatron_lm_args(line: list):
     sets WORLD_SIZE, RANK, LOCAL_RANK, CUDA_DEVICE_MAX_CONNECTIONS in os.environ)."""
     from megatron.training import arguments
 
+    import torch
+
     os.environ.update(WORLD_SIZE="8", RANK="0", LOCAL_RANK="0",
                       CUDA_DEVICE_MAX_CONNECTIONS="1")
+    if "--use-megatron-fsdp" in line:
+        del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]  # its test sets none (docstring)
     arguments.get_device_arch_version = lambda: 9  # stand-in 1 (module docstring)
     argv, sys.argv = sys.argv, ["pretrain_gpt.py", *line]
+    capability = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # stand-in 1 too
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # its listing of every argument
             args = arguments.parse_args()
             arguments.validate_args(args, {})
     finally:
-        sys.argv = argv
+        sys.argv, torch.cuda.get_device_capability = argv, capability
     return args
 
 
@@ -161,19 +197,13 @@ def megatron_lm_scheduler(args):
 def megatron_lm_record(line: list) -> dict:
     """Megatron-LM's parse_args -> validate_args -> core_transformer_config_from_args and
     scheduler for `line` (see the module docstring)."""
-    from megatron.core.models.common.embeddings import rope_utils
     from megatron.training import arguments
     from megatron.training.training import (get_megatron_ddp_config,
                                             get_megatron_optimizer_config)
 
     args = megatron_lm_args(line)
-    fused_rope = rope_utils.fused_apply_rotary_pos_emb
-    try:
-        if fused_rope is None:  # stand-in 2: TE's fused RoPE present, as on the test's GPUs
-            rope_utils.fused_apply_rotary_pos_emb = _te_fused_rope_is_installed
+    with _te_kernels_installed():  # as on the test's GPUs
         config = arguments.core_transformer_config_from_args(args)
-    finally:
-        rope_utils.fused_apply_rotary_pos_emb = fused_rope
     scheduler = megatron_lm_scheduler(args)
     return {"transformer_config": {f.name: _jsonable(getattr(config, f.name))
                                    for f in dataclasses.fields(config)},

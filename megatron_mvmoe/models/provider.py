@@ -106,6 +106,15 @@ def architecture_fields(model: ModelSection) -> Dict[str, Any]:
                 add_qkv_bias=model.add_bias_linear)
 
 
+def _pipeline_p2p(vpp: Optional[int]) -> Dict[str, bool]:
+    """Megatron-LM's pipeline send/receive: the interleaved schedule overlaps them with
+    compute (its --no-overlap-p2p-communication default), else one batched call
+    (argument_utils: batch_p2p_comm = not overlap_p2p_comm). Batched at PP 2 with virtual
+    stages is what Megatron-LM's validate_args refuses (two sends and receives between the
+    same two ranks in one batch)."""
+    return dict(overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None)
+
+
 def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
                        etp: int = 1, vpp: Optional[int] = None, use_bf16: bool = False,
                        on_cpu: bool = True, cp: int = 1, use_fp16: bool = False,
@@ -120,7 +129,7 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
         pipeline_model_parallel_layout=pp_layout,
         expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
-        context_parallel_size=cp,
+        context_parallel_size=cp, **_pipeline_p2p(vpp),
         moe_variant=model.moe_variant, latent_size=model.latent_size,
         moe_dispatcher=model.moe_dispatcher,
         moe_dispatch_ranks_per_node=model.moe_dispatch_ranks_per_node,

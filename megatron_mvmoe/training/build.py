@@ -152,7 +152,8 @@ def _layer_wise_layouts(chunks, ddp, pg_collection) -> list:
 
 def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
     """Megatron's optimizer config of the run (Adam or Muon; precision from the model
-    config). Muon's fields reach OptimizerConfig as Megatron-LM's arguments.py passes them."""
+    config; the parameter all-gather's overlap from the DDP config). Muon's fields reach
+    OptimizerConfig as Megatron-LM's arguments.py passes them."""
     o = run.optimizer
     return OptimizerConfig(
         optimizer="muon" if o.optimizer == "dist_muon" else o.optimizer,
@@ -166,7 +167,11 @@ def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
         hysteresis=o.hysteresis,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=(o.use_distributed_optimizer or o.megatron_fsdp)
-        and not o.layer_wise)
+        and not o.layer_wise,
+        # DDP's value, as OptimizerConfig asks and Megatron-LM passes it: layer-wise Muon
+        # reads this copy; with it off (DDP's on, on a GPU) Muon all-gathers the parameters
+        # itself after each step, besides DDP's overlapped all-gather
+        overlap_param_gather=ddp_config(run).overlap_param_gather)
 
 
 def _optimizer(run: RunConfig, config, model) -> object:
