@@ -104,9 +104,9 @@ def fast_path_report(model, run, targets, etp: int = 1, probe_inductor: bool = F
     optimizer settings: what models/provider.py would build there (model_fast_paths)."""
     from megatron_mvmoe.models.provider import model_fast_paths
 
-    dist_opt = run.optimizer.use_distributed_optimizer if run is not None else True
+    optimizer = run.optimizer if run is not None else None
     return {name: fast_paths.as_dict(model_fast_paths(
-        model, _fast_path_target(name, probe_inductor), etp, dist_opt)) for name in targets}
+        model, _fast_path_target(name, probe_inductor), etp, optimizer)) for name in targets}
 
 
 def _human_fast_paths(report) -> list:

@@ -22,8 +22,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, List
 
 from megatron_mvmoe.checkpointing.errors import CheckpointError
-from megatron_mvmoe.config.model_section import (ARCHITECTURE_FIELDS, ModelSection,
-                                                 position_table_rows)
+from megatron_mvmoe.config.model_section import (ARCHITECTURE_FIELDS, FUSION_SWITCHES,
+                                                 ModelSection, position_table_rows)
 from megatron_mvmoe.config.transformer_config import MultiHeadConfig
 
 if TYPE_CHECKING:
@@ -61,11 +61,11 @@ table before it had seq_length rows, RoPE none)."""
 
 NOT_STRUCTURAL = ("preset", "moe_dispatcher", "moe_dispatch_ranks_per_node", "seq_length",
                   "max_position_embeddings", "multi_view", "attention_backend",
-                  "bias_swiglu_fusion")
+                  *FUSION_SWITCHES)
 """ModelSection fields not compared as they are: the recorded preset name, the token
 dispatcher and its node size (they hold no parameters), the attention backend (SDPA and
-Megatron's DotProductAttention compute one function of the same weights) and the SwiGLU
-fusion (Megatron's compiled SwiGLU computes the eager one's function), the sequence
+Megatron's DotProductAttention compute one function of the same weights) and Megatron-LM's
+fusion switches (a fused kernel computes the unfused one's function), the sequence
 length and the position-table size (RoPE is computed, not stored; a learned table's rows
 enter as `position_table_rows`) and multi_view (only R, K and learned alpha enter, flat; its
 gamma ramp, gate scale, kernels, init std do not). bitnet's activation bits and input norm are

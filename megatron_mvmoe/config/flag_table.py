@@ -178,6 +178,19 @@ FLAGS: List[Flag] = [
     Flag("--no-bias-swiglu-fusion", "model", "bias_swiglu_fusion", None,
          "unfused SwiGLU (Megatron-LM's switch; the fusion runs on a GPU, and on CPU where "
          "inductor compiles and it pays: models/fast_paths.py)", const=False),
+    Flag("--no-rope-fusion", "model", "apply_rope_fusion", None, "unfused RoPE", const=False),
+    Flag("--no-masked-softmax-fusion", "model", "masked_softmax_fusion", None,
+         "unfused scale-mask-softmax", const=False),
+    Flag("--no-bias-dropout-fusion", "model", "bias_dropout_fusion", None,
+         "unfused bias-dropout-add", const=False),
+    Flag("--no-gradient-accumulation-fusion", "model", "gradient_accumulation_fusion", None,
+         "weight gradients accumulate outside the GEMM", const=False),
+    Flag("--moe-permute-fusion", "model", "moe_permute_fusion", None,
+         "TE's fused permute where the platform has it (a Megatron-LM line without it: "
+         "unfused)", const=True),
+    Flag("--moe-router-fusion", "model", "moe_router_fusion", None,
+         "TE's fused router where the platform has it (a Megatron-LM line without it: "
+         "unfused)", const=True),
     Flag("--attention-backend", "model", "attention_backend", str,
          "Megatron-LM's choices (flash, fused, unfused, local, auto) plus sdpa"),
     # --- Megatron TransformerConfig fields, passed through (Megatron's names and meaning)

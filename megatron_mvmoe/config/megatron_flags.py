@@ -41,11 +41,6 @@ ACCEPTED: Dict[str, Accepted] = {
         "same"),
     "--use-mcore-models": Accepted("models are always Megatron-Core GPTModel"),
     "--group-query-attention": Accepted("GQA follows --num-query-groups"),
-    "--no-masked-softmax-fusion": Accepted("fusions are chosen per platform "
-                                           "(models/fast_paths.py)"),
-    "--no-bias-dropout-fusion": Accepted("bias/dropout fusion is off"),
-    "--no-rope-fusion": Accepted("RoPE fusion is off"),
-    "--no-gradient-accumulation-fusion": Accepted("gradient-accumulation fusion is off"),
     "--no-position-embedding": Accepted(
         "Megatron-Core's GPTModel ignores it: position embeddings follow "
         "--position-embedding-type"),
@@ -58,6 +53,9 @@ ACCEPTED: Dict[str, Accepted] = {
                                       "with NCCL, off with gloo (nothing to overlap with)"),
     "--overlap-param-gather": Accepted("the platform picks it (models/fast_paths.py): on "
                                        "with NCCL, off with gloo"),
+    "--no-persist-layer-norm": Accepted(
+        "apex's persistent LayerNorm kernel is off in every run here, as the flag asks "
+        "(models/provider.py)"),
     "--no-load-rng": Accepted("RNG states are restored only together with the optimizer "
                               "state; with --no-load-optim they are not"),
     "--log-throughput": Accepted("tokens/s is always in the progress line"),
@@ -93,7 +91,6 @@ UNSUPPORTED: Dict[str, Tuple[str, str]] = {
     "--squared-relu": ("MLPs are SwiGLU or GeLU", "drop the flag (GeLU) or --swiglu"),
     "--apply-layernorm-1p": ("norms are plain RMSNorm or LayerNorm", "drop the flag"),
     "--vocab-extra-ids": ("extra ids are not added to tokenizers here", "drop the flag"),
-    "--no-persist-layer-norm": ("accepted by Megatron only with TE", "drop the flag"),
     "--legacy-tokenizer": ("tokenizers are built from local files by this package",
                            "--tokenizer-type with --vocab-file/--merge-file/--tokenizer-model"),
 }

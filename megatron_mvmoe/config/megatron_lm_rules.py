@@ -23,7 +23,8 @@ Megatron-LM does:
   without --normalization LayerNorm, without --position-embedding-type learned positions,
   without --untie-embeddings-and-output-weights tied embeddings, without
   --disable-bias-linear biased linear layers (model fields; models/provider.py builds them
-  as Megatron-Core does). The FFN width defaults as in Megatron-LM (`validate_args`: 4h,
+  as Megatron-Core does), without --moe-permute-fusion / --moe-router-fusion those kernels
+  unfused. The FFN width defaults as in Megatron-LM (`validate_args`: 4h,
   or 2/3 of it with --swiglu), and --vocab-file/--merge-file without --tokenizer-type is
   GPT2BPETokenizer, whose vocabulary (padded) is the model's. Every other run-config field
   behind a Megatron-LM flag takes Megatron-LM's parser default (config/megatron_lm_defaults.py:
@@ -163,6 +164,12 @@ _ARCHITECTURE = (
     ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", False),
     ("disable_bias_linear", "add_bias_linear", True),
 )
+# Megatron-LM's fusions that a switch turns on (its parser's default: unfused); on our presets
+# the platform decides (models/fast_paths.py).
+_OPT_IN_FUSIONS = (
+    ("moe_permute_fusion", "moe_permute_fusion", False),
+    ("moe_router_fusion", "moe_router_fusion", False),
+)
 
 
 # Fields whose default here suits our presets but differs from Megatron-LM's parser default
@@ -186,7 +193,7 @@ def apply_megatron_lm_defaults(raw: Dict[str, Any], args: argparse.Namespace) ->
     if not megatron_lm_style(args):
         return []
     model = _section(raw, "model")
-    for dest, name, value in _ARCHITECTURE:
+    for dest, name, value in _ARCHITECTURE + _OPT_IN_FUSIONS:
         if getattr(args, dest) is None:
             model.setdefault(name, value)
     problems = _parser_defaults(model, raw)

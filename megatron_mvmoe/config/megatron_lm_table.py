@@ -70,9 +70,6 @@ NOTED: Dict[str, str] = {
     "--log-world-size-to-tensorboard": "the world size is in run_info.json",
     "--cross-entropy-loss-fusion": "the loss is Megatron's vocab-parallel cross entropy",
     "--cross-entropy-fusion-impl": "the loss is Megatron's vocab-parallel cross entropy",
-    "--moe-permute-fusion": "the platform picks the permutation kernel "
-                            "(models/fast_paths.py)",
-    "--moe-router-fusion": "the platform picks the router kernel (models/fast_paths.py)",
     "--no-create-attention-mask-in-dataloader": "the causal mask is built by the model",
     "--exit-on-missing-checkpoint": "a missing --load checkpoint starts fresh only when "
                                     "--load = --save (a fresh job); otherwise it fails",

@@ -124,6 +124,25 @@ class ModelSection:
     for it to pay (models/fast_paths.py SWIGLU_FUSION_MIN_ELEMENTS; the banner's fusions
     line says which). Not structural: the weights are the same, so a resume may switch it
     (tests/layers/test_compiled_fusions.py)."""
+    apply_rope_fusion: bool = True
+    """TE's fused RoPE (Megatron-LM's --no-rope-fusion gives False). Each fusion switch here:
+    True = on where the platform has it (models/fast_paths.py: a GPU with TransformerEngine;
+    CPU fuses none of them), False = off
+    (tests/platform/test_fast_paths.py::test_megatron_lms_fusion_switches_turn_the_fusion_off).
+    Not structural: a fused kernel computes the unfused one's function of the same weights."""
+    masked_softmax_fusion: bool = True
+    """Megatron's fused scale-mask-softmax (--no-masked-softmax-fusion gives False)."""
+    bias_dropout_fusion: bool = True
+    """Megatron's fused bias-dropout-add (--no-bias-dropout-fusion gives False)."""
+    gradient_accumulation_fusion: bool = True
+    """TE linears accumulating the weight gradient into the fp32 main grad in their GEMM
+    (--no-gradient-accumulation-fusion gives False)."""
+    moe_permute_fusion: bool = True
+    """TE's fused token permute/unpermute (--moe-permute-fusion). False on a Megatron-LM line
+    without the flag, its parser's default (config/megatron_lm_rules.py)."""
+    moe_router_fusion: bool = True
+    """TE's fused top-k router (--moe-router-fusion). False on a Megatron-LM line without the
+    flag, its parser's default."""
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Core attention (Megatron-LM's --attention-backend, plus sdpa). Without
     TransformerEngine: auto, sdpa, flash and fused run torch's scaled_dot_product_attention
@@ -214,6 +233,12 @@ ARCHITECTURE_FIELDS = ("swiglu", "quick_geglu", "normalization", "position_embed
                        "untie_embeddings_and_output_weights", "add_bias_linear")
 """The architecture switches (Megatron-LM's --swiglu, --normalization, ...): a warm start
 or upcycling keeps them."""
+
+FUSION_SWITCHES = ("bias_swiglu_fusion", "apply_rope_fusion", "masked_softmax_fusion",
+                   "bias_dropout_fusion", "gradient_accumulation_fusion", "moe_permute_fusion",
+                   "moe_router_fusion")
+"""Megatron-LM's fusion switches: the platform's fast path runs only where they allow it
+(models/fast_paths.py); they hold no weights (checkpointing/fingerprint.py NOT_STRUCTURAL)."""
 
 _REQUIRED = ("moe_variant", "num_layers", "hidden_size", "num_attention_heads",
              "ffn_hidden_size", "vocab_size", "seq_length")

@@ -44,7 +44,8 @@ def model_config(run: "RunConfig") -> MVMoETransformerConfig:
     config = transformer_config(run.model, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
                                 cp=p.cp, pp_layout=p.pp_layout, use_bf16=use_bf16(run),
                                 on_cpu=not platform.is_cuda(),
-                                use_fp16=run.training.precision == "fp16")
+                                use_fp16=run.training.precision == "fp16",
+                                optimizer=run.optimizer)
     # A training switch that Megatron reads from the model config: its schedule, DDP's
     # gradient scaling, finalize_model_grads and the aux-loss scale (training/step.py).
     config.calculate_per_token_loss = run.training.calculate_per_token_loss

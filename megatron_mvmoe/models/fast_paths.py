@@ -34,6 +34,13 @@ Design choices:
   expert's rows under SequentialMLP, every local expert's rows on the grouped path
   (`swiglu_calls`); smaller models (the tests', and issue 42's smoe benchmark shapes) stay
   eager, so they never compile.
+- A fusion runs only where the platform has it AND the run allows it: Megatron-LM's
+  switches (--no-rope-fusion, --no-gradient-accumulation-fusion, ... and the opt-in
+  --moe-permute-fusion / --moe-router-fusion, model fields: config/model_section.py) turn an
+  available fusion off, and the `why` says so (`run_switches_off`). So do two limits of the
+  run itself: RoPE fusion only for plain RoPE (Megatron-LM's validate_args) and, for MLA,
+  YaRN (Megatron-Core asserts it); and gradient-accumulation fusion not under Megatron-FSDP's
+  unsharded gradients (`UNSHARDED_FSDP_GRADS`).
 - BitNet quantizes Megatron's local Column/RowParallelLinear: TE linears (and so TE grouped
   experts, fused RoPE, TE attention) are off under BitNet, with that reason.
 - Multi-View's per-row dispatcher gathers (token, slot) rows itself: TE's fused permute
@@ -45,7 +52,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from megatron_mvmoe.config.variants import get_variant
 
@@ -115,6 +122,8 @@ class FastPath:
     why: str
     fields: Dict[str, Any] = field(default_factory=dict)
     """TransformerConfig fields this decision sets (DDP fields are prefixed `ddp.`)."""
+    run_off: bool = False
+    """Off because the run asks it (`run_switches_off`), where the platform has it."""
 
 
 def expert_matrix_elements(section, etp: int = 1) -> Optional[int]:
@@ -171,13 +180,15 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
                       expert_elements: Optional[int] = None,
                       attention_backend: str = "auto",
                       sdpa_blocker: str = "", swiglu_fusion: bool = True,
-                      swiglu_size: Optional[SwigluCalls] = None) -> List[FastPath]:
+                      swiglu_size: Optional[SwigluCalls] = None,
+                      run_off: Optional[Mapping[str, str]] = None) -> List[FastPath]:
     """Every fast-path decision for one model variant on `target`; `expert_elements`:
     `expert_matrix_elements` of the model (None: not known, the CPU grouped path stays on);
     `attention_backend`: the model's (Megatron-LM's --attention-backend, or sdpa);
     `sdpa_blocker`: why SDPA cannot serve the model (layers/sdpa_attention.sdpa_blocker);
     `swiglu_fusion`: Megatron-LM's --bias-swiglu-fusion; `swiglu_size`: `swiglu_calls` of
-    the model (None: not known, CPU stays eager), read on the expert path chosen here."""
+    the model (None: not known, CPU stays eager), read on the expert path chosen here;
+    `run_off`: fast path -> why the run keeps it off (`run_switches_off`)."""
     gpu = target.cuda
     te = gpu and target.te and not bitnet
     no_te = _no_te_reason(target, bitnet)
@@ -186,7 +197,7 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
     heads_router = record.multi_router
     grouped = _cpu_grouped_experts(target, variant, bitnet, expert_elements)
     call_size = None if swiglu_size is None else swiglu_size.on_path(grouped.on)
-    return [
+    return _allowed_by_run(run_off or {}, [
         _path("transformer_engine_specs", te, "TE layer specs (fused LN+linear, TE linears)",
               no_te),
         _path("grouped_gemm", te and moe,
@@ -227,7 +238,65 @@ def choose_fast_paths(target: Target, variant: str, bitnet: bool = False,
               {"ddp.overlap_param_gather": gpu and distributed_optimizer}),
         _path("bf16", gpu, "bf16 weights and activations, fp32 main params",
               "CPU: fp32 (bf16 matmuls are emulated and slow)"),
-    ]
+    ])
+
+
+RUN_SWITCHES = (
+    ("rope_fusion", "apply_rope_fusion", "--no-rope-fusion", "unfused RoPE"),
+    ("masked_softmax_fusion", "masked_softmax_fusion", "--no-masked-softmax-fusion",
+     "torch softmax"),
+    ("bias_dropout_fusion", "bias_dropout_fusion", "--no-bias-dropout-fusion", "unfused add"),
+    ("gradient_accumulation_fusion", "gradient_accumulation_fusion",
+     "--no-gradient-accumulation-fusion", "separate accumulate"),
+    ("moe_permute_fusion", "moe_permute_fusion", "without --moe-permute-fusion",
+     "unfused permute, Megatron-LM's default"),
+    ("fused_router", "moe_router_fusion", "without --moe-router-fusion",
+     "unfused router, Megatron-LM's default"),
+)
+"""(fast path, its ModelSection switch, how a launch line sets it false, what runs then)."""
+
+UNSHARDED_FSDP_GRADS = ("no_shard", "optim")
+"""Megatron-FSDP strategies whose gradient buffers are not sharded: Megatron-Core 0.19.2's
+Megatron-FSDP sets `param.overwrite_main_grad` for every strategy (megatron_fsdp.py), so
+TE's fused weight-gradient GEMM overwrites these buffers each microbatch instead of adding
+to them; Megatron-LM later sets it only for optim_grads / optim_grads_params (342faa43cd)."""
+
+
+def run_switches_off(section, optimizer=None) -> Dict[str, str]:
+    """Fast path -> why the run keeps it off, for a ModelSection and the run's
+    OptimizerSection (None: no Megatron-FSDP)."""
+    off = {path: f"{flag} (model.{name} false): {instead}"
+           for path, name, flag, instead in RUN_SWITCHES if not getattr(section, name)}
+    rope = _rope_fusion_blocker(section)
+    if rope:
+        off.setdefault("rope_fusion", rope)
+    strategy = optimizer.data_parallel_sharding_strategy if optimizer is not None and \
+        optimizer.megatron_fsdp else None
+    if strategy in UNSHARDED_FSDP_GRADS:
+        off.setdefault("gradient_accumulation_fusion", (
+            f"Megatron-FSDP's {strategy} keeps unsharded gradients, which Megatron-Core "
+            "0.19.2 lets TE's fused GEMM overwrite each microbatch (overwrite_main_grad; "
+            "fixed later in Megatron-LM, 342faa43cd): separate accumulate"))
+    return off
+
+
+def _rope_fusion_blocker(section) -> str:
+    """Why the model's RoPE is not fused even where TE could: Megatron-LM's validate_args
+    fuses only --position-embedding-type rope, and Megatron-Core MLA's fused RoPE only
+    YaRN (MLATransformerConfig raises otherwise)."""
+    if section.position_embedding_type != "rope":
+        return (f"--position-embedding-type {section.position_embedding_type}: Megatron-LM "
+                "fuses only plain RoPE")
+    extra = section.extra or {}
+    if extra.get("multi_latent_attention") and extra.get("rope_type", "yarn") != "yarn":
+        return f"MLA with --rope-type {extra['rope_type']}: Megatron-Core fuses only YaRN's"
+    return ""
+
+
+def _allowed_by_run(run_off: Mapping[str, str], paths: List[FastPath]) -> List[FastPath]:
+    """Each path on only where the platform has it AND the run allows it."""
+    return [FastPath(p.name, False, run_off[p.name], {k: False for k in p.fields}, True)
+            if p.on and p.name in run_off else p for p in paths]
 
 
 def _cpu_grouped_experts(target: Target, variant: str, bitnet: bool,
@@ -283,9 +352,14 @@ def _bias_activation_fusion(target: Target, requested: bool,
 
 
 def fusions_line(paths: List[FastPath]) -> str:
-    """The start-up banner's line: which elementwise fusions run, and why (not)."""
+    """The start-up banner's line: which elementwise fusions run, and why (not); the
+    switchable ones only where the platform has them (on, or off by the run)."""
     swiglu = next(p for p in paths if p.name == "bias_activation_fusion")
-    return f"fusions: SwiGLU {'on' if swiglu.on else 'off'} ({swiglu.why})"
+    switchable = {switch[0] for switch in RUN_SWITCHES}
+    others = [f"{p.name} on" if p.on else f"{p.name} off ({p.why})" for p in paths
+              if p.name in switchable and (p.on or p.run_off)]
+    return f"fusions: SwiGLU {'on' if swiglu.on else 'off'} ({swiglu.why})" + \
+        "".join(f"; {text}" for text in others)
 
 
 SDPA_BACKENDS = ("auto", "sdpa", "flash", "fused")

@@ -41,7 +41,7 @@ from megatron_mvmoe.config.transformer_config import MVMoETransformerConfig
 from megatron_mvmoe.errors import require
 from megatron_mvmoe.models.fast_paths import (FastPath, Target, choose_fast_paths,
                                               config_fields, expert_matrix_elements,
-                                              swiglu_calls)
+                                              run_switches_off, swiglu_calls)
 from megatron_mvmoe.models.mtp_spec import build_mtp_block_spec
 from megatron_mvmoe.models.specs import build_decoder_block_spec
 from megatron_mvmoe.parallel import ParallelLayout, check_layer_layout
@@ -68,16 +68,18 @@ def target_for(on_cpu: bool, model: Optional[ModelSection] = None) -> Target:
 
 
 def model_fast_paths(model: ModelSection, target: Target, etp: int = 1,
-                     distributed_optimizer: bool = True) -> List[FastPath]:
+                     optimizer=None) -> List[FastPath]:
     """Every fast-path decision for `model` on `target` (models/fast_paths.py), from the
-    model's own fields: the config's (transformer_config) and the banner's
+    model's own fields and the run's OptimizerSection (None: the defaults, distributed
+    optimizer, no Megatron-FSDP): the config's (transformer_config) and the banner's
     (training/build.py run_fast_paths) are one decision."""
     return choose_fast_paths(
         target, model.moe_variant, bitnet=model.bitnet.enabled,
-        distributed_optimizer=distributed_optimizer,
+        distributed_optimizer=optimizer is None or optimizer.use_distributed_optimizer,
         expert_elements=expert_matrix_elements(model, etp),
         attention_backend=model.attention_backend, sdpa_blocker=sdpa_blocker(model.extra),
-        swiglu_fusion=model.bias_swiglu_fusion, swiglu_size=swiglu_calls(model, etp))
+        swiglu_fusion=model.bias_swiglu_fusion, swiglu_size=swiglu_calls(model, etp),
+        run_off=run_switches_off(model, optimizer))
 
 
 def _routing(model: ModelSection) -> Dict[str, Any]:
@@ -118,9 +120,11 @@ def _pipeline_p2p(vpp: Optional[int]) -> Dict[str, bool]:
 def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 1,
                        etp: int = 1, vpp: Optional[int] = None, use_bf16: bool = False,
                        on_cpu: bool = True, cp: int = 1, use_fp16: bool = False,
-                       pp_layout: Optional[str] = None) -> MVMoETransformerConfig:
+                       pp_layout: Optional[str] = None,
+                       optimizer=None) -> MVMoETransformerConfig:
     """The full Megatron config of the model `shape` for one layout, with the fast paths
-    the target machine (the CPU, or this process's GPU) takes."""
+    the target machine (the CPU, or this process's GPU) takes for the run's `optimizer`
+    section (model_fast_paths)."""
     kwargs: Dict[str, Any] = dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
@@ -141,7 +145,7 @@ def transformer_config(model: ModelSection, tp: int = 1, pp: int = 1, ep: int = 
     kwargs.update(architecture_fields(model))
     kwargs.update(_numerics(use_bf16, on_cpu, use_fp16))
     target = target_for(on_cpu, model)
-    kwargs.update(config_fields(model_fast_paths(model, target, etp)))
+    kwargs.update(config_fields(model_fast_paths(model, target, etp, optimizer)))
     if target.te:  # Megatron-LM's meaning: it picks TE's kernel (LanguageModule env vars)
         kwargs["attention_backend"] = AttnBackend[model.attention_backend]
     kwargs.update(_routing(model))

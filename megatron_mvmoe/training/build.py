@@ -64,7 +64,7 @@ class Trainer:
 def run_fast_paths(run: RunConfig) -> List[FastPath]:
     """The fast-path decisions for this run on this machine (models/fast_paths.py)."""
     return model_fast_paths(run.model, target_for(not platform.is_cuda(), run.model),
-                            run.parallel.etp, run.optimizer.use_distributed_optimizer)
+                            run.parallel.etp, run.optimizer)
 
 
 def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:

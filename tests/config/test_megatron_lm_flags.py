@@ -286,3 +286,15 @@ def test_gradients_reduce_in_the_dtype_megatron_lms_validate_args_picks(monkeypa
     line = gen.BARE_LINE + gen.EXPLICIT + precision
     theirs = gen.megatron_lm_args(line).accumulate_allreduce_grads_in_fp32
     assert flags.config_from_args(line).optimizer.grad_reduce_in_fp32 == theirs == bool(precision)
+
+
+def test_no_persist_layer_norm_asks_for_what_runs():
+    """Megatron-LM's --no-persist-layer-norm turns apex's persistent LayerNorm off, which no
+    run here uses (models/provider.py): accepted with a note saying so. It was refused
+    ("accepted by Megatron only with TE ... drop the flag")."""
+    from megatron_mvmoe.models.provider import transformer_config
+
+    run = flags.config_from_args(["--model-preset", "tiny_smoe", "--no-persist-layer-norm"])
+    assert transformer_config(run.model).persist_layer_norm is False
+    notes = flags.compat_notes(flags.build_parser().parse_args(["--no-persist-layer-norm"]))
+    assert any("persistent LayerNorm kernel is off in every run" in n for n in notes), notes

@@ -71,12 +71,15 @@ def test_fingerprint_keeps_the_flat_form_of_earlier_checkpoints():
     printed = model_fingerprint(model)
     assert (printed["num_routers"], printed["num_views"], printed["num_heads_mh"]) == (2, 2, 1)
     assert not {"multi_view", "multi_head", "bitnet", "preset", "seq_length"} & set(printed)
-    # not recorded as they are: the attention backend and the SwiGLU fusion hold no weights;
-    # a learned table's rows enter as position_table_rows, and only when they differ from
-    # seq_length
+    # not recorded as they are: the attention backend and the fusion switches hold no
+    # weights; a learned table's rows enter as position_table_rows, and only when they differ
+    # from seq_length
     assert set(printed) == {f.name for f in dataclasses.fields(ModelSection)} - {
         "preset", "seq_length", "multi_view", "multi_head", "bitnet", "attention_backend",
-        "max_position_embeddings", "bias_swiglu_fusion"} | {"num_routers", "num_views", "num_heads_mh"}
+        "max_position_embeddings", "bias_swiglu_fusion", "apply_rope_fusion",
+        "masked_softmax_fusion", "bias_dropout_fusion", "gradient_accumulation_fusion",
+        "moe_permute_fusion", "moe_router_fusion"} | {"num_routers", "num_views",
+                                                      "num_heads_mh"}
     no_merge = dataclasses.replace(model, multi_head=MultiHeadConfig(merge_projection=False))
     assert model_fingerprint(no_merge)["multi_head"]["merge_projection"] is False
 

@@ -126,3 +126,103 @@ def test_plan_tool_probe_inductor_asks_the_trainers_probe(capsys, monkeypatch):
     monkeypatch.setattr(inductor_probe, "inductor_blocker", lambda: "")
     swiglu = _plan_cpu_fast_paths(capsys, "--probe-inductor")["bias_activation_fusion"]
     assert swiglu["on"] and "inductor C++" in swiglu["why"], swiglu
+
+
+SWITCHES = [("--no-rope-fusion", "rope_fusion", "apply_rope_fusion"),
+            ("--no-masked-softmax-fusion", "masked_softmax_fusion", "masked_softmax_fusion"),
+            ("--no-bias-dropout-fusion", "bias_dropout_fusion", "bias_dropout_fusion"),
+            ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion",
+             "gradient_accumulation_fusion")]
+
+
+def _gpu_paths(*line, optimizer=False):
+    from megatron_mvmoe.config.flags import config_from_args
+    from megatron_mvmoe.models.provider import model_fast_paths
+
+    run = config_from_args(list(line))
+    return model_fast_paths(run.model, GPU, optimizer=run.optimizer if optimizer else None)
+
+
+@pytest.mark.parametrize("flag,path,field", SWITCHES)
+def test_megatron_lms_fusion_switches_turn_the_fusion_off(flag, path, field):
+    """On a GPU with TE a preset fuses; Megatron-LM's --no-... switch turns that fusion off
+    there and only that one, the why and the banner's fusions line naming the flag. The
+    switches were notes claiming the fusion off while the GPU fused anyway."""
+    from megatron_mvmoe.models.fast_paths import as_dict, fusions_line
+
+    platform = _gpu_paths("--model-preset", "tiny_smoe")
+    off = _gpu_paths("--model-preset", "tiny_smoe", flag)
+    assert is_on(platform, path) and config_fields(platform)[field] is True
+    why = next(p.why for p in off if p.name == path)
+    assert not is_on(off, path) and config_fields(off)[field] is False and flag in why
+    assert f"{path} off ({why})" in fusions_line(off)
+    assert {k: v for k, v in as_dict(off).items() if k != path} == \
+        {k: v for k, v in as_dict(platform).items() if k != path}
+
+
+FUSION_FIELDS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+                 "gradient_accumulation_fusion", "moe_permute_fusion", "moe_router_fusion")
+
+
+@pytest.mark.parametrize("case", ["bare_moe_line",
+                                  "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel"])
+def test_a_megatron_lm_line_fuses_on_a_gpu_what_megatron_lm_fuses(case):
+    """Megatron-LM's own parser's fusion fields for a bare line and the GPT-3 line
+    (tests/assets/megatron_lm_parity) equal this trainer's decisions for a GPU with TE:
+    --moe-permute-fusion / --moe-router-fusion off when not given (their parser default),
+    RoPE not fused with learned positions, --no-gradient-accumulation-fusion honoured; with
+    the two switches given, TE's permute and router fuse."""
+    with open(os.path.join(ROOT, "tests", "assets", "megatron_lm_parity",
+                           f"{case}.json")) as fh:
+        record = json.load(fh)
+    paths = _gpu_paths(*record["line"])
+    assert {f: config_fields(paths)[f] for f in FUSION_FIELDS} == \
+        {f: record["transformer_config"][f] for f in FUSION_FIELDS}
+    assert "without --moe-permute-fusion" in next(p.why for p in paths
+                                                  if p.name == "moe_permute_fusion")
+    given = _gpu_paths(*record["line"], "--moe-permute-fusion", "--moe-router-fusion")
+    assert is_on(given, "moe_permute_fusion") and is_on(given, "fused_router")
+
+
+@pytest.mark.parametrize("strategy,fused", [("no_shard", False), ("optim", False),
+                                            ("optim_grads", True),
+                                            ("optim_grads_params", True)])
+def test_megatron_fsdp_unsharded_grads_keep_gradient_accumulation_unfused(
+        strategy, fused, monkeypatch):
+    """Megatron-Core 0.19.2's Megatron-FSDP sets overwrite_main_grad for every strategy: with
+    TE's fused weight-gradient GEMM, no_shard and optim would keep only the last
+    microbatch's gradient. The GPU decision and the Megatron config the trainer builds
+    (models/build.py model_config, TE's config-checked kernels switched off: absent here)
+    leave the fusion off there, on for the sharded-gradient strategies."""
+    from megatron_mvmoe.config.flags import config_from_args
+    from megatron_mvmoe.models import build, provider
+
+    line = ["--model-preset", "tiny_smoe", "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy", strategy]
+    paths = _gpu_paths(*line, optimizer=True)
+    why = next(p.why for p in paths if p.name == "gradient_accumulation_fusion")
+    assert is_on(paths, "gradient_accumulation_fusion") is fused
+    assert fused or (strategy in why and "overwrite_main_grad" in why), why
+    assert is_on(_gpu_paths(*line), "gradient_accumulation_fusion")  # no optimizer: DDP
+    monkeypatch.setattr(provider, "target_for", lambda on_cpu, model=None: GPU)
+    run = config_from_args(line + ["--no-rope-fusion"])
+    run.model.moe_permute_fusion = False
+    assert build.model_config(run).gradient_accumulation_fusion is fused
+
+
+def test_rope_fusion_only_where_megatron_fuses_that_rope():
+    """Megatron-LM's validate_args fuses only --position-embedding-type rope, and
+    Megatron-Core's MLA config raises for fused RoPE other than YaRN: on a GPU with TE such
+    models build unfused RoPE, saying why (MLATransformerConfig raised for MLA with
+    --rope-type rope)."""
+    from megatron_mvmoe.config.model_section import model_from_preset
+    from megatron_mvmoe.models.provider import model_fast_paths
+
+    def rope(**fields):
+        paths = model_fast_paths(model_from_preset("tiny_smoe", **fields), GPU)
+        return next((p.on, p.why) for p in paths if p.name == "rope_fusion")
+    assert rope()[0] and rope(extra={"multi_latent_attention": True})[0]  # MLA: YaRN
+    on, why = rope(extra={"multi_latent_attention": True, "rope_type": "rope"})
+    assert not on and "--rope-type rope" in why
+    on, why = rope(position_embedding_type="yarn")
+    assert not on and "--position-embedding-type yarn" in why
