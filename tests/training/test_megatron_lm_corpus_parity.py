@@ -7,7 +7,11 @@ get_megatron_ddp_config / get_optimizer_param_scheduler build their configs live
 WORLD_SIZE 8 (tools/gen_megatron_lm_parity.py megatron_lm_record, with its GPU stand-ins),
 and this trainer's configs are built from the same line: every field must be equal, except
 a field named in the two other parity tests' documented differences or in CORPUS_DIFFERENCES
-below, each with its reason. No training; ~15 s for all 38 lines.
+below, each with its reason. No training; ~15 s for all 38 lines. The model config is built
+for the CPU the tests run on, so the fusions are also compared as this trainer decides them
+for a GPU with TransformerEngine (`gpu.<field>`, undocumented: none may differ; before the
+fusion switches were model fields all 38 lines differed there, in RoPE, permute and router
+fusion and 37 in gradient-accumulation fusion).
 
 On the code before this test it found two differences where Megatron-LM runs otherwise:
 the interleaved pipeline (the DeepSeek-style line, PP 2 x 4 virtual stages) sent and
@@ -31,7 +35,9 @@ _TE = "the platform picks it (models/fast_paths.py): a TransformerEngine kernel 
 CORPUS_DIFFERENCES = {
     # field: why it may differ from Megatron-LM's value on a corpus line
     "transformer_config.moe_grouped_gemm": _TE,
-    "transformer_config.moe_permute_fusion": _TE,
+    "transformer_config.moe_permute_fusion": "--moe-permute-fusion is model."
+                                             "moe_permute_fusion: TE's kernel, fused only "
+                                             "where the platform has TE (models/fast_paths.py)",
     "transformer_config.cross_entropy_loss_fusion": "noted: the loss is Megatron's "
                                                     "vocab-parallel cross entropy (same sums)",
     "ddp_config.overlap_grad_reduce": _NCCL,
@@ -111,6 +117,21 @@ def launch_fields(run, record) -> dict:
     }
 
 
+GPU_FUSIONS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+               "gradient_accumulation_fusion", "moe_permute_fusion", "moe_router_fusion",
+               "bias_activation_fusion")
+
+
+def gpu_fusions(run, record) -> dict:
+    """(Megatron-LM's, ours) for each fusion field on a GPU with TE (models/fast_paths.py)."""
+    from megatron_mvmoe.models.fast_paths import Target, config_fields
+    from megatron_mvmoe.models.provider import model_fast_paths
+
+    mine = config_fields(model_fast_paths(run.model, Target(cuda=True, te=True),
+                                          run.parallel.etp, run.optimizer))
+    return {name: (record["transformer_config"][name], mine[name]) for name in GPU_FUSIONS}
+
+
 def _line_differences(name: str, line: list) -> dict:
     from gen_megatron_lm_parity import megatron_lm_record
 
@@ -123,6 +144,8 @@ def _line_differences(name: str, line: list) -> dict:
              for part in mine for field, value in record[part].items()
              if value != mine[part].get(field, "<absent>")}
     found.update({f"launch.{field}": pair for field, pair in launch_fields(run, record).items()
+                  if pair[0] != pair[1]})
+    found.update({f"gpu.{field}": pair for field, pair in gpu_fusions(run, record).items()
                   if pair[0] != pair[1]})
     return found
 
