@@ -201,9 +201,10 @@ def is_disk_full(err: BaseException, root: str) -> bool:
         return False
 
 
-def first_nonfinite_parameter(chunks) -> Optional[Tuple[int, str]]:
-    """Collective: (rank, name) of a non-finite parameter on any rank (None: all finite)."""
-    local = next((name for chunk in chunks for name, p in chunk.named_parameters()
+def first_nonfinite_parameter(named_weights) -> Optional[Tuple[int, str]]:
+    """Collective: (rank, name) of a non-finite weight on any rank (None: all finite).
+    `named_weights`: this rank's (name, tensor) pairs, the ones a save writes."""
+    local = next((name for name, p in named_weights
                   if not torch.isfinite(p.detach()).all()), None)
     gathered: List[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)

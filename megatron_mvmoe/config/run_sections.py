@@ -172,6 +172,11 @@ def check_megatron_fsdp(o: OptimizerSection, t: "TrainingSection", pp: int = 1) 
              "background saves of fsdp_dtensor checkpoints are not wired here (Megatron-LM "
              "writes them with nvidia-resiliency-ext's writer, not installed)",
              "drop --async-save (the save is synchronous)")
+    _require(t.warm_start_from is None, "training.warm_start_from",
+             "a warm start (or upcycling) copies the baseline into the model's parameters, "
+             "which under Megatron-FSDP are views of its gathered weight buffer, not the "
+             "sharded weights the optimizer steps",
+             "warm-start without --use-megatron-fsdp")
     _require(pp == 1, "parallel.pp", f"{pp} pipeline stages with Megatron-FSDP: Megatron-Core "
              "0.19.2's FSDP adapter lays its device mesh over every rank as DP x CP x TP "
              "(_get_dp_tp_mesh), so it fails to build with PP > 1 (in Megatron-LM too)",

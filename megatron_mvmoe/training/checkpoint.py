@@ -58,8 +58,8 @@ from megatron_mvmoe.training.checkpoint_parts import (EXCLUDE_FROM_LOADING, RANK
                                                       loading_way, read_part, run_state_of,
                                                       tensor_state)
 from megatron_mvmoe.training.fsdp_checkpoint import (FsdpModelPart, FsdpOptimizerPart,
-                                                      check_fsdp_layout, load_fsdp_tensors,
-                                                      save_fsdp_tensors)
+                                                      check_fsdp_layout, fsdp_weight_shards,
+                                                      load_fsdp_tensors, save_fsdp_tensors)
 from megatron_mvmoe.training.schedule_rule import describe_schedule
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
@@ -118,8 +118,18 @@ def _rng_path(directory: str) -> str:
 
 
 # ------------------------------------------------------------------------------- save
+def _weights_to_save(trainer: Trainer):
+    """This rank's (name, tensor) of the weights a save writes: the model's parameters, or
+    under Megatron-FSDP the local shards of its saved DTensors (training/fsdp_checkpoint.py).
+    Not the FSDP module's parameters: between steps they are views of the unsharded
+    weight buffer, whose memory is reused until the next forward gathers it."""
+    if _is_fsdp_dtensor(trainer):
+        return fsdp_weight_shards(trainer.model)
+    return ((name, p) for chunk in trainer.unwrapped() for name, p in chunk.named_parameters())
+
+
 def _refuse_nonfinite(trainer: Trainer, step: int, root: str) -> None:
-    bad = integrity.first_nonfinite_parameter(trainer.unwrapped())
+    bad = integrity.first_nonfinite_parameter(_weights_to_save(trainer))
     if bad is not None:
         raise CheckpointError(f"refusing to save step {step}: parameter {bad[1]} on rank "
                               f"{bad[0]} is NaN/inf; {_kept(root)}. Fix: lower --lr or use "

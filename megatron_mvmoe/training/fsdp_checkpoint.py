@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
     preprocess_state_dict_for_uneven_dtensor)
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
@@ -155,6 +156,16 @@ def load_fsdp_tensors(parts: Dict, directory: str) -> Dict:
                               f"({type(err).__name__}: {first}). Fix: resume from the "
                               "previous checkpoint (--ckpt-step)") from err
     return own
+
+
+def fsdp_weight_shards(wrapped: List[torch.nn.Module]):
+    """This rank's (name, local shard) of every saved model DTensor (plain tensors as they
+    are), the weights a save writes."""
+    for i, chunk in enumerate(wrapped):
+        for name, value in chunk.state_dict_for_save_checkpoint().items():
+            if isinstance(value, torch.Tensor):
+                yield (f"model{i}.{name}",
+                       value.to_local() if isinstance(value, DTensor) else value)
 
 
 def check_fsdp_layout(saved_layout: Optional[Dict], layout: Dict, directory: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from harness import tiny_run, train
 
-from megatron_mvmoe.testing.spawn import free_port
+from megatron_mvmoe.testing.spawn import free_port, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -107,10 +107,13 @@ LINE = ["--model-preset", "tiny_smoe"]
      "Fix: add --use-megatron-fsdp, or use --ckpt-format torch_dist"),
     (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--save", "ck", "--async-save"],
      "training.async_save", "Fix: drop --async-save"),
+    (["--use-megatron-fsdp", "--warm-start-from", "ck"], "training.warm_start_from",
+     "Fix: warm-start without --use-megatron-fsdp"),
 ])
 def test_what_megatron_lm_refuses_is_refused_in_one_line(flags, field, fix):
     """Megatron-LM asserts that Megatron-FSDP checkpoints are fsdp_dtensor and that
-    fsdp_dtensor is Megatron-FSDP's; background fsdp_dtensor saves are not wired here."""
+    fsdp_dtensor is Megatron-FSDP's; background fsdp_dtensor saves and warm starts into a
+    Megatron-FSDP model are not wired here."""
     from megatron_mvmoe.config.flags import config_from_args
 
     with pytest.raises(ValueError) as err:
@@ -141,3 +144,58 @@ def test_the_tools_read_the_weights_at_another_layout(text_tokens, saved_runs, l
     assert result["step"] == 6 and set(result["components"]) == set(trainer_eval)
     for name, loss in trainer_eval.items():
         assert abs(result["components"][name]["loss"] - loss) < 1e-5, (name, result, loss)
+
+
+def _checks_at_step_2(rank, world_size, raw):
+    """At step 2's start, the save's non-finite check as is, then with one saved weight shard
+    of rank 0 (an fp32 main weight) NaN, restored after; returns both verdicts."""
+    import copy
+
+    import torch
+
+    from megatron_mvmoe.config.run_config import config_from_dict
+    from megatron_mvmoe.parallel import initialize_layout
+    from megatron_mvmoe.training import checkpoint as ckpt
+    from megatron_mvmoe.training.fsdp_checkpoint import fsdp_weight_shards
+    from megatron_mvmoe.training.pretrain import pretrain
+
+    pgs = initialize_layout(config_from_dict(copy.deepcopy(raw)).parallel.layout(), timeout_s=60)
+    verdicts = []
+
+    def verdict(trainer):
+        try:
+            ckpt._refuse_nonfinite(trainer, 2, "ck")
+            return None
+        except Exception as err:  # noqa: BLE001 - the verdict is the message
+            return str(err)
+
+    def on_step(step, trainer):
+        if step != 2:
+            return
+        verdicts.append(verdict(trainer))
+        shard = kept = None
+        if rank == 0:
+            shard = next(t for n, t in fsdp_weight_shards(trainer.model)
+                         if "linear_proj.weight" in n and t.numel())
+            kept = shard.clone()
+            with torch.no_grad():
+                shard.fill_(float("nan"))
+        verdicts.append(verdict(trainer))
+        if shard is not None:
+            with torch.no_grad():
+                shard.copy_(kept)
+    pretrain(config_from_dict(raw), pgs, on_step=on_step)
+    return verdicts
+
+
+def test_the_non_finite_check_reads_the_weights_a_save_writes(text_tokens):
+    """Between steps a Megatron-FSDP module's parameters are views of its unsharded weight
+    buffer, whose memory is reused until the next forward gathers it: the check read them and
+    refused a save of the EP 2 bf16 run for a NaN there once, with every saved weight finite.
+    It reads what the save writes, the DTensor shards: finite passes, a NaN shard (an fp32
+    main weight, which the module's bf16 views do not show) is refused naming it."""
+    raw = _fsdp_run(text_tokens, "ep2_bf16")
+    raw["training"]["train_iters"] = 3
+    for clean, poisoned in run_distributed(_checks_at_step_2, 2, timeout_s=300, args=(raw,)):
+        assert clean is None, clean
+        assert poisoned is not None and "linear_proj.weight on rank 0 is NaN/inf" in poisoned
