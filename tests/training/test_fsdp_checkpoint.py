@@ -122,21 +122,19 @@ def test_what_megatron_lm_refuses_is_refused_in_one_line(flags, field, fix):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("layout", [
-    # SwiGLU's fc1 saved whole at TP 1 ([w; v]) cut as [w_r; v_r] for TP 2 / expert TP 2
-    ("--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"),
-    # experts saved under their global index, read as local_experts.<i> of EP rank 1
-    ("--expert-model-parallel-size", "2"),
-], ids=["tp2_etp2", "ep2"])
-def test_the_tools_read_the_weights_at_another_layout(text_tokens, saved_runs, layout):
+def test_the_tools_read_the_weights_at_another_layout(text_tokens, saved_runs):
     """tools/evaluate.py (the tools' reader, checkpointing/fsdp_weights.py) on the step-6
-    fsdp_dtensor checkpoint equals the trainer's own evaluation at step 6 (within 1e-5)."""
+    fsdp_dtensor checkpoint of the DP 2 run, on 4 ranks at TP 2 x expert TP 2 x EP 2, equals
+    the trainer's own evaluation at step 6 (within 1e-5): SwiGLU's fc1, saved whole at TP 1
+    as [w; v], is cut as [w_r; v_r]; experts saved under their global index are read as
+    local_experts.<i> of their EP rank."""
     root, _ = saved_runs("dp2_fp32")
     trainer_eval = saved_runs.evaluations["dp2_fp32"]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
          "--master-port", str(free_port()), "tools/evaluate.py", "--load",
-         os.path.join(root, "iter_0000006"), *layout, "--json"],
+         os.path.join(root, "iter_0000006"), "--tensor-model-parallel-size", "2",
+         "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2", "--json"],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
         capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
