@@ -97,6 +97,12 @@ def _ddp_shards(o) -> bool:
     wrap_model_chunks_with_ddp)."""
     if o.layer_wise:
         return o.use_layer_wise_param_layout
+    return _distributed_optimizer(o)
+
+
+def _distributed_optimizer(o) -> bool:
+    """Megatron's distributed optimizer: asked for, or implied by Megatron-FSDP (as in
+    Megatron-LM)."""
     return o.use_distributed_optimizer or o.megatron_fsdp
 
 
@@ -166,8 +172,7 @@ def optimizer_config(run: RunConfig, config) -> OptimizerConfig:
         min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
         hysteresis=o.hysteresis,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=(o.use_distributed_optimizer or o.megatron_fsdp)
-        and not o.layer_wise,
+        use_distributed_optimizer=_distributed_optimizer(o) and not o.layer_wise,
         # DDP's value, as OptimizerConfig asks and Megatron-LM passes it: layer-wise Muon
         # reads this copy; with it off (DDP's on, on a GPU) Muon all-gathers the parameters
         # itself after each step, besides DDP's overlapped all-gather

@@ -226,3 +226,13 @@ def test_rope_fusion_only_where_megatron_fuses_that_rope():
     assert not on and "--rope-type rope" in why
     on, why = rope(position_embedding_type="yarn")
     assert not on and "--position-embedding-type yarn" in why
+
+
+def test_every_run_switch_is_a_declared_fusion_switch():
+    """The fast paths' switches (RUN_SWITCHES) and the model's (FUSION_SWITCHES, kept out of
+    the fingerprint) are one list: a switch added to one only fails here."""
+    from megatron_mvmoe.config.model_section import FUSION_SWITCHES
+    from megatron_mvmoe.models.fast_paths import RUN_SWITCHES
+
+    assert {field for _, field, _, _ in RUN_SWITCHES} | {"bias_swiglu_fusion"} == \
+        set(FUSION_SWITCHES)
